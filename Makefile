@@ -1,0 +1,30 @@
+# One virtual environment, built from scratch on first use: `make test`, `make demo`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat setup.py requirements-lock.txt 2>/dev/null | cksum | cut -d' ' -f1)
+# CPU build of torch, pinned first so nothing pulls a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: install test test-fast demo bench clean
+
+$(STAMP):
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[megatron,deepspeed,loggers,test]"
+	rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" -p no:cacheprovider tests/test_base.py
+
+demo: $(STAMP)
+	PATH=$(abspath $(BIN)):$$PATH bash launch/demo.sh
+
+clean:
+	rm -rf $(VENV) runs

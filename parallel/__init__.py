@@ -1,0 +1,7 @@
+"""Topology for twinkle-metrics: rank layout, process groups, pipeline stages."""
+from .groups import comm_device, dist_ready, group_rank, group_size
+from .layout import DEFAULT_ORDER, Layout
+from .mesh import GROUP_NAMES, DeviceMesh
+
+__all__ = ["DeviceMesh", "Layout", "DEFAULT_ORDER", "GROUP_NAMES", "comm_device", "dist_ready",
+           "group_rank", "group_size"]

@@ -1,0 +1,81 @@
+"""Small helpers over torch.distributed that treat "no group" as "one rank".
+
+A group of ``None`` always means "this axis has one rank: no collective".
+WORLD is passed explicitly as ``torch.distributed.group.WORLD``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional["dist.ProcessGroup"]
+
+
+def dist_ready() -> bool:
+    """True when torch.distributed is usable and initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist_ready() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist_ready() else 1
+
+
+def group_size(group: ProcessGroup) -> int:
+    """Size of ``group``; 1 for ``None`` or without torch.distributed (never 0)."""
+    if group is None or not dist_ready():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup) -> int:
+    """This rank's index inside ``group``; 0 for ``None`` or without torch.distributed."""
+    if group is None or not dist_ready():
+        return 0
+    return dist.get_rank(group)
+
+
+def group_ranks(group: ProcessGroup) -> List[int]:
+    """Global ranks of ``group`` in group order; ``[this rank]`` for ``None``."""
+    if group is None or not dist_ready():
+        return [global_rank()]
+    return list(dist.get_process_group_ranks(group))
+
+
+def normalize(group: ProcessGroup) -> ProcessGroup:
+    """Map groups of one rank (and anything without torch.distributed) to ``None``."""
+    return None if group_size(group) <= 1 else group
+
+
+def comm_device(group: ProcessGroup) -> torch.device:
+    """The device a collective on ``group`` needs its tensors on."""
+    if group is None or not dist_ready():
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if "cpu:gloo" in backend or backend == "gloo" or "mpi" in backend:
+        return torch.device("cpu")
+    if torch.cuda.is_available() and "cuda" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_rows(buf: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Gather a 1-D buffer from every rank of ``group`` into ``[group size, len]``.
+
+    One collective; none for a group of one rank.
+    """
+    n = group_size(group)
+    if n == 1:
+        return buf.unsqueeze(0)
+    out = torch.empty(n * buf.numel(), dtype=buf.dtype, device=buf.device)
+    # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, buf.contiguous(), group=group)
+    return out.view(n, buf.numel())

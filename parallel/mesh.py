@@ -1,0 +1,385 @@
+"""``DeviceMesh``: the one place that knows the parallel topology.
+
+Metrics ask the mesh for "the data group" (DP x CP: ranks that hold disjoint
+tokens), "am I on the last pipeline stage" and "the PP group" (to share results
+with the other stages). They never call Megatron or DeepSpeed themselves.
+
+Constructors, each giving every rank the groups it belongs to::
+
+    DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2)   # creates groups
+    DeviceMesh.from_megatron()           # reuses megatron-core parallel_state groups
+    DeviceMesh.from_megatron(pg_collection)  # or a ProcessGroupCollection
+    DeviceMesh.from_deepspeed(engine)    # engine, PipelineParallelGrid or ProcessTopology
+    DeviceMesh.from_torch(torch_mesh)    # torch.distributed.DeviceMesh with named axes
+    DeviceMesh.current()                 # Megatron if initialised, else WORLD as pure DP
+
+Without torch.distributed, or with one rank, every size is 1 and no collective runs.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Dict, Optional
+
+import torch.distributed as dist
+
+from . import groups as G
+from .layout import DEFAULT_ORDER, Layout
+
+# Group names a mesh can hold. "dp_cp" is the data group used for metric reduction.
+GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "expt_dp")
+_LAYOUT_AXES = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp",
+                "ep": "ep", "expt_dp": "expt_dp"}
+
+
+class DeviceMesh:
+    """Process groups of the calling rank along each parallel axis.
+
+    Sizes are never 0: an axis without a group has size 1 and rank 0.
+
+    Example (8 ranks, TP2 x PP2 x DP2, Megatron order; what rank 5 sees)::
+
+        mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2)
+        mesh.tp_rank, mesh.dp_rank, mesh.pp_rank   # (1, 0, 1)
+        mesh.is_last_stage                          # True
+        dist.get_process_group_ranks(mesh.data_group)  # [5, 7]
+    """
+
+    def __init__(self, groups: Optional[Dict[str, G.ProcessGroup]] = None, *,
+                 layout: Optional[Layout] = None, vpp_size: int = 1, source: str = "explicit"):
+        self._layout_only = False
+        groups = dict(groups or {})
+        unknown = set(groups) - set(GROUP_NAMES)
+        if unknown:
+            raise ValueError(f"DeviceMesh: unknown group names {sorted(unknown)}; valid: {GROUP_NAMES}")
+        self._groups = {name: G.normalize(groups.get(name)) for name in GROUP_NAMES}
+        if "dp_cp" not in groups:
+            # Without CP the data group is the DP group.
+            if self.cp_size == 1:
+                self._groups["dp_cp"] = self._groups["dp"]
+            elif self._groups["dp"] is not None:
+                raise ValueError("DeviceMesh: cp > 1 needs the combined 'dp_cp' group; pass it")
+            else:
+                self._groups["dp_cp"] = self._groups["cp"]
+        self.layout = layout
+        self.vpp_size = int(vpp_size or 1)
+        self.source = source
+
+    # ----------------------------------------------------------- constructors
+    @classmethod
+    def single(cls) -> "DeviceMesh":
+        """One rank, no collectives."""
+        return cls({}, layout=Layout(), source="single")
+
+    @classmethod
+    def from_sizes(cls, *, dp_size: Optional[int] = None, tp_size: Optional[int] = None,
+                   pp_size: Optional[int] = None, cp_size: Optional[int] = None,
+                   ep_size: Optional[int] = None, etp_size: Optional[int] = None,
+                   vpp_size: Optional[int] = None, world_size: Optional[int] = None,
+                   order: str = DEFAULT_ORDER, create_groups: Optional[bool] = None,
+                   backend: Optional[str] = None, **unsupported) -> "DeviceMesh":
+        """Build the layout from sizes (Twinkle's keyword names) and create its groups.
+
+        ``dp_size=None`` is inferred from the world size. Groups are created right
+        here, on every rank in the same order (``new_group`` is collective over the
+        world), when torch.distributed is initialised; ``create_groups=False`` gives a
+        layout-only mesh (sizes and ranks for printing, no collectives).
+        """
+        if unsupported:
+            raise TypeError(f"DeviceMesh.from_sizes: unsupported arguments {sorted(unsupported)}; "
+                            "valid: dp_size, tp_size, pp_size, cp_size, ep_size, etp_size, "
+                            "vpp_size, world_size, order, create_groups, backend")
+        tp, pp, cp = tp_size or 1, pp_size or 1, cp_size or 1
+        ready = G.dist_ready()
+        world = world_size or (G.world_size() if ready else None)
+        if dp_size is None:
+            if world is None:
+                dp_size = 1
+            elif world % (tp * pp * cp):
+                raise ValueError(f"DeviceMesh: world size {world} is not divisible by "
+                                 f"tp x pp x cp = {tp * pp * cp}; change the sizes")
+            else:
+                dp_size = world // (tp * pp * cp)
+        layout = Layout(tp=tp, pp=pp, cp=cp, dp=dp_size, ep=ep_size or 1, etp=etp_size or 0,
+                        vpp=vpp_size or 1, order=order)
+        if world is not None and layout.world_size != world:
+            raise ValueError(f"DeviceMesh: sizes give {layout.describe()} but the world has "
+                             f"{world} ranks; make tp x cp x dp x pp equal the world size")
+        if create_groups is None:
+            create_groups = ready and G.world_size() > 1
+        if not create_groups:
+            mesh = cls({}, layout=layout, vpp_size=layout.vpp, source="layout")
+            mesh._layout_only = True
+            return mesh
+        if not ready:
+            raise RuntimeError("DeviceMesh.from_sizes(create_groups=True) needs torch.distributed "
+                               "to be initialised first (init_process_group)")
+        return cls(_create_groups(layout, backend), layout=layout, vpp_size=layout.vpp,
+                   source="sizes")
+
+    @classmethod
+    def from_megatron(cls, pg_collection=None) -> "DeviceMesh":
+        """Reuse megatron-core's groups (from ``parallel_state`` or a ``ProcessGroupCollection``).
+
+        Creates no new groups.
+        """
+        from megatron.core import parallel_state as ps
+
+        if pg_collection is not None:
+            found = {name: getattr(pg_collection, name, None) for name in GROUP_NAMES}
+            if found["dp_cp"] is None and found["cp"] is not None and G.group_size(found["cp"]) > 1:
+                raise ValueError("DeviceMesh.from_megatron: the ProcessGroupCollection has cp > 1 "
+                                 "but no 'dp_cp' group; set pg_collection.dp_cp")
+            if found["dp_cp"] is None:
+                found.pop("dp_cp")
+            vpp = 1
+        else:
+            if not ps.model_parallel_is_initialized():
+                raise RuntimeError("DeviceMesh.from_megatron: megatron-core parallel_state is not "
+                                   "initialised; call initialize_model_parallel(...) first or pass "
+                                   "a ProcessGroupCollection")
+            found = {
+                "tp": ps.get_tensor_model_parallel_group(),
+                "pp": ps.get_pipeline_model_parallel_group(),
+                "cp": ps.get_context_parallel_group(),
+                "dp": ps.get_data_parallel_group(with_context_parallel=False),
+                "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
+                "ep": ps.get_expert_model_parallel_group(check_initialized=False),
+                "expt_dp": ps.get_expert_data_parallel_group(check_initialized=False),
+            }
+            vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+        return cls(found, vpp_size=vpp, source="megatron")
+
+    @classmethod
+    def from_deepspeed(cls, obj=None) -> "DeviceMesh":
+        """From a DeepSpeed engine, ``PipelineParallelGrid`` or ``ProcessTopology``.
+
+        The TP group is the grid's *slice* group (``get_model_parallel_group()`` on a
+        grid is pipe x model, not TP). Under Ulysses sequence parallelism the
+        sequence group plays the CP role and the data group is sequence x data.
+        A bare ``ProcessTopology`` has no groups, so they are created here (collective).
+        """
+        from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
+        from deepspeed.utils import groups as ds_groups
+
+        grid = getattr(obj, "grid", None) if obj is not None else None
+        if isinstance(obj, PipelineParallelGrid):
+            grid = obj
+        if isinstance(obj, ProcessTopology):
+            sizes = dict(zip(obj.get_axis_names(), obj.dims))
+            unknown = set(sizes) - {"pipe", "data", "model"}
+            if unknown:
+                raise ValueError(f"DeviceMesh.from_deepspeed: topology axes {sorted(unknown)} are "
+                                 "not supported; use pipe/data/model")
+            layout = Layout(tp=sizes.get("model", 1), dp=sizes.get("data", 1),
+                            pp=sizes.get("pipe", 1), order="tp-cp-ep-dp-pp")
+            _check_topology(obj, layout)
+            return cls(_create_groups(layout, None), layout=layout, source="deepspeed")
+        found: Dict[str, G.ProcessGroup] = {}
+        if grid is not None:
+            found["dp"] = grid.get_data_parallel_group()
+            found["pp"] = grid.get_pipe_parallel_group()
+            found["tp"] = grid.get_slice_parallel_group()
+        else:
+            mpu = getattr(obj, "mpu", None)
+            if mpu is not None and hasattr(mpu, "get_tensor_model_parallel_group"):
+                found["tp"] = mpu.get_tensor_model_parallel_group()
+            found["dp"] = ds_groups._get_data_parallel_group()
+        sp = _deepspeed_sequence_groups(ds_groups)
+        if sp is not None:
+            found["cp"], found["dp_cp"] = sp
+            if found.get("dp") is None:
+                found["dp"] = G.normalize(found["dp_cp"]) if G.group_size(found["cp"]) == 1 else None
+        return cls(found, source="deepspeed")
+
+    @classmethod
+    def from_torch(cls, device_mesh) -> "DeviceMesh":
+        """From a ``torch.distributed.DeviceMesh`` whose axis names include dp/tp/pp/cp/ep.
+
+        ``dp_replicate``/``dp_shard``/``fsdp`` axes all count as data parallel.
+        Combined groups (dp x cp) are created here, so every rank must call this.
+        """
+        names = tuple(device_mesh.mesh_dim_names or ())
+        if not names:
+            raise ValueError("DeviceMesh.from_torch: the torch DeviceMesh has no mesh_dim_names; "
+                             "build it with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+        aliases = {"dp": "dp", "dp_replicate": "dp", "dp_shard": "dp", "fsdp": "dp", "ddp": "dp",
+                   "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep"}
+        unknown = [n for n in names if n not in aliases]
+        if unknown:
+            raise ValueError(f"DeviceMesh.from_torch: axis names {unknown} are not known; use "
+                             f"{sorted(aliases)}")
+        mesh = device_mesh.mesh
+        me = G.global_rank()
+        found = {}
+        for role in ("tp", "pp", "ep"):
+            axes = [i for i, n in enumerate(names) if aliases[n] == role]
+            if axes:
+                found[role] = _torch_mesh_group(mesh, axes, me)
+        dp_axes = [i for i, n in enumerate(names) if aliases[n] == "dp"]
+        cp_axes = [i for i, n in enumerate(names) if aliases[n] == "cp"]
+        found["dp"] = _torch_mesh_group(mesh, dp_axes, me)
+        found["cp"] = _torch_mesh_group(mesh, cp_axes, me)
+        found["dp_cp"] = _torch_mesh_group(mesh, dp_axes + cp_axes, me)
+        return cls(found, source="torch")
+
+    @classmethod
+    def current(cls) -> "DeviceMesh":
+        """The mesh implied by what is initialised: Megatron's groups when
+        megatron-core's parallel_state is initialised, else WORLD as pure data
+        parallel, else a single rank."""
+        if not G.dist_ready() or G.world_size() == 1:
+            return cls.single()
+        ps = sys.modules.get("megatron.core.parallel_state")
+        if ps is not None and ps.model_parallel_is_initialized():
+            return cls.from_megatron()
+        return cls({"dp": dist.group.WORLD}, source="world")
+
+    # -------------------------------------------------------------- accessors
+    def get_group(self, name: str) -> G.ProcessGroup:
+        """The group along ``name`` (one of ``GROUP_NAMES``); ``None`` when it has one rank."""
+        if name not in self._groups:
+            raise ValueError(f"DeviceMesh: unknown group {name!r}; valid: {GROUP_NAMES}")
+        return self._groups[name]
+
+    def __getitem__(self, name: str) -> G.ProcessGroup:
+        return self.get_group(name)
+
+    def size(self, name: str) -> int:
+        if self._layout_only:
+            return _layout_size(self.layout, name)
+        return G.group_size(self.get_group(name))
+
+    def get_local_rank(self, name: str) -> int:
+        if self._layout_only:
+            return 0
+        return G.group_rank(self.get_group(name))
+
+    def ranks(self, name: str):
+        """Global ranks of this rank's group along ``name``."""
+        return G.group_ranks(self.get_group(name))
+
+    data_group = property(lambda self: self._groups["dp_cp"], doc="DP x CP: metric reduction group")
+    tp_group = property(lambda self: self._groups["tp"])
+    pp_group = property(lambda self: self._groups["pp"])
+    cp_group = property(lambda self: self._groups["cp"])
+    dp_group = property(lambda self: self._groups["dp"])
+    ep_group = property(lambda self: self._groups["ep"])
+
+    tp_size = property(lambda self: self.size("tp"))
+    pp_size = property(lambda self: self.size("pp"))
+    cp_size = property(lambda self: self.size("cp"))
+    dp_size = property(lambda self: self.size("dp"))
+    ep_size = property(lambda self: self.size("ep"))
+    data_size = property(lambda self: self.size("dp_cp"))
+    tp_rank = property(lambda self: self.get_local_rank("tp"))
+    pp_rank = property(lambda self: self.get_local_rank("pp"))
+    cp_rank = property(lambda self: self.get_local_rank("cp"))
+    dp_rank = property(lambda self: self.get_local_rank("dp"))
+    ep_rank = property(lambda self: self.get_local_rank("ep"))
+    data_rank = property(lambda self: self.get_local_rank("dp_cp"))
+
+    dp_enabled = property(lambda self: self.dp_size > 1)
+    tp_enabled = property(lambda self: self.tp_size > 1)
+    pp_enabled = property(lambda self: self.pp_size > 1)
+    cp_enabled = property(lambda self: self.cp_size > 1)
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Last physical pipeline stage (Megatron's ``ignore_virtual=True``): it owns the loss."""
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The one rank that writes logs: global rank 0.
+
+        ``calculate()`` leaves the same results on every rank, pipeline stages
+        included, so rank 0 (where DeepSpeed's monitor lives) has them too.
+        """
+        return G.global_rank() == 0
+
+    def describe(self) -> str:
+        sizes = " x ".join(f"{a}{self.size(a)}" for a in ("tp", "cp", "dp", "pp"))
+        extra = f", ep{self.ep_size}" if self.ep_size > 1 else ""
+        extra += f", vpp{self.vpp_size}" if self.vpp_size > 1 else ""
+        return f"DeviceMesh({sizes}{extra}, from {self.source})"
+
+    __repr__ = describe
+
+
+def _layout_size(layout: Optional[Layout], name: str) -> int:
+    if layout is None:
+        return 1
+    return {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp,
+            "pp": layout.pp, "ep": layout.ep, "expt_dp": layout.expert_dp}[name]
+
+
+def _create_groups(layout: Layout, backend) -> Dict[str, G.ProcessGroup]:
+    """Create every group of the layout, on every rank, in one fixed order."""
+    me, world = G.global_rank(), G.world_size()
+    if layout.world_size != world:
+        raise ValueError(f"DeviceMesh: layout {layout.describe()} does not match the world "
+                         f"size {world}")
+    out: Dict[str, G.ProcessGroup] = {}
+    for name in GROUP_NAMES:
+        mine = None
+        for ranks in layout.all_groups(_LAYOUT_AXES[name]):
+            if len(ranks) == 1:
+                continue  # every rank skips it alike: no new_group call needed
+            if len(ranks) == world:
+                group = dist.group.WORLD
+            else:
+                group = dist.new_group(ranks=ranks, backend=backend)
+            if me in ranks:
+                mine = group
+        out[name] = mine
+    return out
+
+
+def _check_topology(topo, layout: Layout) -> None:
+    for axis, ours in (("data", "dp"), ("pipe", "pp"), ("model", "tp")):
+        if axis not in topo.get_axis_names():
+            continue
+        theirs = sorted(sorted(g) for g in topo.get_axis_comm_lists(axis))
+        mine = sorted(layout.all_groups(ours))
+        if theirs != mine:
+            raise ValueError(f"DeviceMesh.from_deepspeed: topology axis order {topo.get_axis_names()} "
+                             "is not pipe-data-model; reorder the topology axes")
+
+
+def _deepspeed_sequence_groups(ds_groups):
+    """(sequence group, sequence x data group) under Ulysses, else None."""
+    try:
+        sp_size = ds_groups._get_sequence_parallel_world_size()
+    except Exception:
+        return None
+    if not sp_size or sp_size <= 1:
+        return None
+    return ds_groups._get_sequence_parallel_group(), ds_groups._get_sequence_data_parallel_group()
+
+
+def _torch_mesh_group(mesh, axes, me):
+    """Group of ``me`` varying ``axes`` of a torch mesh tensor; created on all ranks in order."""
+    if not axes:
+        return None
+    shape = list(mesh.shape)
+    other = [i for i in range(mesh.dim()) if i not in axes]
+    perm = mesh.permute(*other, *axes).reshape(-1, _prod(shape[i] for i in axes))
+    mine = None
+    for row in perm.tolist():
+        if len(row) == 1:
+            continue
+        group = dist.new_group(ranks=sorted(row)) if len(row) < G.world_size() else dist.group.WORLD
+        if me in row:
+            mine = group
+    return mine
+
+
+def _prod(xs):
+    out = 1
+    for x in xs:
+        out *= x
+    return out

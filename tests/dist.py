@@ -1,0 +1,106 @@
+"""A pool of real gloo ranks, started once and reused by every multi-rank test.
+
+``DistPool(world).run(fn, *args)`` calls ``fn(*args)`` on every rank (``fn`` must
+be importable: a module-level function) and returns the per-rank results in rank
+order. A failure on any rank fails the call with that rank's traceback, and the
+pool is rebuilt before the next call so one broken test cannot poison the rest.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+WORLD = 8
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, tasks, results):
+    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    results.put(("ready", rank, True, None))
+    while True:
+        job = tasks.get()
+        if job is None:
+            break
+        job_id, fn, args = job
+        try:
+            results.put((job_id, rank, True, fn(*args)))
+        except BaseException:  # noqa: BLE001 - report everything to the test
+            results.put((job_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    def __init__(self, world: int = WORLD):
+        self.world = world
+        self._procs = []
+        self._job = 0
+        self._start()
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results),
+                                   daemon=True) for r in range(self.world)]
+        for p in self._procs:
+            p.start()
+        self._collect("ready", timeout=180)
+
+    def _collect(self, job_id, timeout):
+        got = {}
+        while len(got) < self.world:
+            try:
+                jid, rank, ok, value = self._results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"ranks {sorted(set(range(self.world)) - set(got))} did not answer "
+                                   f"within {timeout}s") from None
+            if jid == job_id:
+                got[rank] = (ok, value)
+        return got
+
+    def run(self, fn, *args, timeout: float = 240):
+        """Run ``fn(*args)`` on every rank; return ``[result of rank 0, ...]``."""
+        self._job += 1
+        for q in self._tasks:
+            q.put((self._job, fn, args))
+        try:
+            got = self._collect(self._job, timeout)
+        except TimeoutError:
+            self.restart()
+            raise
+        failed = {r: v for r, (ok, v) in got.items() if not ok}
+        if failed:
+            self.restart()
+            first = min(failed)
+            raise AssertionError(f"{len(failed)} rank(s) failed; rank {first}:\n{failed[first]}")
+        return [got[r][1] for r in range(self.world)]
+
+    def restart(self):
+        self.close()
+        self._start()
+
+    def close(self):
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        self._procs = []

@@ -1,0 +1,192 @@
+"""Single-process tests of the metric base, states, collection and microbatch helper."""
+import math
+
+import pytest
+import torch
+
+from parallel import DeviceMesh, Layout
+from tests.refmetric import TokenStats, make_batch
+from twinkle_metrics import Metric, MetricCollection, State, microbatches
+from twinkle_metrics.testing import DeviceWaitError, assert_results_close, forbid_device_waits
+
+
+def _whole(labels, values):
+    return TokenStats().accumulate({"labels": labels}, {"values": values}).calculate()
+
+
+def test_states_declared_once_and_reset_restores_defaults():
+    m = TokenStats()
+    assert list(m._specs) == ["total", "count", "peak", "low"]
+    assert m.count.dtype == torch.int64 and m.total.dtype == torch.float64
+    labels, values = make_batch(0)
+    m.accumulate({"labels": labels}, {"values": values})
+    assert m.count > 0
+    m.reset()
+    assert m.total == 0 and m.count == 0 and m.peak == -math.inf and m.low == math.inf
+
+
+def test_states_cannot_be_assigned():
+    with pytest.raises(AttributeError, match="metric state"):
+        TokenStats().total = torch.tensor(1.0)
+
+
+def test_calculate_resets_and_returns_plain_numbers():
+    labels, values = make_batch(1)
+    m = TokenStats().accumulate({"labels": labels}, {"values": values})
+    res = m.calculate(reset=False)
+    assert type(res["tokens"]) is int and type(res["mean"]) is float
+    assert m.calculate() == res
+    assert m.calculate() == {}
+
+
+def test_microbatch_list_equals_whole_batch():
+    labels, values = make_batch(2)
+    whole = _whole(labels, values)
+    feats = [{"labels": labels[:3]}, {"labels": labels[3:]}]
+    as_list = TokenStats().accumulate(feats, {"values": [values[:3], values[3:]]}).calculate()
+    as_cat = TokenStats().accumulate(feats, {"values": values}).calculate()
+    as_dicts = TokenStats().accumulate(feats, [{"values": values[:3]}, {"values": values[3:]}]).calculate()
+    for got in (as_list, as_cat, as_dicts):
+        assert_results_close(got, whole)
+
+
+def test_empty_list_contributes_nothing():
+    m = TokenStats().accumulate([], {})
+    assert m.calculate() == {}
+
+
+def test_microbatch_errors_name_metric_field_and_shapes():
+    labels, values = make_batch(3)
+    feats = [{"labels": labels[:3]}, {"labels": labels[3:]}]
+    with pytest.raises(ValueError, match=r"TokenStats: outputs\['values'\] has 3 entries but there are 2"):
+        microbatches("TokenStats", feats, {"values": [values] * 3}, ("values",))
+    with pytest.raises(ValueError, match=r"shape \[9, 8\] but the 2 input microbatches hold 10"):
+        microbatches("TokenStats", feats, {"values": values[:9]}, ("values",))
+    with pytest.raises(ValueError, match="single value but there are 2"):
+        microbatches("TokenStats", feats, {"values": torch.tensor(1.0)}, ("values",))
+    with pytest.raises(TypeError, match=r"inputs\[1\] is a int"):
+        microbatches("TokenStats", [{"labels": labels}, 3], {}, ("values",))
+    with pytest.raises(ValueError, match="2 input microbatches but 1 output dicts"):
+        microbatches("TokenStats", feats, [{"values": values}], ("values",))
+
+
+def test_failed_accumulate_loses_nothing():
+    labels, values = make_batch(4)
+    m = TokenStats().accumulate({"labels": labels}, {"values": values})
+    before = {k: v.clone() for k, v in m.states.items()}
+    with pytest.raises(ValueError):
+        m.accumulate([{"labels": labels[:3]}, {"labels": labels[3:]}], {"values": values[:9]})
+    for k, v in m.states.items():
+        assert torch.equal(v, before[k])
+
+
+def test_bad_contribution_shape_changes_no_state():
+    class Two(Metric):
+        a = State("sum")
+        b = State("sum", shape=(2,))
+
+        def update(self, inputs, outputs, **kw):
+            return {"a": 1.0, "b": torch.ones(3)}
+
+        def compute(self, s):
+            return s
+
+    m = Two()
+    with pytest.raises(ValueError, match=r"state 'b' has shape \[3\], expected \[2\]"):
+        m.accumulate()
+    assert m.a == 0
+
+
+def test_accumulate_never_waits_for_device():
+    labels, values = make_batch(5)
+    m = TokenStats()
+    with forbid_device_waits():
+        m.accumulate([{"labels": labels[:4]}, {"labels": labels[4:]}], {"values": values})
+    assert m.count > 0
+
+
+def test_guard_catches_waits():
+    t = torch.ones(3)
+    with forbid_device_waits():
+        for fn in (lambda: t.item(), lambda: t.tolist(), lambda: float(t[0]), lambda: bool(t[0]),
+                   lambda: t[t > 0], lambda: torch.nonzero(t), lambda: t.cpu()):
+            with pytest.raises(DeviceWaitError):
+                fn()
+    assert t.sum().item() == 3.0  # restored afterwards
+
+
+def test_state_dict_roundtrip_and_errors():
+    labels, values = make_batch(6)
+    m = TokenStats().accumulate({"labels": labels}, {"values": values})
+    sd = m.state_dict()
+    assert_results_close(TokenStats().load_state_dict(sd).calculate(), m.calculate())
+    with pytest.raises(ValueError, match="missing states"):
+        TokenStats().load_state_dict({"total": torch.tensor(0.0)})
+
+
+def test_collection_prefixes_and_collisions():
+    labels, values = make_batch(7)
+    coll = MetricCollection({"a": TokenStats(), "b": TokenStats()})
+    coll.accumulate({"labels": labels}, {"values": values})
+    res = coll.calculate()
+    assert set(res) == {f"{p}/{k}" for p in "ab" for k in ("mean", "max", "min", "tokens")}
+    flat = MetricCollection([TokenStats(), TokenStats()])
+    flat.accumulate({"labels": labels}, {"values": values})
+    with pytest.raises(ValueError, match="comes from two metrics"):
+        flat.calculate()
+
+
+def test_collection_state_dict():
+    labels, values = make_batch(8)
+    coll = MetricCollection({"a": TokenStats()}).accumulate({"labels": labels}, {"values": values})
+    other = MetricCollection({"a": TokenStats()}).load_state_dict(coll.state_dict())
+    assert_results_close(other.calculate(), coll.calculate())
+
+
+def test_unknown_constructor_arguments_are_errors():
+    with pytest.raises(TypeError, match="TokenStats: unexpected arguments"):
+        TokenStats(None, None, bogus=1)
+    with pytest.raises(TypeError, match="device_mesh must be a parallel.DeviceMesh"):
+        TokenStats("dp")
+
+
+def test_state_declaration_errors():
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        State("mean")
+    with pytest.raises(ValueError, match="dtype must be"):
+        State("sum", torch.float32)
+    with pytest.raises(ValueError, match="callable reduce needs"):
+        State(lambda rows: rows[0])
+
+
+def test_single_process_mesh_is_degenerate():
+    mesh = DeviceMesh.current()
+    assert (mesh.dp_size, mesh.tp_size, mesh.pp_size, mesh.cp_size, mesh.data_size) == (1, 1, 1, 1, 1)
+    assert mesh.is_last_stage and mesh.is_first_stage and mesh.data_group is None
+
+
+def test_layout_only_mesh_before_init():
+    mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2)
+    assert (mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.data_size) == (2, 2, 2, 2)
+    assert mesh.data_group is None
+
+
+def test_layout_matches_megatron_rank_generator_rules():
+    lay = Layout(tp=2, pp=2, dp=2)
+    assert lay.all_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.all_groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.all_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert Layout(tp=2, cp=2, dp=2).all_groups("dp-cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert Layout(tp=2, dp=4, ep=4).all_groups("ep") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert lay.coords(5) == {"tp": 1, "cp": 0, "dp": 0, "pp": 1, "ep": 0}
+
+
+def test_layout_validation_messages():
+    with pytest.raises(ValueError, match="tp_size must be a positive int, got 0"):
+        Layout(tp=0)
+    with pytest.raises(ValueError, match="order must name each"):
+        Layout(order="tp-dp-pp")
+    with pytest.raises(ValueError, match="world has 8 ranks"):
+        DeviceMesh.from_sizes(tp_size=2, dp_size=2, world_size=8)
+    with pytest.raises(TypeError, match="unsupported arguments"):
+        DeviceMesh.from_sizes(fsdp_size=2)

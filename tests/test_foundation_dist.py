@@ -1,0 +1,213 @@
+"""Multi-rank tests of the mesh and the fused sync on 8 real gloo ranks."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import DeviceMesh, Layout
+from tests.refmetric import TokenStats, make_batch, shard_for_rank
+from twinkle_metrics import MetricCollection, MetricSyncError
+
+pytestmark = pytest.mark.xdist_group("dist")
+
+NAMES = ("tp", "cp", "dp", "dp_cp", "pp")
+
+
+def _ranks(mesh):
+    return {n: mesh.ranks(n) for n in NAMES}
+
+
+def case_layouts(sizes):
+    """from_sizes and from_megatron give the same groups, and both match Layout."""
+    from megatron.core import parallel_state as ps
+
+    me = dist.get_rank()
+    mesh = DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
+    lay = Layout(**sizes)
+    expected = {n: lay.group_ranks(n.replace("_", "-"), me) for n in NAMES}
+    ps.initialize_model_parallel(tensor_model_parallel_size=sizes.get("tp", 1),
+                                 pipeline_model_parallel_size=sizes.get("pp", 1),
+                                 context_parallel_size=sizes.get("cp", 1),
+                                 create_gloo_process_groups=False)
+    try:
+        meg = DeviceMesh.from_megatron()
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pgc = DeviceMesh.from_megatron(ProcessGroupCollection.use_mpu_process_groups())
+        return (_ranks(mesh), _ranks(meg), _ranks(pgc), expected, mesh.is_last_stage,
+                meg.is_last_stage, ps.is_pipeline_last_stage(ignore_virtual=True))
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2, pp=2, dp=2), dict(tp=2, cp=2, dp=2)])
+def test_layouts_match_megatron(dist_pool, sizes):
+    for ours, meg, pgc, expected, last, meg_last, ps_last in dist_pool.run(case_layouts, sizes):
+        assert ours == expected
+        assert meg == expected
+        assert pgc == expected
+        assert last == meg_last == ps_last
+
+
+def case_deepspeed_and_torch():
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+    from torch.distributed.device_mesh import init_device_mesh
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing process group
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    grid = PipelineParallelGrid(topology=topo)
+    from_grid = DeviceMesh.from_deepspeed(grid)
+    from_topo = DeviceMesh.from_deepspeed(topo)
+    tm = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    from_torch = DeviceMesh.from_torch(tm)
+    return (_ranks(from_grid), _ranks(from_topo), _ranks(from_torch), grid.is_last_stage,
+            from_grid.is_last_stage, from_torch.is_last_stage)
+
+
+def test_deepspeed_and_torch_meshes(dist_pool):
+    lay = Layout(tp=2, pp=2, dp=2)
+    for rank, (grid, topo, tmesh, ds_last, last, t_last) in enumerate(dist_pool.run(case_deepspeed_and_torch)):
+        expected = {n: lay.group_ranks(n.replace("_", "-"), rank) for n in NAMES}
+        assert grid == topo == tmesh == expected
+        assert ds_last == last == t_last == (rank >= 4)
+
+
+def _whole(seed):
+    labels, values = make_batch(seed)
+    m = TokenStats(DeviceMesh.single())
+    m.accumulate({"labels": labels}, {"values": values})
+    return m.calculate()
+
+
+def case_sharded_equals_whole(sizes, seed):
+    mesh = DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
+    labels, values = make_batch(seed)
+    metric = TokenStats(mesh)
+    if mesh.is_last_stage:
+        feats, outs = shard_for_rank(labels, values, mesh.dp_size, mesh.dp_rank, mesh.cp_size,
+                                     mesh.cp_rank)
+        # uneven number of accumulate calls per rank: one call per microbatch on dp rank 0,
+        # one call with the whole microbatch list elsewhere
+        if mesh.dp_rank == 0:
+            for f, o in zip(feats, outs):
+                metric.accumulate(f, {"values": o})
+        else:
+            metric.accumulate(feats, {"values": outs})
+    else:
+        metric.accumulate([], {})  # what a non-last stage gets from the schedule
+    return metric.calculate()
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2, pp=2, dp=2), dict(tp=2, cp=2, dp=2), dict(dp=8),
+                                   dict(cp=2, dp=4), dict(pp=4, dp=2)])
+def test_sharded_equals_whole(dist_pool, sizes):
+    whole = _whole(7)
+    for got in dist_pool.run(case_sharded_equals_whole, sizes, 7):
+        assert got.keys() == whole.keys()
+        assert got["tokens"] == whole["tokens"]
+        assert math.isclose(got["mean"], whole["mean"], rel_tol=1e-12)
+        assert got["max"] == whole["max"] and got["min"] == whole["min"]
+
+
+class _Counter:
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "broadcast",
+             "barrier", "reduce_scatter_tensor", "gather", "scatter", "reduce", "all_to_all",
+             "broadcast_object_list")
+
+    def __enter__(self):
+        self.count, self._saved = 0, {}
+        for name in self.NAMES:
+            fn = getattr(dist, name)
+            self._saved[name] = fn
+
+            def wrapped(*a, _fn=fn, **k):
+                self.count += 1
+                return _fn(*a, **k)
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+def case_collective_count(sizes, n_metrics):
+    mesh = DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
+    labels, values = make_batch(3)
+    coll = MetricCollection({f"m{i}": TokenStats() for i in range(n_metrics)}, device_mesh=mesh)
+    if mesh.is_last_stage:
+        feats, outs = shard_for_rank(labels, values, mesh.dp_size, mesh.dp_rank, mesh.cp_size, mesh.cp_rank)
+        coll.accumulate(feats, {"values": outs})
+    with _Counter() as c:
+        res = coll.calculate()
+    single = TokenStats(mesh)
+    with _Counter() as c1:
+        single.calculate()
+    return c.count, c1.count, res
+
+
+@pytest.mark.parametrize("sizes,limit", [(dict(tp=2, pp=2, dp=2), 2), (dict(dp=8), 1),
+                                         (dict(tp=2, cp=2, dp=2), 1)])
+def test_collective_count_is_fixed(dist_pool, sizes, limit):
+    for n_metrics in (1, 12):
+        out = dist_pool.run(case_collective_count, sizes, n_metrics)
+        for count, single_count, res in out:
+            assert 1 <= count <= limit and 1 <= single_count <= limit
+            assert len(res) == 4 * n_metrics
+        assert all(o[2] == out[0][2] for o in out)  # identical results on every rank
+
+
+def case_schema_mismatch():
+    mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2)
+    metrics = [TokenStats(mesh)]
+    if dist.get_rank() == 3:  # a non-last-stage rank built one metric more
+        metrics.append(TokenStats(mesh))
+    try:
+        MetricCollection(metrics).calculate()
+    except MetricSyncError as e:
+        return str(e)
+    return None
+
+
+def test_schema_mismatch_raises_on_every_affected_rank(dist_pool):
+    # Rank 3 reduces with data group [1, 3] and pipeline group [3, 7]; its TP
+    # partner slice (ranks 1, 5) shares those groups. All four must raise and none
+    # may hang; ranks 0, 2, 4, 6 never reduce with rank 3 and must succeed.
+    errors = dist_pool.run(case_schema_mismatch, timeout=120)
+    raised = [r for r, e in enumerate(errors) if e is not None]
+    assert raised == [1, 3, 5, 7], errors
+    assert "ranks [3]" in errors[1] and "different" in errors[3]
+    assert "pipeline stage" in errors[5] and "pipeline stage" in errors[7]
+
+
+def case_state_dict_resume():
+    mesh = DeviceMesh.from_sizes(dp_size=8)
+    labels, values = make_batch(11)
+    feats, outs = shard_for_rank(labels, values, 8, dist.get_rank(), 1, 0)
+    first = TokenStats(mesh)
+    first.accumulate(feats[:1], {"values": outs[:1]})
+    saved = first.state_dict()
+    resumed = TokenStats(mesh).load_state_dict(saved)
+    resumed.accumulate(feats[1:], {"values": outs[1:]})
+    return resumed.calculate()
+
+
+def test_state_dict_resume_mid_interval(dist_pool):
+    whole = _whole(11)
+    for got in dist_pool.run(case_state_dict_resume):
+        assert got["tokens"] == whole["tokens"]
+        assert math.isclose(got["mean"], whole["mean"], rel_tol=1e-12)
+
+
+def case_gather_results():
+    from twinkle_metrics import Metric
+
+    m = TokenStats(DeviceMesh.from_sizes(tp_size=2, dp_size=4))
+    return m.gather_results([{"rank": dist.get_rank()}])
+
+
+def test_gather_results_over_data_group(dist_pool):
+    for rank, got in enumerate(dist_pool.run(case_gather_results)):
+        assert sorted(r["rank"] for r in got) == Layout(tp=2, dp=4).group_ranks("dp", rank)

@@ -1,0 +1,11 @@
+"""twinkle-metrics: Twinkle's training metrics, exact and cheap under Megatron and DeepSpeed."""
+from .base import Metric
+from .collection import MetricCollection
+from .data_format import InputFeature, ModelOutput
+from .microbatch import microbatches
+from .state import State
+from .sync import MetricSyncError
+
+__all__ = ["Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
+           "MetricSyncError"]
+__version__ = "0.1.0"

@@ -1,0 +1,88 @@
+"""``MetricCollection``: several metrics, one fused sync."""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+
+from parallel import DeviceMesh
+
+from .base import Metric
+from .sync import sync_and_compute
+
+
+class MetricCollection:
+    """Holds metrics and calculates them together in at most two collectives.
+
+    Args:
+        metrics: a list (result keys are merged as they are) or a dict
+            ``{name: metric}`` (keys become ``"{name}/{key}"``; an empty name keeps
+            keys as they are).
+        device_mesh: given to every metric that has none, so they share groups.
+
+    Example::
+
+        metrics = MetricCollection([LossMetric(mesh), Accuracy(mesh)])
+        metrics.accumulate(inputs, outputs)          # every metric sees the same call
+        results = metrics.calculate()                # {'loss': ..., 'accuracy': ...}
+    """
+
+    def __init__(self, metrics: Union[Sequence[Metric], Mapping[str, Metric]],
+                 device_mesh: Optional[DeviceMesh] = None):
+        if isinstance(metrics, Mapping):
+            items = list(metrics.items())
+        else:
+            items = [("", m) for m in metrics]
+        for name, m in items:
+            if not isinstance(m, Metric):
+                raise TypeError(f"MetricCollection: {name or type(m).__name__} is not a Metric")
+            if device_mesh is not None and m.device_mesh is None:
+                m.device_mesh = device_mesh
+        self._items: List = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Metric]:
+        return (m for _, m in self._items)
+
+    def __getitem__(self, key: Union[int, str]) -> Metric:
+        if isinstance(key, int):
+            return self._items[key][1]
+        for name, m in self._items:
+            if name == key:
+                return m
+        raise KeyError(f"MetricCollection: no metric named {key!r}; have {[n for n, _ in self._items]}")
+
+    def accumulate(self, inputs=None, outputs=None, **kwargs) -> "MetricCollection":
+        """Pass the same call to every metric (each takes the keyword arguments it knows)."""
+        for _, m in self._items:
+            m.accumulate(inputs, outputs, **kwargs)
+        return self
+
+    def calculate(self, reset: bool = True) -> Dict[str, Any]:
+        """Results of every metric, reduced together; the same on every rank."""
+        per_metric = sync_and_compute([m for _, m in self._items], reset=reset)
+        out: Dict[str, Any] = {}
+        for (name, m), results in zip(self._items, per_metric):
+            for key, value in results.items():
+                full = f"{name}/{key}" if name else key
+                if full in out:
+                    raise ValueError(f"MetricCollection: key {full!r} comes from two metrics; pass "
+                                     "the metrics as a dict {name: metric} to prefix their keys")
+                out[full] = value
+        return out
+
+    def reset(self) -> "MetricCollection":
+        for _, m in self._items:
+            m.reset()
+        return self
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {f"{i}:{name}": m.state_dict() for i, (name, m) in enumerate(self._items)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> "MetricCollection":
+        keys = [f"{i}:{name}" for i, (name, _) in enumerate(self._items)]
+        if sorted(keys) != sorted(state_dict):
+            raise ValueError(f"MetricCollection.load_state_dict: expected keys {keys}, got {sorted(state_dict)}")
+        for key, (_, m) in zip(keys, self._items):
+            m.load_state_dict(state_dict[key])
+        return self

@@ -1,0 +1,104 @@
+"""One helper that turns what a training step delivers into aligned microbatches.
+
+A pipeline schedule hands a metric a ``List[InputFeature]`` (one per microbatch;
+an empty list on stages other than the last) and outputs either as one dict whose
+fields are lists (one entry per microbatch) or tensors concatenated along the
+batch dim, or as a list of dicts. ``microbatches`` returns ``[(inputs, outputs)]``
+pairs with each field sliced to its microbatch, or raises a clear error.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+Pair = Tuple[Dict[str, Any], Dict[str, Any]]
+_BATCH_KEYS = ("labels", "input_ids", "completion_mask", "attention_mask", "position_ids")
+
+
+def batch_size(metric: str, feature: Mapping[str, Any]) -> int:
+    """Number of sequences in one ``InputFeature`` (1-D fields are one sequence)."""
+    for key in _BATCH_KEYS:
+        value = feature.get(key)
+        if value is None:
+            continue
+        value = torch.as_tensor(value) if not isinstance(value, torch.Tensor) else value
+        return 1 if value.dim() <= 1 else int(value.shape[0])
+    raise ValueError(f"{metric}: an input feature has none of {list(_BATCH_KEYS)}; pass labels "
+                     f"(or input_ids) so the batch size is known; got keys {sorted(feature)}")
+
+
+def as_feature_list(metric: str, inputs) -> List[Dict[str, Any]]:
+    """``None`` / one ``InputFeature`` / a list of them, as a list."""
+    if inputs is None:
+        return []
+    if isinstance(inputs, Mapping):
+        return [dict(inputs)]
+    if isinstance(inputs, (list, tuple)):
+        for i, item in enumerate(inputs):
+            if not isinstance(item, Mapping):
+                raise TypeError(f"{metric}: inputs[{i}] is a {type(item).__name__}, expected an "
+                                "InputFeature dict")
+        return [dict(x) for x in inputs]
+    raise TypeError(f"{metric}: inputs must be an InputFeature dict or a list of them, got "
+                    f"{type(inputs).__name__}")
+
+
+def microbatches(metric: str, inputs, outputs, fields: Sequence[str]) -> List[Pair]:
+    """Aligned ``(input feature, {field: value})`` pairs, one per microbatch.
+
+    ``fields`` are the output fields the metric reads; missing or ``None`` fields are
+    left out of the pairs (metrics skip what is absent, as Twinkle does). A field may
+    be a per-microbatch list, a tensor concatenated along dim 0 over all microbatches,
+    or (with one microbatch) anything.
+    """
+    feats = as_feature_list(metric, inputs)
+    if isinstance(outputs, (list, tuple)):
+        if feats and len(outputs) != len(feats):
+            raise ValueError(f"{metric}: got {len(feats)} input microbatches but {len(outputs)} "
+                             "output dicts; pass one output per microbatch")
+        for i, o in enumerate(outputs):
+            if o is not None and not isinstance(o, Mapping):
+                raise TypeError(f"{metric}: outputs[{i}] is a {type(o).__name__}, expected a dict")
+        if not feats:
+            return []
+        return [(f, {k: o[k] for k in fields if o is not None and o.get(k) is not None})
+                for f, o in zip(feats, outputs)]
+    if outputs is not None and not isinstance(outputs, Mapping):
+        raise TypeError(f"{metric}: outputs must be a ModelOutput dict or a list of them, got "
+                        f"{type(outputs).__name__}")
+    if not feats:
+        return []
+    outputs = outputs or {}
+    sizes = [batch_size(metric, f) for f in feats]
+    pairs: List[Pair] = [(f, {}) for f in feats]
+    for key in fields:
+        value = outputs.get(key)
+        if value is None:
+            continue
+        for (_, out), part in zip(pairs, _split(metric, key, value, sizes)):
+            if part is not None:
+                out[key] = part
+    return pairs
+
+
+def _split(metric: str, key: str, value, sizes: List[int]) -> List[Optional[Any]]:
+    n = len(sizes)
+    if isinstance(value, (list, tuple)):
+        if n == 1 and len(value) != 1 and all(not isinstance(v, torch.Tensor) for v in value):
+            return [value]  # a plain list of numbers for one batch
+        if len(value) != n:
+            raise ValueError(f"{metric}: outputs[{key!r}] has {len(value)} entries but there are {n} "
+                             "input microbatches; pass one entry per microbatch or one tensor "
+                             "concatenated along the batch dim")
+        return list(value)
+    if n == 1:
+        return [value]
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        raise ValueError(f"{metric}: outputs[{key!r}] is a single value but there are {n} input "
+                         "microbatches; pass a list with one entry per microbatch")
+    if value.shape[0] != sum(sizes):
+        raise ValueError(f"{metric}: outputs[{key!r}] has shape {list(value.shape)} but the {n} input "
+                         f"microbatches hold {sum(sizes)} sequences ({sizes}); concatenate the "
+                         "outputs along dim 0 in microbatch order, or pass a list")
+    return list(torch.split(value, sizes, dim=0))

@@ -1,0 +1,112 @@
+"""``State``: one accumulator of a metric, declared once with its reduction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+
+Reduce = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+_OPS = ("sum", "max", "min")
+
+
+@dataclass
+class State:
+    """A metric accumulator: how it merges across ranks, its dtype, shape and default.
+
+    Declare states as class attributes; the instance attribute of the same name is
+    the live tensor::
+
+        class Accuracy(Metric):
+            correct: torch.Tensor = State("sum", torch.int64)
+            total: torch.Tensor = State("sum", torch.int64)
+
+    Args:
+        reduce: ``"sum"``, ``"max"``, ``"min"``, or a callable taking the rows of every
+            rank stacked as ``[ranks, *shape]`` and returning ``[*shape]``.
+        dtype: ``torch.float64`` (default) or ``torch.int64``.
+        shape: fixed shape; state size never grows with the number of steps.
+        default: the value after ``reset()``; the identity of ``reduce`` when omitted.
+        local: how ``accumulate`` folds a new value in: the reduce op by default,
+            ``"last"`` to overwrite, or a callable ``(old, new) -> merged``.
+    """
+
+    reduce: Reduce = "sum"
+    dtype: torch.dtype = torch.float64
+    shape: Tuple[int, ...] = ()
+    default: Optional[float] = None
+    local: Union[str, Callable, None] = None
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if not callable(self.reduce) and self.reduce not in _OPS:
+            raise ValueError(f"State: reduce must be one of {_OPS} or a callable, got {self.reduce!r}")
+        if callable(self.reduce) and (self.default is None or self.local is None):
+            raise ValueError("State: a callable reduce needs an explicit default and local merge")
+        if self.dtype not in (torch.float64, torch.int64):
+            raise ValueError(f"State: dtype must be torch.float64 or torch.int64, got {self.dtype}")
+        local = self.local or self.reduce
+        if not callable(local) and local not in _OPS + ("last",):
+            raise ValueError(f"State: local must be one of {_OPS + ('last',)} or a callable, got {local!r}")
+        self.shape = tuple(int(s) for s in self.shape)
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        return obj._states[self.name]
+
+    def __set__(self, obj, value):
+        raise AttributeError(f"{type(obj).__name__}.{self.name} is a metric state; change it "
+                             "through accumulate(), reset() or load_state_dict()")
+
+    @property
+    def identity(self) -> float:
+        if self.default is not None:
+            return self.default
+        if self.reduce == "sum":
+            return 0
+        big = torch.iinfo(torch.int64).max if self.dtype == torch.int64 else math.inf
+        return -big if self.reduce == "max" else big
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def new(self, device) -> torch.Tensor:
+        """A fresh tensor holding the default (a fill kernel: no host-device copy)."""
+        return torch.full(self.shape, self.identity, dtype=self.dtype, device=device)
+
+    def fold(self, old: torch.Tensor, new) -> None:
+        """Merge ``new`` into ``old`` in place, on the device, without waiting for it."""
+        op = self.local or self.reduce
+        if callable(op):
+            old.copy_(op(old, _as_tensor(new, old)))
+        elif op == "sum":
+            old.add_(_as_tensor(new, old))
+        elif op == "max":
+            torch.maximum(old, _as_tensor(new, old), out=old)
+        elif op == "min":
+            torch.minimum(old, _as_tensor(new, old), out=old)
+        else:  # last
+            old.copy_(_as_tensor(new, old))
+
+    def merge(self, rows: torch.Tensor) -> torch.Tensor:
+        """Reduce ``[ranks, *shape]`` rows into one value."""
+        if callable(self.reduce):
+            return self.reduce(rows)
+        if self.reduce == "sum":
+            return rows.sum(0)
+        return rows.amax(0) if self.reduce == "max" else rows.amin(0)
+
+
+def _as_tensor(value, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.device != like.device:
+            value = value.to(like.device, non_blocking=True)
+        return value.to(like.dtype)
+    # A fill kernel on the state's device: no host-to-device copy of a Python number.
+    return torch.full_like(like, value)

@@ -1,0 +1,151 @@
+"""Fused, generic sync of every state of every metric: at most two collectives.
+
+1. One ``all_gather`` over the data group (DP x CP) of one packed float64 buffer
+   holding every state of every metric, plus a header (schema hash, is-last-stage,
+   error flag). Each rank then merges the rows locally with each state's declared
+   reduction, so sum, max, min and custom merges (top-k) all ride in one collective.
+2. Under pipeline parallelism, one ``all_gather`` over the PP group of the merged
+   buffer; every rank keeps the row of the last stage, so all stages return the
+   same numbers. Non-last stages (which hold nothing) take part with the same
+   buffer shape, so nothing can hang.
+
+Integers travel as float64: exact up to 2**53. The buffer length is padded to a
+power of two so that ranks whose metric sets differ slightly still agree on the
+collective's size and reach the schema check, which then raises on every rank.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from parallel import comm_device
+from parallel.groups import all_gather_rows, group_ranks
+
+_HEADER = 3  # schema hash, is last stage, error flag
+
+
+class MetricSyncError(RuntimeError):
+    """Ranks disagree on which metrics/states they hold; raised on every rank."""
+
+
+def _schema(metrics: Sequence) -> Tuple[float, str]:
+    parts = []
+    for m in metrics:
+        for name, spec in m._specs.items():
+            red = spec.reduce if isinstance(spec.reduce, str) else getattr(spec.reduce, "__name__", "fn")
+            parts.append(f"{type(m).__qualname__}.{name}:{red}:{spec.shape}:{spec.dtype}")
+    text = "|".join(parts)
+    digest = hashlib.blake2b(text.encode(), digest_size=6).digest()
+    return float(int.from_bytes(digest, "little")), text  # 48 bits: exact in float64
+
+
+def _bucket(n: int) -> int:
+    size = 16
+    while size < n:
+        size *= 2
+    return size
+
+
+def _groups_key(metric) -> Tuple:
+    mesh = metric.resolve_mesh()
+    return (id(metric.data_group()), id(mesh.pp_group))
+
+
+def sync_and_compute(metrics: Sequence, reset: bool = True) -> List[Dict[str, Any]]:
+    """Reduce the states of ``metrics`` globally and return each one's results.
+
+    Metrics that share the same data and PP groups sync together in one pass.
+    """
+    buckets: Dict[Tuple, List[int]] = {}
+    for i, m in enumerate(metrics):
+        buckets.setdefault(_groups_key(m), []).append(i)
+    results: List[Dict[str, Any]] = [{} for _ in metrics]
+    for idx in buckets.values():
+        group_metrics = [metrics[i] for i in idx]
+        reduced = sync_states(group_metrics)
+        for i, m, states in zip(idx, group_metrics, reduced):
+            results[i] = m.compute(states)
+            if reset:
+                m.reset()
+    return results
+
+
+def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
+    """Globally reduced states of each metric as plain Python numbers (lists if shaped).
+
+    All ``metrics`` must share one data group and one PP group. Does not change the
+    metrics' local states.
+    """
+    lead = metrics[0]
+    mesh = lead.resolve_mesh()
+    data_group, pp_group = lead.data_group(), mesh.pp_group
+    is_last = mesh.is_last_stage
+    device = comm_device(data_group if data_group is not None else pp_group)
+    schema, schema_text = _schema(metrics)
+
+    flat = [torch.tensor([schema, float(is_last), 0.0], dtype=torch.float64, device=device)]
+    for m in metrics:
+        for name in m._specs:
+            flat.append(m._states[name].detach().to(device=device, dtype=torch.float64).reshape(-1))
+    buf = torch.cat(flat)
+    used = buf.numel()
+    buf = torch.nn.functional.pad(buf, (0, _bucket(used) - used))
+
+    rows = all_gather_rows(buf, data_group)                     # collective 1
+    error = ""
+    if rows.shape[0] > 1 and not bool((rows[:, 0] == schema).all()):
+        bad = [r for r, h in zip(group_ranks(data_group), rows[:, 0].tolist()) if h != schema]
+        error = (f"ranks {bad} of the data group hold a different set of metrics/states than "
+                 f"rank {group_ranks(None)[0]}; build the same metrics, in the same order, with "
+                 f"the same arguments on every rank (this rank has: {schema_text[:300]})")
+
+    merged = [torch.tensor([schema, float(is_last), float(bool(error))], dtype=torch.float64,
+                           device=device)]
+    offset = _HEADER
+    for m in metrics:
+        per_state = {}
+        for name, spec in m._specs.items():
+            per_state[name] = rows[:, offset:offset + spec.numel].reshape(rows.shape[0], *spec.shape)
+            offset += spec.numel
+        out = m.merge(per_state)
+        for name, spec in m._specs.items():
+            merged.append(out[name].to(torch.float64).reshape(-1))
+    vec = torch.cat(merged)
+    vec = torch.nn.functional.pad(vec, (0, _bucket(used) - used))
+
+    if pp_group is not None:
+        stage_rows = all_gather_rows(vec, pp_group)             # collective 2
+        last = (stage_rows[:, 1] == 1.0).nonzero().flatten().tolist()
+        hashes_agree = bool((stage_rows[:, 0] == schema).all())
+        if not error and (not hashes_agree or len(last) != 1):
+            error = ("pipeline stages hold different metrics/states (or no single last stage); "
+                     "build the same metrics on every stage and call calculate() on all of them")
+        if not error and bool((stage_rows[:, 2] != 0).any()):
+            error = "another pipeline stage found ranks holding different metrics/states"
+        if not error:
+            vec = stage_rows[last[0]]
+    if error:
+        raise MetricSyncError(f"calculate(): {error}")
+
+    values = vec.tolist()  # the one device-to-host copy
+    out: List[Dict[str, Any]] = []
+    offset = _HEADER
+    for m in metrics:
+        states = {}
+        for name, spec in m._specs.items():
+            chunk = values[offset:offset + spec.numel]
+            offset += spec.numel
+            if spec.dtype == torch.int64:
+                chunk = [int(v) if v == v and abs(v) != float("inf") else v for v in chunk]
+            states[name] = chunk[0] if spec.shape == () else _unflatten(chunk, spec.shape)
+        out.append(states)
+    return out
+
+
+def _unflatten(values: List[Any], shape: Tuple[int, ...]):
+    if len(shape) == 1:
+        return list(values)
+    step = len(values) // shape[0]
+    return [_unflatten(values[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]

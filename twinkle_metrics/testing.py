@@ -1,0 +1,91 @@
+"""Test helpers that ship with the package: use them on your own metrics too.
+
+* ``forbid_device_waits()``: inside it, any Python-level call that would make the
+  host wait for the device (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``,
+  ``bool(t)``, ``nonzero``, boolean-mask indexing, ...) raises ``DeviceWaitError``.
+  On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the ground-truth check;
+  this guard gives the same verdict on a CPU-only machine.
+* ``assert_results_close(got, want)``: same keys, numbers equal to a tolerance.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Dict
+
+import torch
+
+
+class DeviceWaitError(RuntimeError):
+    """A call that waits for the device happened where none is allowed."""
+
+
+_TENSOR_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__",
+                   "__index__", "nonzero", "masked_select", "unique", "any", "all")
+_TORCH_FUNCS = ("nonzero", "masked_select", "unique", "argwhere", "any", "all")
+
+
+@contextlib.contextmanager
+def forbid_device_waits():
+    """Make every host-device synchronising Python call raise ``DeviceWaitError``."""
+    saved = []
+
+    def guard(owner, name, original):
+        def raiser(*args, **kwargs):
+            raise DeviceWaitError(f"{name}() waits for the device; use masked arithmetic on tensors")
+        saved.append((owner, name, original))
+        setattr(owner, name, raiser)
+
+    orig_getitem = torch.Tensor.__getitem__
+
+    def getitem(self, index):
+        parts = index if isinstance(index, tuple) else (index,)
+        for p in parts:
+            if isinstance(p, torch.Tensor) and p.dtype == torch.bool:
+                raise DeviceWaitError("boolean-mask indexing has a data-dependent shape and waits "
+                                      "for the device; use torch.where / masked arithmetic")
+        return orig_getitem(self, index)
+
+    for name in _TENSOR_METHODS:
+        guard(torch.Tensor, name, getattr(torch.Tensor, name))
+    for name in _TORCH_FUNCS:
+        guard(torch, name, getattr(torch, name))
+    saved.append((torch.Tensor, "__getitem__", orig_getitem))
+    torch.Tensor.__getitem__ = getitem
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def assert_results_close(got: Dict[str, Any], want: Dict[str, Any], rel: float = 1e-9,
+                         abs_tol: float = 1e-12) -> None:
+    """Same keys; numbers (and lists of numbers) equal within tolerance; NaN equals NaN."""
+    if set(got) != set(want):
+        raise AssertionError(f"keys differ: only in got {sorted(set(got) - set(want))}, "
+                             f"only in want {sorted(set(want) - set(got))}")
+    for key in want:
+        _close(key, got[key], want[key], rel, abs_tol)
+
+
+def _close(key, a, b, rel, abs_tol):
+    if isinstance(b, (list, tuple)):
+        if not isinstance(a, (list, tuple)) or len(a) != len(b):
+            raise AssertionError(f"{key}: {a!r} != {b!r}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(f"{key}[{i}]", x, y, rel, abs_tol)
+        return
+    if isinstance(b, dict):
+        assert_results_close(a, b, rel, abs_tol)
+        return
+    if isinstance(b, (int, float)) and not isinstance(b, bool):
+        if not isinstance(a, (int, float)) or isinstance(a, bool):
+            raise AssertionError(f"{key}: got {type(a).__name__} {a!r}, expected a number")
+        if math.isnan(b) and math.isnan(a):
+            return
+        if not math.isclose(a, b, rel_tol=rel, abs_tol=abs_tol):
+            raise AssertionError(f"{key}: {a!r} != {b!r}")
+        return
+    if a != b:
+        raise AssertionError(f"{key}: {a!r} != {b!r}")
