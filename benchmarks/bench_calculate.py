@@ -17,7 +17,7 @@ import time
 
 from benchmarks import common, suite
 
-IMPLS = ("ours", "twinkle", "torchmetrics", "floor")
+IMPLS = ("ours", "twinkle", "torchmetrics", "floor", "floor_gather")
 
 
 def rank_fn(world, names, impls, iters, warmup):
@@ -71,6 +71,9 @@ def summarise(per_rank, impls):
                                 for k in impls if k != "ours"}
         if "floor" in lat:
             out["ours_over_floor"] = common.median([a / b for a, b in zip(lat["ours"], lat["floor"])])
+        if "floor_gather" in lat:
+            out["ours_over_floor_gather"] = common.median(
+                [a / b for a, b in zip(lat["ours"], lat["floor_gather"])])
     return out
 
 

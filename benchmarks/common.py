@@ -53,11 +53,31 @@ def machine() -> Dict[str, Any]:
     return info
 
 
+def source_tree() -> Dict[str, str]:
+    """Which code was measured: the commit of the tree the benchmark imported from."""
+    import subprocess
+
+    import twinkle_metrics
+
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(twinkle_metrics.__file__)))
+    try:
+        head = subprocess.run(["git", "-C", tree, "log", "-1", "--format=%h %s"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", tree, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        head, dirty = "unknown", ""
+    out = {"path": tree, "head": head, "modified": bool(dirty)}
+    if os.environ.get("BENCH_SOURCE_NOTE"):
+        out["note"] = os.environ["BENCH_SOURCE_NOTE"]
+    return out
+
+
 def save(name: str, payload: Dict[str, Any], command: str) -> str:
     os.makedirs(RESULTS, exist_ok=True)
     doc = {"benchmark": name, "command": command,
            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-           "machine": machine(), "versions": versions(), **payload}
+           "machine": machine(), "versions": versions(), "source": source_tree(), **payload}
     path = os.path.join(RESULTS, f"{name}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)

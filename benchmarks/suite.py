@@ -273,6 +273,20 @@ class Floor:
         return {}
 
 
+class GatherFloor(Floor):
+    """One bare all_gather of ``nbytes`` per rank: the collective our fused sync issues,
+    without any of its packing, merging or compute (isolates our Python overhead)."""
+
+    label = "floor_gather"
+
+    def calculate(self):
+        from parallel.groups import all_gather_rows
+
+        import torch.distributed as dist
+        all_gather_rows(self.buf, self.group or dist.group.WORLD)
+        return {}
+
+
 def build(impls: List[str], names: Sequence[str], world: int):
     from parallel import DeviceMesh
 
@@ -286,4 +300,6 @@ def build(impls: List[str], names: Sequence[str], world: int):
         suites["torchmetrics"] = TorchMetricsSuite(names)
     if "floor" in impls:
         suites["floor"] = Floor(ours.packed_bytes())
+    if "floor_gather" in impls:
+        suites["floor_gather"] = GatherFloor(ours.packed_bytes())
     return suites, ours.packed_bytes()
