@@ -7,7 +7,7 @@ import torch
 
 from .base import Metric
 from .microbatch import microbatches
-from .rl_inputs import as_tensor, common_length, cp_sum, token_mask
+from .rl_inputs import as_tensor, common_length, cp_lead, cp_sum, token_mask
 from .state import State
 
 _NAME = "DPOMetric"
@@ -38,7 +38,8 @@ class DPOMetric(Metric):
     Under context parallelism each rank holds only some tokens of every sequence,
     so ``accumulate`` sums the per-sequence partial log-probs over the CP group
     (one all_reduce on the device) before any comparison: every CP rank must call
-    ``accumulate`` the same number of times with the same sequences. Reference
+    ``accumulate`` the same number of times with the same sequences. The pair
+    statistics are then counted on CP rank 0 only. Reference
     statistics divide by the pairs that had reference log-probs (Twinkle divides
     by all pairs).
 
@@ -92,6 +93,8 @@ class DPOMetric(Metric):
                                  "chosen=/rejected= separately)")
             sums = self._complete(sums)
             c, r = sums[0::2], sums[1::2]
+        if not cp_lead(self):
+            return {}  # the other CP ranks hold the same completed sums: count pairs once
         return self._stats(c, r)
 
     # ----------------------------------------------------------------- pieces

@@ -7,6 +7,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import torch
 
 from .base import Metric
+from .rl_inputs import cp_lead
 from .state import State
 
 _NAME = "CompletionRewardMetric"
@@ -54,6 +55,10 @@ class CompletionRewardMetric(Metric):
     Chan's parallel formula in float64, which stays exact when mean >> std. NaN
     rewards (a reward function that returned None) are skipped, as TRL's nanmean.
     Nothing seen gives ``{}`` rather than Twinkle's -1.0.
+
+    Under context parallelism the ranks of a CP group hold the same rollouts; only
+    CP rank 0 contributes, so each completion counts once. Reward names seen on
+    the other CP ranks still create their states.
 
     Reward names: pass ``reward_names=[...]`` to create their states up front.
     Without it, a name gets its state the first time ``accumulate`` sees it, so
@@ -139,6 +144,7 @@ class CompletionRewardMetric(Metric):
                completions=None, generate_time=None, generation_time=None,
                weight_sync_time=None, group_ids=None, **kwargs) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
+        lead = cp_lead(self)
         per_name = self._rewards_dict(rewards)
         if not self._dynamic:
             unknown = sorted(set(per_name) - set(self.reward_names))
@@ -171,6 +177,9 @@ class CompletionRewardMetric(Metric):
             t = _as_1d(field, value)
             out[f"{key}_sum"] = t.sum()
             out[f"{key}_n"] = t.numel()
+        # CP ranks of one group hold the same rollouts: validate everywhere, count once.
+        if not lead:  # (0, 0, 0) is the identity of the moments merge; names still get states
+            return {k: torch.zeros(3, dtype=torch.float64) for k in out if k.startswith(_PREFIX)}
         return out
 
     def _rewards_dict(self, rewards) -> Dict[str, torch.Tensor]:

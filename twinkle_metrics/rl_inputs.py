@@ -156,6 +156,18 @@ def cp_sum(t: torch.Tensor, group) -> torch.Tensor:
     return x.to(t.device, non_blocking=True) if x.device != t.device else x
 
 
+def cp_lead(metric) -> bool:
+    """True unless this rank is a non-first rank of its CP group.
+
+    Sequence-level quantities (rewards, DPO pairs, GSPO sequence ratios) are the
+    same on every CP rank once completed; only CP rank 0 contributes them, so the
+    DP x CP reduction counts each sequence once.
+    """
+    if metric.process_group is not None:
+        return True
+    return metric.resolve_mesh().cp_rank == 0
+
+
 def common_length(metric: str, field: str, values: torch.Tensor, mask: torch.Tensor):
     """Truncate ``values`` ([b, s', ...]) and ``mask`` ([b, s]) to a common length (Twinkle
     trims off-by-one differences from packing/SP the same way); the batch dims must agree."""
