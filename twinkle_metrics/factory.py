@@ -144,9 +144,9 @@ def build_metrics(entries: Sequence[Any], device_mesh: Optional[DeviceMesh] = No
     if not isinstance(entries, (list, tuple)) or not entries:
         raise ValueError("build_metrics: 'metrics' must be a non-empty list of "
                          "{'type': ..., 'kwargs': {...}} entries")
-    for e in entries:
-        feed_of(e)  # validate before building anything
     metrics = [build_metric(e, device_mesh) for e in entries]
+    for e in entries:
+        feed_of(e)  # a bad 'feed' is a config error too
     names = [e.get("name") if isinstance(e, Mapping) else None for e in entries]
     if all(n is None for n in names):
         return MetricCollection(metrics, device_mesh=device_mesh)
