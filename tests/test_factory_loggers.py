@@ -272,3 +272,17 @@ def test_plot_writes_png(tmp_path):
         plot.plot(str(path), keys=["nope"])
     plot.main([str(path), "-o", str(tmp_path / "x.png"), "--keys", "loss"])
     assert os.path.exists(tmp_path / "x.png")
+
+
+def test_kwargs_forwarded_through_subclasses_are_listed():
+    class Scaled(CountTokens):
+        def __init__(self, device_mesh=None, process_group=None, *, offset=0, **kwargs):
+            super().__init__(device_mesh, process_group, **kwargs)
+            self.offset = offset
+
+    assert factory.metric_kwargs(Scaled) == ["offset", "scale"]
+    assert factory.metric_kwargs(LastLR) == []
+    register_metric("Scaled", Scaled)
+    assert factory.build_metric({"type": "Scaled", "kwargs": {"scale": 3, "offset": 1}}).scale == 3
+    with pytest.raises(ValueError, match=r"valid: \['offset', 'scale'\]"):
+        factory.build_metric({"type": "Scaled", "kwargs": {"bogus": 1}})

@@ -85,22 +85,26 @@ def resolve_metric(type_name: str) -> Type[Metric]:
 
 
 def metric_kwargs(cls: Type[Metric]) -> Optional[List[str]]:
-    """Keyword arguments ``cls`` accepts besides the mesh; ``None`` if it takes ``**kwargs``."""
-    names = []
+    """Keyword arguments ``cls`` accepts besides the mesh; ``None`` if it cannot be told.
+
+    Walks the ``__init__`` chain while each one forwards ``**kwargs`` to its parent;
+    ``Metric.__init__`` rejects whatever is left, so the named parameters seen on the
+    way are the complete list.
+    """
+    names: List[str] = []
     for klass in cls.__mro__:
         if klass is object or "__init__" not in vars(klass):
             continue
-        params = inspect.signature(klass.__init__).parameters.values()
-        for p in params:
+        forwards = False
+        for p in inspect.signature(klass.__init__).parameters.values():
             if p.kind is p.VAR_KEYWORD:
-                if klass is Metric:
-                    continue  # the base rejects unknown kwargs itself
-                return None
-            if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                forwards = True
+            elif p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
                 if p.name not in _RESERVED_KWARGS and p.name not in names:
                     names.append(p.name)
-        break  # the most derived __init__ defines what is accepted
-    return names
+        if klass is Metric or not forwards:
+            return names
+    return None
 
 
 def build_metric(entry: Mapping[str, Any], device_mesh: Optional[DeviceMesh] = None) -> Metric:
