@@ -169,7 +169,7 @@ def main(argv=None):
     if env.world_size % pp:
         raise SystemExit(f"world size {env.world_size} is not divisible by parallel.pp = {pp}")
     dp = env.world_size // pp
-    run_dir = make_run_dir(log_cfg.get("run_root", "runs"), args.run_dir)
+    run_dir = os.path.abspath(make_run_dir(log_cfg.get("run_root", "runs"), args.run_dir))
 
     ds_config = load_config(config_path(cfg["deepspeed_config"]))
     ds_config.update(train_micro_batch_size_per_gpu=t["micro_batch_size"],
@@ -207,7 +207,8 @@ def main(argv=None):
     progress = Progress(t["steps"], enabled=logging_rank and log_cfg.get("progress", True))
     sinks = log_cfg.get("sinks", ["console", "jsonl"])
     logger = build_loggers([s for s in sinks if s not in ("plot", "deepspeed_monitor")], run_dir,
-                           enabled=logging_rank, progress=progress, config=cfg)
+                           enabled=logging_rank, progress=progress, config=cfg,
+                           console_keys=log_cfg.get("console_keys"))
     if logging_rank and "deepspeed_monitor" in sinks and engine.monitor.enabled:
         logger = LoggerGroup([logger, MonitorLogger(engine.monitor)])
     debug = DebugDump(run_dir, env.rank, args.debug_dump)

@@ -203,7 +203,7 @@ def main(argv=None):
 def run(args, cfg, env, ps, tensor_parallel, get_forward_backward_func, on_cpu, vpp):
     t, log_cfg = cfg["train"], cfg.get("logging", {})
     mesh = DeviceMesh.from_megatron()
-    run_dir = make_run_dir(log_cfg.get("run_root", "runs"), args.run_dir)
+    run_dir = os.path.abspath(make_run_dir(log_cfg.get("run_root", "runs"), args.run_dir))
     print_rank0(f"[train_megatron] {mesh.describe()}, world {env.world_size}, "
                 f"{'CPU/gloo (megatron-core CPU shim on)' if on_cpu else 'CUDA'}; run dir {run_dir}")
 
@@ -243,7 +243,7 @@ def run(args, cfg, env, ps, tensor_parallel, get_forward_backward_func, on_cpu, 
     progress = Progress(t["steps"], enabled=logging_rank and log_cfg.get("progress", True))
     sinks = log_cfg.get("sinks", ["console", "jsonl", "tensorboard"])
     logger = build_loggers([s for s in sinks if s != "plot"], run_dir, enabled=logging_rank,
-                           progress=progress, config=cfg)
+                           progress=progress, config=cfg, console_keys=log_cfg.get("console_keys"))
     debug = DebugDump(run_dir, env.rank, args.debug_dump)
     debug.write("mesh", rank=env.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank,
                 dp_rank=mesh.dp_rank, is_last_stage=mesh.is_last_stage)

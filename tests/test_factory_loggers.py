@@ -286,3 +286,11 @@ def test_kwargs_forwarded_through_subclasses_are_listed():
     assert factory.build_metric({"type": "Scaled", "kwargs": {"scale": 3, "offset": 1}}).scale == 3
     with pytest.raises(ValueError, match=r"valid: \['offset', 'scale'\]"):
         factory.build_metric({"type": "Scaled", "kwargs": {"bogus": 1}})
+
+
+def test_console_keys_shorten_the_line(tmp_path, capsys):
+    logger = loggers.build_loggers(["console", "jsonl"], str(tmp_path), console_keys=["loss", "absent"])
+    logger.log({"loss": 1.0, "accuracy": 0.5}, 2)
+    logger.close()
+    assert capsys.readouterr().out.strip() == "step 2 | loss 1.0000"
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["accuracy"] == 0.5

@@ -69,12 +69,16 @@ def format_line(results: Mapping[str, Any], step: int, prefix: str = "") -> str:
 class ConsoleLogger(Logger):
     """A compact line per interval (through the progress bar when one is active)."""
 
-    def __init__(self, stream=None, prefix: str = "", progress: Optional["Progress"] = None):
+    def __init__(self, stream=None, prefix: str = "", progress: Optional["Progress"] = None,
+                 keys: Optional[Sequence[str]] = None):
         self.stream = stream or sys.stdout
         self.prefix = prefix
         self.progress = progress
+        self.keys = list(keys) if keys else None  # None: every key
 
     def log(self, results, step):
+        if self.keys is not None:
+            results = {k: results[k] for k in self.keys if k in results}
         line = format_line(results, step, self.prefix)
         if self.progress is not None:
             self.progress.write(line)
@@ -184,12 +188,14 @@ class LoggerGroup(Logger):
 
 def build_loggers(sinks: Sequence[str], run_dir: str, *, enabled: bool = True,
                   progress: Optional["Progress"] = None, config: Optional[Mapping[str, Any]] = None,
-                  wandb_project: str = "twinkle-metrics", wandb_mode: str = "offline") -> Logger:
+                  wandb_project: str = "twinkle-metrics", wandb_mode: str = "offline",
+                  console_keys: Optional[Sequence[str]] = None) -> Logger:
     """Loggers for ``sinks`` writing under ``run_dir``; the null logger when not ``enabled``.
 
     Files: ``run_dir/metrics.jsonl``, ``run_dir/tb/`` (events), ``run_dir/wandb/``.
     ``"wandb"`` is skipped with a note when the package is not installed; a missing
     ``tensorboard`` package is an error (it is in the ``loggers`` extra).
+    ``console_keys`` keeps the console line short; files always get every key.
     """
     unknown = [s for s in sinks if s not in SINKS]
     if unknown:
@@ -200,7 +206,7 @@ def build_loggers(sinks: Sequence[str], run_dir: str, *, enabled: bool = True,
     group = LoggerGroup()
     for sink in sinks:
         if sink == "console":
-            group.add(ConsoleLogger(progress=progress))
+            group.add(ConsoleLogger(progress=progress, keys=console_keys))
         elif sink == "jsonl":
             group.add(JsonlLogger(os.path.join(run_dir, "metrics.jsonl")))
         elif sink == "tensorboard":
