@@ -174,6 +174,13 @@ class DeviceMesh:
                             pp=sizes.get("pipe", 1), order="tp-cp-ep-dp-pp")
             _check_topology(obj, layout)
             return cls(_create_groups(layout, None), layout=layout, source="deepspeed")
+        # Ulysses sequence parallelism through deepspeed.initialize(config with
+        # sequence_parallel_size) keeps a torch DeviceMesh ("data_parallel", "sequence_parallel").
+        mesh_device = getattr(obj, "mesh_device", None) or getattr(ds_groups, "mesh_device", None)
+        if grid is None and mesh_device is not None:
+            mesh = cls.from_torch(mesh_device)
+            mesh.source = "deepspeed"
+            return mesh
         found: Dict[str, G.ProcessGroup] = {}
         if grid is not None:
             found["dp"] = grid.get_data_parallel_group()
@@ -183,12 +190,15 @@ class DeviceMesh:
             mpu = getattr(obj, "mpu", None)
             if mpu is not None and hasattr(mpu, "get_tensor_model_parallel_group"):
                 found["tp"] = mpu.get_tensor_model_parallel_group()
-            found["dp"] = ds_groups._get_data_parallel_group()
-        sp = _deepspeed_sequence_groups(ds_groups)
-        if sp is not None:
-            found["cp"], found["dp_cp"] = sp
-            if found.get("dp") is None:
-                found["dp"] = G.normalize(found["dp_cp"]) if G.group_size(found["cp"]) == 1 else None
+            if mpu is not None and hasattr(mpu, "get_sequence_data_parallel_group"):
+                # Ulysses through an mpu: tokens are split over the sequence group, so the
+                # data group for token sums is sequence x data.
+                found["cp"] = mpu.get_sequence_parallel_group()
+                found["dp_cp"] = mpu.get_sequence_data_parallel_group()
+                found["dp"] = (mpu.get_data_parallel_group()
+                               if hasattr(mpu, "get_data_parallel_group") else None)
+            else:
+                found["dp"] = ds_groups._get_data_parallel_group()
         return cls(found, source="deepspeed")
 
     @classmethod
@@ -203,7 +213,8 @@ class DeviceMesh:
             raise ValueError("DeviceMesh.from_torch: the torch DeviceMesh has no mesh_dim_names; "
                              "build it with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
         aliases = {"dp": "dp", "dp_replicate": "dp", "dp_shard": "dp", "fsdp": "dp", "ddp": "dp",
-                   "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep"}
+                   "data_parallel": "dp", "tp": "tp", "tensor_parallel": "tp", "pp": "pp",
+                   "cp": "cp", "sequence_parallel": "cp", "ep": "ep"}
         unknown = [n for n in names if n not in aliases]
         if unknown:
             raise ValueError(f"DeviceMesh.from_torch: axis names {unknown} are not known; use "
@@ -324,15 +335,17 @@ def _create_groups(layout: Layout, backend) -> Dict[str, G.ProcessGroup]:
         raise ValueError(f"DeviceMesh: layout {layout.describe()} does not match the world "
                          f"size {world}")
     out: Dict[str, G.ProcessGroup] = {}
+    made: Dict[tuple, G.ProcessGroup] = {}  # dp_cp == dp without CP, expt_dp == dp without EP
     for name in GROUP_NAMES:
         mine = None
         for ranks in layout.all_groups(_LAYOUT_AXES[name]):
             if len(ranks) == 1:
                 continue  # every rank skips it alike: no new_group call needed
-            if len(ranks) == world:
-                group = dist.group.WORLD
-            else:
-                group = dist.new_group(ranks=ranks, backend=backend)
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = (dist.group.WORLD if len(ranks) == world
+                             else dist.new_group(ranks=ranks, backend=backend))
+            group = made[key]
             if me in ranks:
                 mine = group
         out[name] = mine
@@ -348,17 +361,6 @@ def _check_topology(topo, layout: Layout) -> None:
         if theirs != mine:
             raise ValueError(f"DeviceMesh.from_deepspeed: topology axis order {topo.get_axis_names()} "
                              "is not pipe-data-model; reorder the topology axes")
-
-
-def _deepspeed_sequence_groups(ds_groups):
-    """(sequence group, sequence x data group) under Ulysses, else None."""
-    try:
-        sp_size = ds_groups._get_sequence_parallel_world_size()
-    except Exception:
-        return None
-    if not sp_size or sp_size <= 1:
-        return None
-    return ds_groups._get_sequence_parallel_group(), ds_groups._get_sequence_data_parallel_group()
 
 
 def _torch_mesh_group(mesh, axes, me):

@@ -211,3 +211,33 @@ def case_gather_results():
 def test_gather_results_over_data_group(dist_pool):
     for rank, got in enumerate(dist_pool.run(case_gather_results)):
         assert sorted(r["rank"] for r in got) == Layout(tp=2, dp=4).group_ranks("dp", rank)
+
+
+def case_deepspeed_ulysses():
+    """Ulysses SP through deepspeed's mesh_device: the sequence group is CP, data group SP x DP."""
+    import deepspeed
+    import deepspeed.comm as ds_dist
+    from deepspeed.utils import groups as ds_groups
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    mesh_device = ds_dist.initialize_mesh_device((4, 2), ("data_parallel", "sequence_parallel"))
+    ds_groups.mesh_device = mesh_device
+    try:
+        mesh = DeviceMesh.from_deepspeed()
+        labels, values = make_batch(5)
+        metric = TokenStats(mesh)
+        feats, outs = shard_for_rank(labels, values, mesh.dp_size, mesh.dp_rank, mesh.cp_size, mesh.cp_rank)
+        metric.accumulate(feats, {"values": outs})
+        return _ranks(mesh), ds_groups._get_sequence_parallel_world_size(), metric.calculate()
+    finally:
+        ds_groups.mesh_device = None
+
+
+def test_deepspeed_ulysses_sequence_groups(dist_pool):
+    lay = Layout(cp=2, dp=4)
+    whole = _whole(5)
+    for rank, (ranks, sp_size, got) in enumerate(dist_pool.run(case_deepspeed_ulysses)):
+        assert sp_size == 2
+        assert ranks == {n: lay.group_ranks(n.replace("_", "-"), rank) for n in NAMES}
+        assert got["tokens"] == whole["tokens"]
+        assert math.isclose(got["mean"], whole["mean"], rel_tol=1e-12)

@@ -2,10 +2,14 @@
 from .base import Metric
 from .collection import MetricCollection
 from .data_format import InputFeature, ModelOutput
+from .dpo import DPOMetric
+from .grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
 from .microbatch import microbatches
+from .reward import CompletionRewardMetric
 from .state import State
 from .sync import MetricSyncError
 
 __all__ = ["Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
-           "MetricSyncError"]
+           "MetricSyncError", "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric",
+           "CISPOMetric", "PPOMetric"]
 __version__ = "0.1.0"

@@ -127,7 +127,8 @@ def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
         if not error:
             vec = stage_rows[last[0]]
     if error:
-        raise MetricSyncError(f"calculate(): {error}")
+        hints = dict.fromkeys(h for h in (getattr(m, "_sync_hint", None) for m in metrics) if h)
+        raise MetricSyncError(f"calculate(): {error}" + "".join(f"; hint: {h}" for h in hints))
 
     values = vec.tolist()  # the one device-to-host copy
     out: List[Dict[str, Any]] = []

@@ -1,0 +1,113 @@
+"""Shared plumbing of the entry points: ranks from the environment, run directory, debug dumps."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as `python launch/x.py` from anywhere
+    sys.path.insert(0, REPO)
+
+
+@dataclass
+class Env:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def read_env(local_rank_arg: Optional[int] = None) -> Env:
+    """RANK / LOCAL_RANK / WORLD_SIZE (torchrun, deepspeed); one process when absent.
+
+    DeepSpeed's launcher also passes ``--local_rank``; it wins over LOCAL_RANK.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank_arg is not None and local_rank_arg >= 0:
+        local = local_rank_arg
+    return Env(rank, local, world)
+
+
+def init_torch_distributed(env: Env, backend: Optional[str] = None) -> None:
+    """``init_process_group`` from the environment; single process needs a local rendezvous."""
+    if dist.is_initialized():
+        return
+    import torch
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    if not env.distributed:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_run_dir(base: str, run_dir: Optional[str] = None) -> str:
+    """``run_dir`` if given, else ``base/<timestamp>``; the same path on every rank.
+
+    The timestamp comes from rank 0 (broadcast) so ranks never disagree on a second boundary.
+    """
+    if run_dir:
+        path = run_dir
+    else:
+        stamp = [time.strftime("%Y%m%d-%H%M%S")]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(stamp, src=0)
+        path = os.path.join(base, stamp[0])
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+class DebugDump:
+    """Per-rank JSON Lines (``run_dir/debug/rank{R}.jsonl``) for end-to-end tests.
+
+    Holds what the schedule reported and what ``calculate()`` returned on this rank,
+    so a test can recompute the token-weighted loss and check every rank agrees.
+    """
+
+    def __init__(self, run_dir: str, rank: int, enabled: bool):
+        self._file = None
+        if enabled:
+            path = os.path.join(run_dir, "debug")
+            os.makedirs(path, exist_ok=True)
+            self._file = open(os.path.join(path, f"rank{rank}.jsonl"), "w", encoding="utf-8")
+
+    def write(self, kind: str, **fields: Any) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"kind": kind, **fields}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def print_rank0(*args: Any) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def logging_section(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    return config.get("logging") or {}

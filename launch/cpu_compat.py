@@ -1,0 +1,155 @@
+"""CPU compatibility shim for megatron-core schedules (active only when CUDA is absent).
+
+megatron-core 0.16 assumes CUDA in a few places the metrics demo goes through:
+
+* ``pipeline_parallel/schedules.py`` allocates ``total_num_tokens`` with ``device="cuda"``;
+* ``pipeline_parallel/p2p_communication.py`` allocates receive buffers on
+  ``torch.cuda.current_device()`` and may call ``torch.cuda.synchronize()``;
+* ``tensor_parallel/mappings.py`` / ``layers.py`` allocate gather buffers on
+  ``torch.cuda.current_device()`` (sequence-parallel paths; patched for safety);
+* ``utils.py``'s ``GlobalMemoryBuffer`` (attention's matmul buffer) allocates on
+  ``torch.cuda.current_device()``;
+* attention forks the CUDA RNG tracker (``tensor_parallel/random.py``) even with dropout 0.
+
+``enable()`` replaces the name ``torch`` *inside those modules only* with a thin proxy
+that sends CUDA device arguments to the CPU and makes ``torch.cuda.synchronize`` a no-op,
+and installs an RNG tracker whose ``fork()`` uses the CPU generator. Nothing outside
+those modules changes, and on a machine with CUDA ``enable()`` does nothing, so the
+same entry point runs unchanged on GPUs.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+
+import torch
+
+_PATCHED_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.utils",
+)
+_enabled = False
+log = logging.getLogger(__name__)
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CpuCuda:
+    """``torch.cuda`` as seen by the patched modules: the current device is the CPU."""
+
+    @staticmethod
+    def current_device():
+        return "cpu"
+
+    @staticmethod
+    def synchronize(*args, **kwargs):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch:
+    """``torch`` as seen by the patched modules: factory functions get CPU devices."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _factory(name):
+    real = getattr(torch, name)
+
+    def call(*args, device=None, **kwargs):
+        return real(*args, device=_cpu_device(device), **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+for _name in ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "empty_like"):
+    setattr(_CpuTorch, _name, staticmethod(_factory(_name)))
+
+
+class CpuRngTracker:
+    """Stands in for ``CudaRNGStatesTracker``: named CPU generator states, forked like CUDA ones.
+
+    Dropout inside ``fork()`` then draws from a per-name CPU generator, which keeps
+    Megatron's semantics (TP ranks share the model-parallel stream) without CUDA.
+    """
+
+    def __init__(self):
+        self.states_ = {}
+        self._current_state_name = "default-rng"
+
+    def is_initialized(self):
+        return bool(self.states_)
+
+    def reset(self):
+        self.states_ = {}
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        gen = torch.Generator().manual_seed(int(seed))
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        saved = torch.get_rng_state()
+        if name in self.states_:
+            torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            if name in self.states_:
+                self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def enable(force: bool = False) -> bool:
+    """Patch megatron-core for CPU when CUDA is absent. Returns True when the shim is active.
+
+    Idempotent. ``force=True`` patches even when CUDA is available (tests only).
+    """
+    global _enabled
+    if _enabled:
+        return True
+    if torch.cuda.is_available() and not force:
+        return False
+    proxy = _CpuTorch()
+    for name in _PATCHED_MODULES:
+        module = importlib.import_module(name)
+        module.torch = proxy
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _enabled = True
+    log.info("megatron-core CPU shim enabled (no CUDA): %s", ", ".join(_PATCHED_MODULES))
+    return True
+
+
+def is_enabled() -> bool:
+    return _enabled

@@ -1,0 +1,140 @@
+"""Plain-Python reference implementations and batch builders for the RL metric tests.
+
+The references loop over tokens with Python floats, independent of the metrics'
+tensor code, so a test comparing the two can fail.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+
+def make_rl_batch(seed: int, n_seq: int = 12, seq_len: int = 8, vocab: int = 11):
+    """labels (ragged, seq 0 fully masked), logps, old, ref, per-seq advantages, logits."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, vocab, (n_seq, seq_len), generator=g)
+    keep = torch.rand(n_seq, seq_len, generator=g) < 0.75
+    keep[0] = False
+    labels = torch.where(keep, labels, torch.full_like(labels, -100))
+    logps = -torch.rand(n_seq, seq_len, generator=g, dtype=torch.float64) * 2
+    old = logps + 0.3 * torch.randn(n_seq, seq_len, generator=g, dtype=torch.float64)
+    ref = logps + 0.2 * torch.randn(n_seq, seq_len, generator=g, dtype=torch.float64)
+    adv = torch.randn(n_seq, generator=g, dtype=torch.float64)
+    logits = 3 * torch.randn(n_seq, seq_len, vocab, generator=g, dtype=torch.float64)
+    pos = torch.arange(seq_len).expand(n_seq, seq_len).clone()
+    return dict(labels=labels, logps=logps, old=old, ref=ref, adv=adv, logits=logits, pos=pos)
+
+
+def ragged(values, labels):
+    """Twinkle's per-sequence form: one 1-D tensor of valid-token values per sequence."""
+    return [values[i][labels[i] != -100].clone() for i in range(labels.shape[0])]
+
+
+def ref_grpo(b, kind="grpo", eps=0.2, eps_high=None, old_mask=None, top_k=0, entropy=None):
+    """Reference values of the GRPO family; old_mask marks tokens that have old logps."""
+    eps_high = eps if eps_high is None else eps_high
+    labels, lp, old, ref, adv = b["labels"], b["logps"], b["old"], b["ref"], b["adv"]
+    n_seq, s = labels.shape
+    toks, olds, recs = [], [], []
+    seqs = []
+    for i in range(n_seq):
+        sd, sn = 0.0, 0
+        for t in range(s):
+            if labels[i, t] == -100:
+                continue
+            x = float(lp[i, t])
+            toks.append(x)
+            if old_mask is not None and not old_mask[i, t]:
+                continue
+            o = float(old[i, t])
+            d = x - o
+            r = math.exp(d)
+            k3 = r - d - 1
+            olds.append((o, d, r, k3, float(adv[i]), float(ref[i, t]) - x))
+            sd += d
+            sn += 1
+            if k3 > 0:
+                recs.append({"kl": k3, "gsi": i, "pos": int(b["pos"][i, t]), "token_id": int(labels[i, t]),
+                             "ratio": r, "logp_new": x, "logp_old": o})
+        if sn:
+            seqs.append((math.exp(sd / sn), float(adv[i])))
+    out = {"train/mean_new_logp": sum(toks) / len(toks)}
+    out["train/policy_confidence"] = math.exp(out["train/mean_new_logp"])
+    n = len(olds)
+    out.update({
+        "train/mean_old_logp": sum(o[0] for o in olds) / n,
+        "train/logp_diff_mean": sum(o[1] for o in olds) / n,
+        "train/approx_kl": sum(o[3] for o in olds) / n,
+        "train/token_kl_max": max(o[3] for o in olds),
+        "train/token_ratio_max": max(o[2] for o in olds),
+        "train/ratio_mean": sum(o[2] for o in olds) / n,
+        "train/ratio_min": min(o[2] for o in olds),
+        "train/ratio_max": max(o[2] for o in olds),
+        "train/advantage_mean": sum(o[4] for o in olds) / n,
+        "train/advantage_min": min(o[4] for o in olds),
+        "train/advantage_max": max(o[4] for o in olds),
+        "train/ref_kl": sum(math.exp(o[5]) - o[5] - 1 for o in olds) / n,
+    })
+    if kind == "gspo":
+        units = seqs
+    else:
+        units = [(o[2], o[4]) for o in olds]
+    if kind == "cispo":
+        low = sum(1 for r, a in units if r < 1 - eps)
+        high = sum(1 for r, a in units if r > 1 + eps_high)
+    else:
+        low = sum(1 for r, a in units if r < 1 - eps and a < 0)
+        high = sum(1 for r, a in units if r > 1 + eps_high and a > 0)
+    out["train/clip_ratio_low"] = low / len(units)
+    out["train/clip_ratio_high"] = high / len(units)
+    out["train/clip_ratio"] = (low + high) / len(units)
+    if entropy is not None:
+        out["train/entropy"] = entropy
+    if top_k:
+        out["_high_kl_records"] = sorted(recs, key=lambda r: -r["kl"])[:top_k]
+    return out
+
+
+def ref_entropy(logits, labels, temperature=1.0):
+    """Mean full-vocab entropy over masked tokens (float64 softmax of the whole row)."""
+    z = logits.to(torch.float64) / temperature
+    p = torch.softmax(z, -1)
+    h = -(p * torch.log_softmax(z, -1)).sum(-1)
+    m = labels != -100
+    return float(h[m].sum() / m.sum())
+
+
+def ref_dpo(b, beta=0.1):
+    labels, lp, ref = b["labels"], b["logps"], b["ref"]
+    seq = [sum(float(lp[i, t]) for t in range(labels.shape[1]) if labels[i, t] != -100)
+           for i in range(labels.shape[0])]
+    rseq = [sum(float(ref[i, t]) for t in range(labels.shape[1]) if labels[i, t] != -100)
+            for i in range(labels.shape[0])]
+    c, r, rc, rr = seq[0::2], seq[1::2], rseq[0::2], rseq[1::2]
+    n = len(c)
+    wc = [beta * (a - b_) for a, b_ in zip(c, rc)]
+    wr = [beta * (a - b_) for a, b_ in zip(r, rr)]
+    return {"logps/chosen": sum(c) / n, "logps/rejected": sum(r) / n,
+            "logps/ref_chosen": sum(rc) / n, "logps/ref_rejected": sum(rr) / n,
+            "rewards/chosen": sum(wc) / n, "rewards/rejected": sum(wr) / n,
+            "rewards/margins": sum(a - b_ for a, b_ in zip(wc, wr)) / n,
+            "rewards/accuracies": sum(1 for a, b_ in zip(wc, wr) if a > b_) / n}
+
+
+def ref_rewards(rewards, lengths, max_len, num_generations, gen_times):
+    out = {}
+    for name, vals in rewards.items():
+        vals = [v for v in vals if v == v]
+        out[f"train/{name}_reward"] = statistics.fmean(vals)
+        out[f"train/{name}_reward_std"] = statistics.stdev(vals)
+    out["train/completion_length"] = statistics.fmean(lengths)
+    out["train/completion_length_min"] = float(min(lengths))
+    out["train/completion_length_max"] = float(max(lengths))
+    out["train/completion_clipped_ratio"] = sum(1 for x in lengths if x >= max_len) / len(lengths)
+    total = [sum(vals) for vals in zip(*rewards.values())]
+    groups = [total[i:i + num_generations] for i in range(0, len(total), num_generations)]
+    out["train/frac_reward_zero_std"] = sum(1 for g in groups if max(g) == min(g)) / len(groups)
+    out["profiling/Time taken: generate"] = statistics.fmean(gen_times)
+    return out

@@ -1,0 +1,271 @@
+"""Single-process tests of CompletionRewardMetric, DPOMetric and the GRPO family."""
+import math
+import random
+import statistics
+
+import pytest
+import torch
+
+from tests.rlref import make_rl_batch, ragged, ref_dpo, ref_entropy, ref_grpo, ref_rewards
+from twinkle_metrics import (CISPOMetric, CompletionRewardMetric, DPOMetric, GRPOMetric, GSPOMetric,
+                             MetricCollection)
+from twinkle_metrics.testing import assert_results_close, forbid_device_waits
+
+REL = 1e-10
+
+
+# --------------------------------------------------------------------------- rewards
+def _reward_data(seed, n=24):
+    rng = random.Random(seed)
+    acc = [float(rng.choice([0, 1])) for _ in range(n)]
+    fmt = [rng.gauss(0.5, 0.2) for _ in range(n)]
+    for i in range(0, 8):  # a few prompt groups of 4 with equal totals
+        acc[i], fmt[i] = 1.0, 0.25
+    lengths = [rng.randint(1, 20) for _ in range(n)]
+    return {"accuracy": acc, "format": fmt}, lengths
+
+
+def test_reward_metric_matches_statistics_over_calls():
+    rewards, lengths = _reward_data(0)
+    m = CompletionRewardMetric(reward_names=["accuracy", "format"], max_completion_length=16,
+                               num_generations=4)
+    times = [1.0, 3.0, 2.5]
+    for k, (a, b) in enumerate([(0, 8), (8, 12), (12, 24)]):
+        with forbid_device_waits():
+            m.accumulate(rewards={n: torch.tensor(v[a:b], dtype=torch.float64) for n, v in rewards.items()},
+                         completion_lengths=torch.tensor(lengths[a:b]), generate_time=times[k],
+                         weight_sync_time=0.5)
+    want = ref_rewards(rewards, lengths, 16, 4, times)
+    want["profiling/Time taken: move_model_to_sampler"] = 0.5
+    assert_results_close(m.calculate(), want, rel=REL)
+    assert m.calculate() == {}  # reset; nothing seen gives {} (Twinkle: -1.0)
+
+
+def test_reward_std_exact_with_large_offset():
+    rng = random.Random(1)
+    offset = 1e8
+    vals = [offset + rng.gauss(0, 1) for _ in range(4000)]
+    m = CompletionRewardMetric()
+    for i in range(0, 4000, 250):
+        m.accumulate(rewards={"r": vals[i:i + 250]})
+    got = m.calculate()
+    want_std = statistics.stdev(vals)  # exact (Fraction-based) reference
+    assert math.isclose(got["train/r_reward_std"], want_std, rel_tol=1e-6)
+    assert math.isclose(got["train/r_reward"], statistics.fmean(vals), rel_tol=1e-14)
+    # the same data through (n, sum, sum of squares) in float64 is far off: the test can fail
+    t = torch.tensor(vals, dtype=torch.float64)
+    naive = math.sqrt(max(float((t * t).sum() - t.sum() ** 2 / len(vals)), 0.0) / (len(vals) - 1))
+    assert not math.isclose(naive, want_std, rel_tol=1e-2)
+
+
+def test_reward_plain_list_nan_completions_and_group_ids():
+    m = CompletionRewardMetric()
+    texts = ["abc", "hello", "", "xy"]
+    m.accumulate(rewards=[1.0, float("nan"), 3.0, None], completions=texts,
+                 generation_time=2.0, group_ids=[7, 3, 7, 3])
+    got = m.calculate()
+    assert got["train/reward_reward"] == 2.0
+    assert math.isclose(got["train/reward_reward_std"], statistics.stdev([1.0, 3.0]))
+    assert got["train/completion_length"] == statistics.fmean(len(t) for t in texts)  # characters
+    assert got["profiling/Time taken: generate"] == 2.0
+    assert "train/frac_reward_zero_std" in got  # NaN groups are not equal: 0 of 2
+    assert got["train/frac_reward_zero_std"] == 0.0
+
+
+def test_reward_group_ids_any_order_match_reference():
+    rng = random.Random(5)
+    ids = [g for g in range(6) for _ in range(4)]
+    rng.shuffle(ids)
+    vals = [1.0 if ids[i] % 3 == 0 else rng.random() for i in range(24)]
+    m = CompletionRewardMetric()
+    with forbid_device_waits():
+        m.accumulate(rewards={"r": torch.tensor(vals, dtype=torch.float64)}, group_ids=torch.tensor(ids))
+    groups = {}
+    for g, v in zip(ids, vals):
+        groups.setdefault(g, []).append(v)
+    want = sum(1 for vs in groups.values() if max(vs) == min(vs)) / len(groups)
+    assert m.calculate()["train/frac_reward_zero_std"] == want == 2 / 6
+
+
+def test_reward_dynamic_names_order_independent():
+    a, b = CompletionRewardMetric(), CompletionRewardMetric()
+    a.accumulate(rewards={"z": [1.0]}).accumulate(rewards={"a": [2.0]})
+    b.accumulate(rewards={"a": [2.0], "z": [1.0]})
+    assert list(a._specs) == list(b._specs)
+    assert a.reward_names == ["a", "z"]
+
+
+def test_reward_errors():
+    m = CompletionRewardMetric(reward_names=["acc"], num_generations=4)
+    with pytest.raises(ValueError, match=r"CompletionRewardMetric: rewards \['fmt'\] are not in reward_names"):
+        m.accumulate(rewards={"fmt": [1.0]})
+    with pytest.raises(ValueError, match="6 rewards are not a multiple of num_generations=4"):
+        m.accumulate(rewards={"acc": [1.0] * 6})
+    with pytest.raises(TypeError, match=r"rewards\['acc'\] must be a number"):
+        m.accumulate(rewards={"acc": "bad"})
+    with pytest.raises(ValueError, match="both generate_time and generation_time"):
+        m.accumulate(generate_time=1.0, generation_time=2.0)
+    with pytest.raises(ValueError, match="group_ids has 2 entries but there are 4"):
+        CompletionRewardMetric().accumulate(rewards=[1.0, 2, 3, 4], group_ids=[0, 1])
+    assert m.calculate() == {}  # failed calls left nothing behind
+
+
+# --------------------------------------------------------------------------- DPO
+def test_dpo_interleaved_matches_reference_and_forbids_waits():
+    b = make_rl_batch(0)
+    m = DPOMetric(beta=0.1)
+    with forbid_device_waits():
+        m.accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, ref_outputs={"logps": b["ref"]})
+    got = m.calculate()
+    assert_results_close(got, ref_dpo(b), rel=REL)
+    assert 0.0 <= got["rewards/accuracies"] <= 1.0
+
+
+def test_dpo_microbatches_separate_and_presummed_agree():
+    b = make_rl_batch(1)
+    want = ref_dpo(b, beta=0.5)
+    lab, lp, ref = b["labels"], b["logps"], b["ref"]
+    # pairs split across odd-sized microbatches
+    feats = [{"labels": lab[:3]}, {"labels": lab[3:]}]
+    got = DPOMetric(beta=0.5).accumulate(feats, {"logps": [lp[:3], lp[3:]]},
+                                         ref_outputs={"logps": ref}).calculate()
+    assert_results_close(got, want, rel=REL)
+    sep = DPOMetric(beta=0.5)
+    with forbid_device_waits():
+        sep.accumulate(chosen=({"labels": lab[0::2]}, {"logps": lp[0::2]}),
+                       rejected=({"completion_mask": lab[1::2] != -100}, {"logps": lp[1::2]}),
+                       ref_chosen={"logps": ref[0::2]}, ref_rejected={"logps": ref[1::2]})
+    assert_results_close(sep.calculate(), want, rel=REL)
+    seq = torch.where(lab != -100, lp, 0.0).sum(1)
+    rseq = torch.where(lab != -100, ref, 0.0).sum(1)
+    pre = DPOMetric(beta=0.5).accumulate(None, {"chosen_logps": seq[0::2], "rejected_logps": seq[1::2],
+                                               "ref_chosen_logps": rseq[0::2],
+                                               "ref_rejected_logps": rseq[1::2]})
+    assert_results_close(pre.calculate(), want, rel=REL)
+
+
+def test_dpo_without_ref_and_errors():
+    b = make_rl_batch(2)
+    got = DPOMetric().accumulate({"labels": b["labels"]}, {"logps": b["logps"]}).calculate()
+    assert set(got) == {"logps/chosen", "logps/rejected"}
+    m = DPOMetric()
+    with pytest.raises(ValueError, match="DPOMetric: the batch has 11 sequences"):
+        m.accumulate({"labels": b["labels"][:11]}, {"logps": b["logps"][:11]})
+    with pytest.raises(ValueError, match="DPOMetric: chosen has 6 sequences"):
+        m.accumulate(chosen=({"labels": b["labels"][:6]}, {"logps": b["logps"][:6]}),
+                     rejected=({"labels": b["labels"][:5]}, {"logps": b["logps"][:5]}))
+    with pytest.raises(ValueError, match=r"reference logps for outputs have shape \[12, 3\]"):
+        m.accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, ref_outputs={"logps": b["ref"][:, :3]})
+    with pytest.raises(ValueError, match="only one of chosen=/rejected="):
+        m.accumulate(chosen=({"labels": b["labels"]}, {"logps": b["logps"]}))
+    assert m.calculate() == {}
+
+
+# --------------------------------------------------------------------------- GRPO family
+@pytest.mark.parametrize("cls,kind", [(GRPOMetric, "grpo"), (GSPOMetric, "gspo"), (CISPOMetric, "cispo")])
+def test_grpo_family_matches_reference(cls, kind):
+    b = make_rl_batch(3)
+    eps, eps_high = (0.05, 0.08) if kind == "gspo" else (0.2, 0.28)  # sequence ratios stay near 1
+    want = ref_grpo(b, kind, eps=eps, eps_high=eps_high, top_k=5)
+    m = cls(epsilon=eps, epsilon_high=eps_high, top_k_kl=5)
+    with forbid_device_waits():
+        m.accumulate({"labels": b["labels"], "position_ids": b["pos"]}, {"logps": b["logps"]},
+                     old_logps=b["old"], advantages=b["adv"], ref_logps=b["ref"])
+    got = m.calculate()
+    assert_results_close(got, want, rel=1e-9)
+    assert 0 < got["train/clip_ratio"] < 1
+
+
+def test_grpo_side_input_forms_agree():
+    b = make_rl_batch(4)
+    lab, lp = b["labels"], b["logps"]
+    want = ref_grpo(b, top_k=4)
+    feats = [{"labels": lab[:5]}, {"labels": lab[5:]}]
+    outs = {"logps": [lp[:5], lp[5:]]}
+    forms = [
+        dict(old_logps=b["old"], advantages=b["adv"], ref_logps=b["ref"]),                 # aligned
+        dict(old_logps=[b["old"][:5], b["old"][5:]], advantages=[b["adv"][:5], b["adv"][5:]],
+             ref_outputs={"logps": [b["ref"][:5], b["ref"][5:]]}),                        # per mb
+        dict(old_logps=ragged(b["old"], lab), advantages=[float(a) for a in b["adv"]],
+             ref_logps=ragged(b["ref"], lab)),                                            # per seq
+        dict(old_logps=ragged(b["old"], lab), advantages=b["adv"][:, None].expand(-1, 8).clone(),
+             ref_logps=b["ref"]),                                                         # per token adv
+    ]
+    for kw in forms:
+        m = GRPOMetric(top_k_kl=4)
+        with forbid_device_waits():
+            m.accumulate(feats, outs, **kw)
+        assert_results_close(m.calculate(), want, rel=1e-9)
+
+
+def test_grpo_denominators_count_only_tokens_with_old():
+    b = make_rl_batch(5)
+    lab = b["labels"]
+    old_list = ragged(b["old"], lab)
+    old_list = [o[: len(o) // 2] for o in old_list]  # only the first half of each row has old logps
+    has = torch.zeros_like(lab, dtype=torch.bool)
+    for i in range(lab.shape[0]):
+        idx = [t for t in range(lab.shape[1]) if lab[i, t] != -100][: len(old_list[i])]
+        has[i, idx] = True
+    want = ref_grpo(b, old_mask=has)
+    m = GRPOMetric().accumulate({"labels": lab}, {"logps": b["logps"]}, old_logps=old_list,
+                                advantages=b["adv"], ref_logps=b["ref"])
+    got = m.calculate()
+    for key in ("train/mean_old_logp", "train/approx_kl", "train/logp_diff_mean", "train/ratio_mean",
+                "train/clip_ratio", "train/token_kl_max", "train/mean_new_logp"):
+        assert math.isclose(got[key], want[key], rel_tol=1e-9), key
+
+
+def test_grpo_temperature_does_not_rescale_logps():
+    b = make_rl_batch(6)
+    kw = dict(old_logps=b["old"], advantages=b["adv"])
+    a = GRPOMetric(temperature=0.7).accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, **kw).calculate()
+    c = GRPOMetric().accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, **kw).calculate()
+    assert_results_close(a, c, rel=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_entropy_from_logits_chunked_matches_full_softmax(temperature):
+    b = make_rl_batch(7)
+    want = ref_entropy(b["logits"], b["labels"], temperature)
+    m = GRPOMetric(entropy_from_logits=True, temperature=temperature, entropy_chunk_size=5)
+    feats = [{"labels": b["labels"][:7]}, {"labels": b["labels"][7:]}]
+    with forbid_device_waits():
+        m.accumulate(feats, {"logps": b["logps"], "logits": b["logits"]})
+    assert math.isclose(m.calculate()["train/entropy"], want, rel_tol=1e-10)
+    # float32 logits (the common case) within 1e-5
+    m32 = GRPOMetric(entropy_from_logits=True, temperature=temperature, entropy_chunk_size=7)
+    m32.accumulate({"labels": b["labels"]}, {"logps": b["logps"], "logits": b["logits"].float()})
+    assert math.isclose(m32.calculate()["train/entropy"], want, rel_tol=1e-5)
+    # without the opt-in, logits are ignored; given entropies win
+    assert "train/entropy" not in GRPOMetric().accumulate(
+        {"labels": b["labels"]}, {"logps": b["logps"], "logits": b["logits"]}).calculate()
+    ent = torch.full_like(b["logps"], 2.0)
+    got = GRPOMetric(entropy_from_logits=True).accumulate(
+        {"labels": b["labels"]}, {"logps": b["logps"], "logits": b["logits"], "entropies": ent}).calculate()
+    assert got["train/entropy"] == 2.0
+
+
+def test_grpo_in_collection_ignores_foreign_kwargs():
+    b = make_rl_batch(8)
+    coll = MetricCollection({"grpo": GRPOMetric(), "dpo": DPOMetric(), "": CompletionRewardMetric()})
+    coll.accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, old_logps=b["old"], rewards=[1.0, 2.0])
+    got = coll.calculate()
+    assert "grpo/train/approx_kl" in got and "dpo/logps/chosen" in got and "train/reward_reward" in got
+
+
+def test_grpo_errors_name_metric_and_field():
+    b = make_rl_batch(9)
+    m = GSPOMetric()
+    with pytest.raises(ValueError, match=r"GSPOMetric: outputs of microbatch 0 have no 'logps'"):
+        m.accumulate({"labels": b["labels"]}, {"entropies": b["logps"]})
+    with pytest.raises(ValueError, match=r"GSPOMetric: old_logps has 5 entries; expected one per "
+                                         r"microbatch \(1\) or one per sequence \(12\)"):
+        m.accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, old_logps=[b["old"][0]] * 5)
+    with pytest.raises(ValueError, match=r"GSPOMetric: advantages has shape \[11\]"):
+        m.accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, advantages=b["adv"][:11])
+    with pytest.raises(ValueError, match=r"GSPOMetric: outputs\['logps'\] has shape \[11, 8\]"):
+        m.accumulate({"labels": b["labels"]}, [{"logps": b["logps"][:11]}])
+    with pytest.raises(ValueError, match="top_k_kl must be an int >= 0"):
+        GRPOMetric(top_k_kl=-1)
+    assert m.calculate() == {}

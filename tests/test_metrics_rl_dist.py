@@ -1,0 +1,171 @@
+"""Multi-rank tests of the RL metrics on 8 real gloo ranks: sharded == whole."""
+import contextlib
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import DeviceMesh
+from tests.refmetric import cp_slice, dp_shards
+from tests.rlref import make_rl_batch, ragged, ref_entropy
+from tests.test_foundation_dist import _Counter
+from twinkle_metrics import (CISPOMetric, CompletionRewardMetric, DPOMetric, GRPOMetric, GSPOMetric,
+                             MetricCollection, MetricSyncError)
+from twinkle_metrics.testing import assert_results_close, forbid_device_waits
+
+pytestmark = pytest.mark.xdist_group("dist")
+
+SEED = 21
+N_SEQ, SEQ_LEN = 12, 8
+OFFSET = 1e6
+
+
+def _metrics(mesh):
+    return MetricCollection({
+        "grpo": GRPOMetric(top_k_kl=6),
+        "gspo": GSPOMetric(epsilon=0.05, epsilon_high=0.08, top_k_kl=3),
+        "cispo": CISPOMetric(),
+        "dpo": DPOMetric(beta=0.3),
+        "": CompletionRewardMetric(reward_names=["acc", "fmt"], max_completion_length=15,
+                                   num_generations=2),
+    }, device_mesh=mesh)
+
+
+def _rewards(rows):
+    rng = random.Random(SEED)
+    acc = [float(rng.choice([0, 1])) for _ in range(N_SEQ)]
+    fmt = [OFFSET + rng.gauss(0, 1) for _ in range(N_SEQ)]
+    lens = [rng.randint(1, 20) for _ in range(N_SEQ)]
+    return ({"acc": [acc[i] for i in rows], "fmt": [fmt[i] for i in rows]}, [lens[i] for i in rows])
+
+
+def _accumulate(coll, b, rows, cols, dpo_rows, gen_time, guard=contextlib.nullcontext):
+    """Feed one rank's shard: GRPO family as 2 microbatches with Twinkle's ragged old
+    logps, DPO interleaved pairs, rewards for whole prompt groups (the DPO pairs)."""
+    reward_rows = list(dpo_rows)
+    rows, dpo_rows = torch.tensor(list(rows)), torch.tensor(reward_rows)
+    lab, pos = b["labels"][:, cols], b["pos"][:, cols]
+    lp, old, ref = b["logps"][:, cols], b["old"][:, cols], b["ref"][:, cols]
+    half = (len(rows) + 1) // 2
+    parts = [rows[:half], rows[half:]]
+    feats = [{"labels": lab[p], "position_ids": pos[p]} for p in parts]
+    rl_kwargs = dict(old_logps=ragged(old[rows], lab[rows]), advantages=b["adv"][rows],
+                     ref_logps=[ref[p] for p in parts])
+    rl_outputs = {"logps": [lp[p] for p in parts]}
+    rewards, lens = _rewards(reward_rows)
+    with guard():
+        for name in ("grpo", "gspo", "cispo"):
+            coll[name].accumulate(feats, rl_outputs, **rl_kwargs)
+        coll["dpo"].accumulate({"labels": lab[dpo_rows]}, {"logps": lp[dpo_rows]},
+                               ref_outputs={"logps": ref[dpo_rows]})
+        coll[""].accumulate(rewards=rewards, completion_lengths=lens, generate_time=gen_time)
+
+
+def whole_results():
+    b = make_rl_batch(SEED, N_SEQ, SEQ_LEN)
+    coll = _metrics(DeviceMesh.single())
+    _accumulate(coll, b, range(N_SEQ), torch.arange(SEQ_LEN), range(N_SEQ), 2.0)
+    return coll.calculate()
+
+
+def _mesh(source, sizes):
+    if source == "megatron":
+        from megatron.core import parallel_state as ps
+
+        ps.initialize_model_parallel(tensor_model_parallel_size=sizes.get("tp", 1),
+                                     pipeline_model_parallel_size=sizes.get("pp", 1),
+                                     context_parallel_size=sizes.get("cp", 1),
+                                     create_gloo_process_groups=False)
+        return DeviceMesh.from_megatron()
+    return DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
+
+
+def case_sharded_equals_whole(source, sizes):
+    try:
+        mesh = _mesh(source, sizes)
+        b = make_rl_batch(SEED, N_SEQ, SEQ_LEN)
+        coll = _metrics(mesh)
+        counts = None
+        if mesh.is_last_stage:
+            rows = dp_shards(N_SEQ, mesh.dp_size)[mesh.dp_rank]
+            pairs = dp_shards(N_SEQ // 2, mesh.dp_size)[mesh.dp_rank]
+            dpo_rows = range(2 * pairs.start, 2 * pairs.stop)
+            cols = cp_slice(SEQ_LEN, mesh.cp_size, mesh.cp_rank)
+            with _Counter() as c:
+                _accumulate(coll, b, rows, cols, dpo_rows, 2.0, guard=forbid_device_waits)
+            counts = c.count
+        else:
+            for m in coll:
+                m.accumulate([], {})  # what a non-last stage gets from the schedule
+        return coll.calculate(), counts, mesh.cp_size
+    finally:
+        if source == "megatron":
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("source,sizes", [("megatron", dict(tp=2, pp=2, dp=2)),
+                                          ("megatron", dict(tp=2, cp=2, dp=2)),
+                                          ("sizes", dict(cp=2, dp=4))])
+def test_rl_metrics_sharded_equal_whole(dist_pool, source, sizes):
+    whole = whole_results()
+    # the comparison can fail: the data produce clipping, KL records and zero-std groups
+    assert whole["gspo/train/clip_ratio"] > 0 and whole["grpo/train/clip_ratio"] > 0
+    assert len(whole["grpo/_high_kl_records"]) == 6
+    assert {r["gsi"] for r in whole["grpo/_high_kl_records"]} - set(range(6))  # later sequences too
+    for got, counts, cp in dist_pool.run(case_sharded_equals_whole, source, sizes):
+        assert_results_close(got, whole, rel=1e-9)
+        if counts is not None:
+            # accumulate's only collectives: one CP all_reduce for DPO and one for GSPO
+            assert counts == (2 if cp > 1 else 0)
+
+
+def case_entropy_vocab_parallel(chunk):
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    try:
+        mesh = DeviceMesh.from_megatron()
+        b = make_rl_batch(SEED + 1, N_SEQ, SEQ_LEN, vocab=13)
+        rows = list(dp_shards(N_SEQ, mesh.dp_size)[mesh.dp_rank])
+        vocab_split = [7, 6]  # uneven vocab shards
+        start = sum(vocab_split[:mesh.tp_rank])
+        logits = b["logits"].float()[rows][:, :, start:start + vocab_split[mesh.tp_rank]]
+        m = GRPOMetric(mesh, entropy_from_logits=True, vocab_parallel=True, temperature=0.8,
+                       entropy_chunk_size=chunk)
+        with _Counter() as c, forbid_device_waits():
+            m.accumulate([{"labels": b["labels"][rows[:2]]}, {"labels": b["labels"][rows[2:]]}],
+                         {"logps": b["logps"][rows], "logits": logits})
+        return m.calculate()["train/entropy"], c.count
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_entropy_vocab_parallel_matches_full_vocab(dist_pool):
+    b = make_rl_batch(SEED + 1, N_SEQ, SEQ_LEN, vocab=13)
+    want = ref_entropy(b["logits"], b["labels"], 0.8)
+    for got, count in dist_pool.run(case_entropy_vocab_parallel, 5):
+        assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5)
+        assert count == 2  # one MAX and one SUM all_reduce over TP per accumulate
+
+
+def case_reward_names_mismatch():
+    mesh = DeviceMesh.from_sizes(dp_size=8)
+    m = CompletionRewardMetric(mesh)
+    names = {"acc": [1.0]}
+    if dist.get_rank() == 3:
+        names["fmt"] = [0.5]
+    m.accumulate(rewards=names)
+    try:
+        m.calculate()
+    except MetricSyncError as e:
+        return str(e)
+    return None
+
+
+def test_reward_names_mismatch_points_to_reward_names(dist_pool):
+    for err in dist_pool.run(case_reward_names_mismatch, timeout=120):
+        assert err is not None and "reward_names" in err

@@ -1,0 +1,192 @@
+"""``DPOMetric``: TRL-style preference statistics from per-token log-probs."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .base import Metric
+from .microbatch import microbatches
+from .rl_inputs import as_tensor, common_length, cp_lead, cp_sum, token_mask
+from .state import State
+
+_NAME = "DPOMetric"
+
+
+class DPOMetric(Metric):
+    """DPO metrics with TRL's keys, exact over the data group.
+
+    Keys: ``logps/chosen``, ``logps/rejected`` (mean sequence log-prob, the sum over
+    masked tokens), and with reference log-probs ``logps/ref_chosen``,
+    ``logps/ref_rejected``, ``rewards/chosen`` = beta * (chosen - ref_chosen),
+    ``rewards/rejected``, ``rewards/margins`` (mean of chosen - rejected reward) and
+    ``rewards/accuracies`` (fraction of pairs with chosen reward > rejected reward,
+    strictly, in [0, 1]; Twinkle returns a percent string).
+
+    Three ways to pass a batch:
+
+    * interleaved, as Twinkle: ``accumulate(inputs, {'logps': [2n, s]},
+      ref_outputs={'logps': [2n, s]})`` with rows ``[c1, r1, c2, r2, ...]``
+      (pairs may span microbatches of a ``List[InputFeature]``);
+    * separate batches: ``accumulate(chosen=(inputs_c, {'logps': ...}),
+      rejected=(inputs_r, {'logps': ...}), ref_chosen={'logps': ...},
+      ref_rejected={'logps': ...})``, row i of each forming pair i;
+    * sequence log-probs already summed (TRL's concatenated forward):
+      ``accumulate(None, {'chosen_logps': [n], 'rejected_logps': [n],
+      'ref_chosen_logps': [n], 'ref_rejected_logps': [n]})``.
+
+    Under context parallelism each rank holds only some tokens of every sequence,
+    so ``accumulate`` sums the per-sequence partial log-probs over the CP group
+    (one all_reduce on the device) before any comparison: every CP rank must call
+    ``accumulate`` the same number of times with the same sequences. The pair
+    statistics are then counted on CP rank 0 only. Reference
+    statistics divide by the pairs that had reference log-probs (Twinkle divides
+    by all pairs).
+
+    Args:
+        beta: DPO's beta, scaling the implicit rewards.
+        ignore_index: label value of tokens that do not count.
+    """
+
+    pairs = State("sum", torch.int64)
+    chosen = State("sum")
+    rejected = State("sum")
+    ref_pairs = State("sum", torch.int64)
+    ref_chosen = State("sum")
+    ref_rejected = State("sum")
+    reward_chosen = State("sum")
+    reward_rejected = State("sum")
+    margin = State("sum")
+    correct = State("sum", torch.int64)
+
+    def __init__(self, device_mesh=None, process_group=None, *, beta: float = 0.1,
+                 ignore_index: int = -100):
+        super().__init__(device_mesh, process_group)
+        self.beta = float(beta)
+        self.ignore_index = ignore_index
+
+    def update(self, inputs=None, outputs=None, *, ref_outputs=None, chosen=None, rejected=None,
+               ref_chosen=None, ref_rejected=None, **kwargs) -> Dict[str, Any]:
+        if chosen is not None or rejected is not None:
+            if chosen is None or rejected is None:
+                raise ValueError(f"{_NAME}: got only one of chosen=/rejected=; pass both as "
+                                 "(inputs, outputs) pairs")
+            c = self._seq_logps("chosen", *_pair("chosen", chosen), ref_chosen)
+            r = self._seq_logps("rejected", *_pair("rejected", rejected), ref_rejected)
+            if c is None or r is None:
+                return {}
+            if c.shape != r.shape:
+                raise ValueError(f"{_NAME}: chosen has {c.shape[0]} sequences (ref: {c.shape[1] > 1}) "
+                                 f"but rejected has {r.shape[0]} (ref: {r.shape[1] > 1}); pass "
+                                 "matching pairs, with reference log-probs for both or neither")
+            sums = self._complete(torch.cat([c, r]))
+            c, r = sums[:c.shape[0]], sums[c.shape[0]:]
+        elif isinstance(outputs, dict) and outputs.get("chosen_logps") is not None:
+            c, r = self._presummed(outputs)
+        else:
+            sums = self._seq_logps("outputs", inputs, outputs, ref_outputs)
+            if sums is None:
+                return {}
+            if sums.shape[0] % 2:
+                raise ValueError(f"{_NAME}: the batch has {sums.shape[0]} sequences; interleaved "
+                                 "[chosen, rejected, ...] batches need an even count (or pass "
+                                 "chosen=/rejected= separately)")
+            sums = self._complete(sums)
+            c, r = sums[0::2], sums[1::2]
+        if not cp_lead(self):
+            return {}  # the other CP ranks hold the same completed sums: count pairs once
+        return self._stats(c, r)
+
+    # ----------------------------------------------------------------- pieces
+    def _seq_logps(self, what: str, inputs, outputs, ref_outputs) -> Optional[torch.Tensor]:
+        """``[n, 1]`` (policy) or ``[n, 2]`` (policy, ref) masked token sums of this rank."""
+        pairs = microbatches(_NAME, inputs, outputs, ("logps",))
+        if not pairs or any("logps" not in o for _, o in pairs):
+            return None
+        ref_pairs = None
+        if ref_outputs is not None:
+            ref_pairs = microbatches(_NAME, inputs, ref_outputs, ("logps",))
+            if any("logps" not in o for _, o in ref_pairs):
+                ref_pairs = None
+        rows: List[torch.Tensor] = []
+        for i, (feat, out) in enumerate(pairs):
+            lp = as_tensor(out["logps"])
+            lp = lp.unsqueeze(0) if lp.dim() == 1 else lp
+            mask = token_mask(_NAME, feat, self.ignore_index, lp.device)
+            lp, mask = common_length(_NAME, f"{what} logps", lp, mask)
+            cols = [torch.where(mask, lp.to(torch.float64), 0.0).sum(-1)]
+            if ref_pairs is not None:
+                ref = as_tensor(ref_pairs[i][1]["logps"], lp.device)
+                ref = ref.unsqueeze(0) if ref.dim() == 1 else ref
+                if ref.dim() != 2 or ref.shape[0] != lp.shape[0] or ref.shape[1] < lp.shape[1]:
+                    raise ValueError(f"{_NAME}: reference logps for {what} have shape "
+                                     f"{list(ref.shape)}, expected [{lp.shape[0]}, >= {lp.shape[1]}]; "
+                                     "run the reference model on the same batch")
+                cols.append(torch.where(mask, ref[:, :lp.shape[1]].to(torch.float64), 0.0).sum(-1))
+            rows.append(torch.stack(cols, dim=1))
+        return torch.cat(rows)
+
+    def _complete(self, sums: torch.Tensor) -> torch.Tensor:
+        """Whole-sequence totals: one SUM all_reduce of the partial sums over CP."""
+        if self.process_group is not None:
+            return sums
+        return cp_sum(sums, self.resolve_mesh().cp_group)
+
+    def _presummed(self, outputs) -> Tuple[torch.Tensor, torch.Tensor]:
+        cols = {}
+        for key in ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps"):
+            v = outputs.get(key)
+            if v is None:
+                continue
+            if isinstance(v, (list, tuple)):
+                v = torch.cat([as_tensor(x).reshape(-1) for x in v]) if v else torch.zeros(0)
+            cols[key] = as_tensor(v).reshape(-1).to(torch.float64)
+        if "rejected_logps" not in cols:
+            raise ValueError(f"{_NAME}: outputs has 'chosen_logps' but no 'rejected_logps'; pass both")
+        n = cols["chosen_logps"].shape[0]
+        has_ref = "ref_chosen_logps" in cols or "ref_rejected_logps" in cols
+        keys = ["chosen_logps", "rejected_logps"] + (["ref_chosen_logps", "ref_rejected_logps"]
+                                                    if has_ref else [])
+        for key in keys:
+            if key not in cols or cols[key].shape[0] != n:
+                got = list(cols[key].shape) if key in cols else "nothing"
+                raise ValueError(f"{_NAME}: outputs[{key!r}] is {got}, expected [{n}] like "
+                                 "chosen_logps; pass one value per pair for each")
+        if has_ref:
+            return (torch.stack([cols["chosen_logps"], cols["ref_chosen_logps"]], 1),
+                    torch.stack([cols["rejected_logps"], cols["ref_rejected_logps"]], 1))
+        return cols["chosen_logps"][:, None], cols["rejected_logps"][:, None]
+
+    def _stats(self, c: torch.Tensor, r: torch.Tensor) -> Dict[str, Any]:
+        n = c.shape[0]
+        out: Dict[str, Any] = {"pairs": n, "chosen": c[:, 0].sum(), "rejected": r[:, 0].sum()}
+        if c.shape[1] > 1:
+            rc = self.beta * (c[:, 0] - c[:, 1])
+            rr = self.beta * (r[:, 0] - r[:, 1])
+            out.update(ref_pairs=n, ref_chosen=c[:, 1].sum(), ref_rejected=r[:, 1].sum(),
+                       reward_chosen=rc.sum(), reward_rejected=rr.sum(), margin=(rc - rr).sum(),
+                       correct=(rc > rr).sum())
+        return out
+
+    def compute(self, s):
+        if not s["pairs"]:
+            return {}
+        out = {"logps/chosen": s["chosen"] / s["pairs"], "logps/rejected": s["rejected"] / s["pairs"]}
+        n = s["ref_pairs"]
+        if n:
+            out.update({
+                "logps/ref_chosen": s["ref_chosen"] / n,
+                "logps/ref_rejected": s["ref_rejected"] / n,
+                "rewards/chosen": s["reward_chosen"] / n,
+                "rewards/rejected": s["reward_rejected"] / n,
+                "rewards/margins": s["margin"] / n,
+                "rewards/accuracies": s["correct"] / n,
+            })
+        return out
+
+
+def _pair(name: str, value):
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"{_NAME}: {name}= must be an (inputs, outputs) pair, got "
+                        f"{type(value).__name__}")
+    return value[0], value[1]

@@ -1,0 +1,245 @@
+"""Build metrics and loggers from a config, so a training script wires no groups by hand.
+
+A config is a plain dict (JSON files in ``configs/``; no YAML dependency)::
+
+    {
+      "metrics": [
+        {"type": "LossMetric", "kwargs": {"loss_reduction": "sum"}},
+        {"type": "Accuracy", "kwargs": {"vocab_parallel": true}},
+        {"type": "TrainMetric"},
+        {"type": "my_pkg.my_module:MyMetric", "name": "custom"}
+      ],
+      "logging": {"interval": 5, "sinks": ["console", "jsonl", "tensorboard"]}
+    }
+
+``type`` is a class exported by ``twinkle_metrics``, a name added with
+``register_metric``, or ``"module:Class"``. Every metric gets the mesh, so all of
+them reduce over the same data group. Without ``name`` fields the result keys are
+the metrics' own (Twinkle's keys); with names on every entry, keys become
+``"{name}/{key}"``.
+
+Example::
+
+    mesh = DeviceMesh.from_megatron()
+    metrics = build_metrics(config["metrics"], mesh)   # a MetricCollection
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import json
+import os
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Type
+
+from parallel import DeviceMesh
+
+from .base import Metric
+from .collection import MetricCollection
+
+_REGISTRY: Dict[str, Type[Metric]] = {}
+_RESERVED_KWARGS = ("device_mesh", "process_group")
+_ENTRY_KEYS = ("type", "name", "kwargs", "feed")
+# Which call of a training loop reaches a metric (see ``split_feeds``).
+FEEDS = ("step", "microbatch")
+_STEP_METRICS = ("LossMetric", "TrainMetric")
+
+
+def register_metric(name: str, cls: Type[Metric]) -> Type[Metric]:
+    """Make ``cls`` buildable from configs as ``{"type": name}``."""
+    if not (inspect.isclass(cls) and issubclass(cls, Metric)):
+        raise TypeError(f"register_metric: {cls!r} is not a Metric subclass")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def available_metrics() -> Dict[str, Type[Metric]]:
+    """Every metric name a config may use without a ``module:Class`` path."""
+    import twinkle_metrics
+
+    found = {name: obj for name, obj in vars(twinkle_metrics).items()
+             if inspect.isclass(obj) and issubclass(obj, Metric) and obj is not Metric}
+    found.update(_REGISTRY)
+    return dict(sorted(found.items()))
+
+
+def resolve_metric(type_name: str) -> Type[Metric]:
+    """The class for a config ``type``; a clear error listing valid names otherwise."""
+    if not isinstance(type_name, str) or not type_name:
+        raise TypeError(f"build_metrics: metric 'type' must be a non-empty string, got {type_name!r}")
+    if ":" in type_name:
+        module_name, _, attr = type_name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"build_metrics: cannot import metric {type_name!r} ({exc}); use "
+                             "'package.module:ClassName'") from exc
+        if not (inspect.isclass(cls) and issubclass(cls, Metric)):
+            raise TypeError(f"build_metrics: {type_name!r} is not a twinkle_metrics.Metric subclass")
+        return cls
+    known = available_metrics()
+    if type_name not in known:
+        raise ValueError(f"build_metrics: unknown metric {type_name!r}; valid: {sorted(known)} "
+                         "(or 'package.module:ClassName' for your own)")
+    return known[type_name]
+
+
+def metric_kwargs(cls: Type[Metric]) -> Optional[List[str]]:
+    """Keyword arguments ``cls`` accepts besides the mesh; ``None`` if it cannot be told.
+
+    Walks the ``__init__`` chain while each one forwards ``**kwargs`` to its parent;
+    ``Metric.__init__`` rejects whatever is left, so the named parameters seen on the
+    way are the complete list.
+    """
+    names: List[str] = []
+    for klass in cls.__mro__:
+        if klass is object or "__init__" not in vars(klass):
+            continue
+        forwards = False
+        for p in inspect.signature(klass.__init__).parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                forwards = True
+            elif p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                if p.name not in _RESERVED_KWARGS and p.name not in names:
+                    names.append(p.name)
+        if klass is Metric or not forwards:
+            return names
+    return None
+
+
+def build_metric(entry: Mapping[str, Any], device_mesh: Optional[DeviceMesh] = None) -> Metric:
+    """One metric from ``{"type": ..., "kwargs": {...}}`` with ``device_mesh`` handed in."""
+    if isinstance(entry, str):
+        entry = {"type": entry}
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"build_metrics: each metric entry must be a dict or a type name, got "
+                        f"{type(entry).__name__}")
+    extra = set(entry) - set(_ENTRY_KEYS)
+    if extra:
+        raise ValueError(f"build_metrics: metric entry {dict(entry)} has unknown fields "
+                         f"{sorted(extra)}; valid: {list(_ENTRY_KEYS)}")
+    if "type" not in entry:
+        raise ValueError(f"build_metrics: metric entry {dict(entry)} has no 'type'; valid types: "
+                         f"{sorted(available_metrics())}")
+    cls = resolve_metric(entry["type"])
+    kwargs = dict(entry.get("kwargs") or {})
+    reserved = [k for k in kwargs if k in _RESERVED_KWARGS]
+    if reserved:
+        raise ValueError(f"build_metrics: {entry['type']} kwargs must not set {reserved}; the "
+                         "factory hands every metric the mesh")
+    valid = metric_kwargs(cls)
+    if valid is not None:
+        unknown = sorted(set(kwargs) - set(valid))
+        if unknown:
+            raise ValueError(f"build_metrics: {entry['type']} got unknown kwargs {unknown}; "
+                             f"valid: {valid}")
+    return cls(device_mesh=device_mesh, **kwargs)
+
+
+def build_metrics(entries: Sequence[Any], device_mesh: Optional[DeviceMesh] = None) -> MetricCollection:
+    """A ``MetricCollection`` of every entry, all sharing ``device_mesh``.
+
+    Raises:
+        ValueError: unknown metric types or kwargs (the message lists the valid
+            ones), an empty list, or names on some entries but not others.
+    """
+    if isinstance(entries, Mapping) and "metrics" in entries:
+        entries = entries["metrics"]
+    if not isinstance(entries, (list, tuple)) or not entries:
+        raise ValueError("build_metrics: 'metrics' must be a non-empty list of "
+                         "{'type': ..., 'kwargs': {...}} entries")
+    metrics = [build_metric(e, device_mesh) for e in entries]
+    for e in entries:
+        feed_of(e)  # a bad 'feed' is a config error too
+    names = [e.get("name") if isinstance(e, Mapping) else None for e in entries]
+    if all(n is None for n in names):
+        return MetricCollection(metrics, device_mesh=device_mesh)
+    if any(n is None for n in names):
+        raise ValueError(f"build_metrics: give every metric a 'name' or none (got {names}); "
+                         "names prefix result keys as 'name/key'")
+    if len(set(names)) != len(names):
+        raise ValueError(f"build_metrics: metric names must be unique, got {names}")
+    return MetricCollection(dict(zip(names, metrics)), device_mesh=device_mesh)
+
+
+def feed_of(entry: Any) -> str:
+    """``"step"`` or ``"microbatch"`` for a metric entry.
+
+    ``"step"`` metrics get one call per optimizer step with the schedule's report
+    list and step statistics (``accumulate(None, losses_reduced, grad_norm=..., lr=...)``);
+    ``"microbatch"`` metrics get each microbatch's features and model outputs
+    (``accumulate(feature, {"logits": logits})``). Default: LossMetric and
+    TrainMetric are step metrics, everything else reads model outputs.
+    """
+    entry = {"type": entry} if isinstance(entry, str) else entry
+    feed = entry.get("feed")
+    if feed is None:
+        name = resolve_metric(entry.get("type")).__name__
+        return "step" if name in _STEP_METRICS else "microbatch"
+    if feed not in FEEDS:
+        raise ValueError(f"build_metrics: {entry.get('type')} has feed {feed!r}; valid: {list(FEEDS)}")
+    return feed
+
+
+def split_feeds(entries: Sequence[Any], collection: MetricCollection):
+    """``(step_metrics, microbatch_metrics)``: the collection's metrics grouped by ``feed_of``.
+
+    The collection still calculates them all together (one fused sync).
+    """
+    if isinstance(entries, Mapping) and "metrics" in entries:
+        entries = entries["metrics"]
+    if len(entries) != len(collection):
+        raise ValueError(f"split_feeds: {len(entries)} entries but {len(collection)} metrics")
+    step, micro = [], []
+    for entry, metric in zip(entries, collection):
+        (step if feed_of(entry) == "step" else micro).append(metric)
+    return step, micro
+
+
+# ------------------------------------------------------------------ configs
+def load_config(path: str, overrides: Iterable[str] = ()) -> Dict[str, Any]:
+    """Read a JSON config and apply ``key.sub=value`` overrides (values parsed as JSON).
+
+    Example: ``load_config("configs/megatron_demo.json", ["train.steps=8"])``.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"load_config: {path} is not valid JSON: {exc}") from exc
+    return apply_overrides(config, overrides)
+
+
+def apply_overrides(config: Mapping[str, Any], overrides: Iterable[str]) -> Dict[str, Any]:
+    out = copy.deepcopy(dict(config))
+    for item in overrides or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"config override {item!r} must look like 'section.key=value'")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # bare strings need no quotes
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ValueError(f"config override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def config_path(name_or_path: str) -> str:
+    """A config file path; bare names are looked up in the repository's ``configs/``."""
+    if os.path.exists(name_or_path):
+        return name_or_path
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                        name_or_path)
+    for candidate in (here, here + ".json"):
+        if os.path.exists(candidate):
+            return candidate
+    raise FileNotFoundError(f"config {name_or_path!r} not found (also looked in {os.path.dirname(here)})")

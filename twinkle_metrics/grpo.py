@@ -1,0 +1,440 @@
+"""``GRPOMetric``, ``GSPOMetric``, ``CISPOMetric``: policy-optimisation statistics."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from parallel import comm_device, group_rank, group_size
+
+from .base import Metric
+from .microbatch import microbatches
+from .rl_inputs import as_tensor, common_length, cp_sum, per_token, split_side_input, token_mask
+from .state import State
+
+# Columns of one top-k record row.
+_FIELDS = ("kl", "gsi", "pos", "token_id", "ratio", "logp_new", "logp_old")
+_INT_FIELDS = ("gsi", "pos", "token_id")
+
+
+def _topk_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` rows with the largest first column (the k3 value); -inf rows are empty."""
+    flat = rows.reshape(-1, rows.shape[-1])
+    idx = torch.topk(flat[:, 0], min(k, flat.shape[0])).indices
+    return flat[idx]
+
+
+class GRPOMetric(Metric):
+    """Token-level policy statistics for GRPO/PPO-style training (Twinkle's keys).
+
+    Over masked tokens (``completion_mask``, else ``labels != ignore_index``), with
+    ``d = logp - old_logp``, ``r = exp(d)``:
+
+    * ``train/mean_new_logp``, ``train/policy_confidence`` = exp(mean logp);
+    * with ``old_logps``: ``train/mean_old_logp``, ``train/logp_diff_mean``,
+      ``train/approx_kl`` = mean k3 = mean(r - d - 1) (Schulman's k3 of KL(old||new)),
+      ``train/token_kl_max``, ``train/token_ratio_max``, and the additions
+      ``train/ratio_mean`` / ``train/ratio_min`` / ``train/ratio_max``. Their
+      denominators count only tokens that had an old log-prob (Twinkle divides by
+      every masked token);
+    * with ``advantages`` too: ``train/clip_ratio_low`` = [r < 1 - epsilon and A < 0],
+      ``train/clip_ratio_high`` = [r > 1 + epsilon_high and A > 0], ``train/clip_ratio``,
+      and ``train/advantage_mean`` / ``_min`` / ``_max`` over masked tokens (as verl);
+    * with ``ref_logps`` (or ``ref_outputs={'logps': ...}``): ``train/ref_kl`` = mean of
+      k3 for KL(pi || ref), exp(ref - logp) - (ref - logp) - 1, TRL's GRPO estimator;
+    * ``train/entropy`` from ``outputs['entropies']``, or, with
+      ``entropy_from_logits=True`` and no entropies, from ``outputs['logits']``
+      ``[b, s, v]`` aligned with the log-probs: H = logsumexp(z) - sum softmax(z) z
+      with z = logits / temperature, in chunks of tokens (no ``[tokens, vocab]``
+      softmax); with ``vocab_parallel=True`` the logits are the local vocab shard and
+      the sums are completed over the mesh's TP group (a MAX and a SUM all_reduce
+      per ``accumulate``);
+    * ``top_k_kl > 0``: ``_high_kl_records``, the K highest-k3 tokens of the whole
+      data group, each ``{'gsi', 'pos', 'token_id', 'kl', 'ratio', 'logp_new',
+      'logp_old'}``. ``gsi`` counts sequences over the data group in DP-rank order
+      since the last ``calculate()`` (under CP the ranks of one CP group share
+      sequences, so they are counted once per DP rank); ``pos`` is the token's
+      ``position_ids`` value when the input has them (the global position under CP),
+      else its index in the local row. Twinkle keeps per-rank records with local
+      indices.
+
+    Side inputs (``old_logps``, ``advantages``, ``ref_logps``) may be one tensor
+    aligned to the concatenated batch (``[N, s]``, or ``[N]`` for one value per
+    sequence), a list with one entry per microbatch, or a list with one entry per
+    sequence holding only that sequence's valid-token values (Twinkle's ragged
+    form), which are scattered onto the mask positions in order.
+
+    Temperature: log-probs are taken as given (they already carry the sampling
+    temperature). Twinkle multiplies them by T, which is wrong
+    (T * log softmax(z / T) != log softmax(z)); here T only scales logits when the
+    metric computes entropy itself.
+
+    Args:
+        ignore_index: label value of tokens that do not count.
+        temperature: sampling temperature, used only for entropy from logits.
+        epsilon: lower clip range; epsilon_high: upper (default epsilon).
+        top_k_kl: number of highest-KL token records to keep (0: none).
+        entropy_from_logits: compute entropy from ``outputs['logits']`` when no
+            ``outputs['entropies']`` are given.
+        vocab_parallel: the logits are vocab-sharded over the mesh's TP group.
+        entropy_chunk_size: tokens per chunk of the entropy computation.
+    """
+
+    n_tok = State("sum", torch.int64)
+    sum_new = State("sum")
+    n_old = State("sum", torch.int64)
+    sum_old = State("sum")
+    sum_diff = State("sum")
+    sum_kl = State("sum")
+    kl_max = State("max")
+    sum_ratio = State("sum")
+    ratio_max = State("max")
+    ratio_min = State("min")
+    n_ent = State("sum", torch.int64)
+    sum_ent = State("sum")
+    clip_n = State("sum", torch.int64)
+    clip_low = State("sum", torch.int64)
+    clip_high = State("sum", torch.int64)
+    n_adv = State("sum", torch.int64)
+    sum_adv = State("sum")
+    adv_min = State("min")
+    adv_max = State("max")
+    n_ref = State("sum", torch.int64)
+    sum_ref_kl = State("sum")
+
+    #: clip statistics per sequence (GSPO) instead of per token
+    sequence_level_clip = False
+
+    def __init__(self, device_mesh=None, process_group=None, *, ignore_index: int = -100,
+                 temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
+                 top_k_kl: int = 0, entropy_from_logits: bool = False, vocab_parallel: bool = False,
+                 entropy_chunk_size: int = 4096):
+        super().__init__(device_mesh, process_group)
+        name = type(self).__name__
+        if temperature <= 0:
+            raise ValueError(f"{name}: temperature must be > 0, got {temperature}")
+        if not isinstance(top_k_kl, int) or top_k_kl < 0:
+            raise ValueError(f"{name}: top_k_kl must be an int >= 0, got {top_k_kl!r}")
+        if entropy_chunk_size < 1:
+            raise ValueError(f"{name}: entropy_chunk_size must be >= 1, got {entropy_chunk_size}")
+        self.ignore_index = ignore_index
+        self.temperature = float(temperature)
+        self.epsilon = float(epsilon)
+        self.epsilon_high = float(epsilon if epsilon_high is None else epsilon_high)
+        self.top_k_kl = top_k_kl
+        self.entropy_from_logits = bool(entropy_from_logits)
+        self.vocab_parallel = bool(vocab_parallel)
+        self.entropy_chunk_size = int(entropy_chunk_size)
+        if top_k_kl:
+            self.add_state("topk", State(self._reduce_topk, torch.float64, shape=(top_k_kl, len(_FIELDS)),
+                                         default=-math.inf, local=self._fold_topk))
+            self.add_state("n_seq", State("sum", torch.int64))
+            self.add_state("dp_index", State("max", torch.int64, local="last"))
+            self.add_state("cp_index", State("max", torch.int64, local="last"))
+
+    def _reduce_topk(self, rows):
+        return _topk_rows(rows, self.top_k_kl)
+
+    def _fold_topk(self, old, new):
+        return _topk_rows(torch.stack([old, new]), self.top_k_kl)
+
+    # ----------------------------------------------------------------- update
+    def update(self, inputs, outputs, *, old_logps=None, advantages=None, ref_logps=None,
+               ref_outputs=None, **kwargs) -> Dict[str, Any]:
+        name = type(self).__name__
+        if outputs is None:
+            return {}
+        if ref_logps is None and isinstance(ref_outputs, dict):
+            ref_logps = ref_outputs.get("logps")
+        pairs = microbatches(name, inputs, outputs, ("logps", "entropies", "logits"))
+        if not pairs:
+            return {}
+        for i, (_, o) in enumerate(pairs):
+            if "logps" not in o:
+                raise ValueError(f"{name}: outputs of microbatch {i} have no 'logps'; pass per-token "
+                                 f"log-probs [batch, seq] (got fields {sorted(o)})")
+        lps, masks, full_lens = [], [], []
+        for feat, o in pairs:
+            lp = as_tensor(o["logps"])
+            lp = lp.unsqueeze(0) if lp.dim() == 1 else lp
+            mask = token_mask(name, feat, self.ignore_index, lp.device)
+            full_lens.append(mask.shape[1])
+            lp, mask = common_length(name, "logps", lp, mask)
+            lps.append(lp.to(torch.float64))
+            masks.append(mask)
+        sizes = [m.shape[0] for m in masks]
+        olds = split_side_input(name, "old_logps", old_logps, sizes)
+        advs = split_side_input(name, "advantages", advantages, sizes)
+        refs = split_side_input(name, "ref_logps", ref_logps, sizes)
+
+        acc: Dict[str, Any] = {}
+        seq_parts: List[torch.Tensor] = []
+        candidates: List[torch.Tensor] = []
+        logit_jobs = []
+        seq_start = 0
+        for i, ((feat, o), lp, m) in enumerate(zip(pairs, lps, masks)):
+            _add(acc, "n_tok", m.sum())
+            _add(acc, "sum_new", torch.where(m, lp, 0.0).sum())
+            if "entropies" in o:
+                ent = as_tensor(o["entropies"], lp.device)
+                ent = ent.unsqueeze(0) if ent.dim() == 1 else ent
+                ent, em = common_length(name, "entropies", ent, m)
+                _add(acc, "n_ent", em.sum())
+                _add(acc, "sum_ent", torch.where(em, ent.to(torch.float64), 0.0).sum())
+            elif self.entropy_from_logits and "logits" in o:
+                logit_jobs.append((i, o["logits"], m))
+            if m.numel() == 0:
+                seq_start += m.shape[0]
+                continue
+            adv, has_adv = (None, None)
+            if advs[i] is not None:
+                adv, has_adv = per_token(name, "advantages", advs[i], m, full_lens[i])
+                has_adv = has_adv & m
+                _add(acc, "n_adv", has_adv.sum())
+                _add(acc, "sum_adv", torch.where(has_adv, adv, 0.0).sum())
+                _min(acc, "adv_min", torch.where(has_adv, adv, math.inf).amin())
+                _max(acc, "adv_max", torch.where(has_adv, adv, -math.inf).amax())
+            if refs[i] is not None:
+                ref, has_ref = per_token(name, "ref_logps", refs[i], m, full_lens[i])
+                has_ref = has_ref & m
+                dr = torch.where(has_ref, ref - lp, 0.0)
+                _add(acc, "n_ref", has_ref.sum())
+                _add(acc, "sum_ref_kl", torch.where(has_ref, torch.exp(dr) - dr - 1.0, 0.0).sum())
+            if olds[i] is not None:
+                old, has_old = per_token(name, "old_logps", olds[i], m, full_lens[i])
+                has_old = has_old & m
+                d = torch.where(has_old, lp - old, 0.0)
+                r = torch.exp(d)
+                k3 = torch.where(has_old, r - d - 1.0, 0.0)
+                _add(acc, "n_old", has_old.sum())
+                _add(acc, "sum_old", torch.where(has_old, old, 0.0).sum())
+                _add(acc, "sum_diff", d.sum())
+                _add(acc, "sum_kl", k3.sum())
+                _add(acc, "sum_ratio", torch.where(has_old, r, 0.0).sum())
+                _max(acc, "kl_max", torch.where(has_old, k3, -math.inf).amax())
+                _max(acc, "ratio_max", torch.where(has_old, r, -math.inf).amax())
+                _min(acc, "ratio_min", torch.where(has_old, r, math.inf).amin())
+                if adv is not None:
+                    gate = has_old & has_adv
+                    if self.sequence_level_clip:
+                        g = gate.to(torch.float64)
+                        seq_parts.append(torch.stack([(d * g).sum(1), g.sum(1), (adv * g).sum(1)], 1))
+                    else:
+                        low, high = self._clip(r, adv, gate)
+                        _add(acc, "clip_n", gate.sum())
+                        _add(acc, "clip_low", low.sum())
+                        _add(acc, "clip_high", high.sum())
+                if self.top_k_kl:
+                    candidates.append(self._candidates(feat, m, lp, old, d, r, k3, has_old, seq_start))
+            seq_start += m.shape[0]
+
+        if logit_jobs:
+            for (i, _, m), ent in zip(logit_jobs, self._entropy_from_logits(name, logit_jobs)):
+                _add(acc, "n_ent", m.sum())
+                _add(acc, "sum_ent", torch.where(m, ent, 0.0).sum())
+        if self.sequence_level_clip and seq_parts:
+            acc.update(self._sequence_clip(torch.cat(seq_parts)))
+        if self.top_k_kl:
+            mesh = self.resolve_mesh()
+            cp_rank = mesh.cp_rank if self.process_group is None else 0
+            dp_rank = mesh.dp_rank if self.process_group is None else group_rank(self.process_group)
+            acc["n_seq"] = sum(sizes)
+            acc["dp_index"] = dp_rank
+            acc["cp_index"] = cp_rank
+            if candidates:
+                acc["topk"] = _topk_rows(torch.cat(candidates), self.top_k_kl)
+        return acc
+
+    def _clip(self, r, adv, gate):
+        """Token-level clip indicators, gated by the advantage sign (GRPO/PPO)."""
+        low = gate & (r < 1 - self.epsilon) & (adv < 0)
+        high = gate & (r > 1 + self.epsilon_high) & (adv > 0)
+        return low, high
+
+    def _sequence_clip(self, parts: torch.Tensor) -> Dict[str, Any]:
+        """GSPO: gates on exp(mean d) per sequence, from whole-sequence sums over CP."""
+        mesh = self.resolve_mesh()
+        group = mesh.cp_group if self.process_group is None else None
+        parts = cp_sum(parts, group)
+        if group is not None and group_rank(group) != 0:
+            return {}  # every CP rank now holds the same totals; count each sequence once
+        n = parts[:, 1]
+        valid = n > 0
+        safe = torch.where(valid, n, 1.0)
+        ratio = torch.exp(parts[:, 0] / safe)
+        adv = parts[:, 2] / safe
+        low, high = self._clip(ratio, adv, valid)
+        return {"clip_n": valid.sum(), "clip_low": low.sum(), "clip_high": high.sum()}
+
+    def _candidates(self, feat, m, lp, old, d, r, k3, has_old, seq_start) -> torch.Tensor:
+        """This microbatch's top-k rows [k, fields] with sequence indices offset so far."""
+        b, s = m.shape
+        key = torch.where(has_old & (k3 > 0), k3, -math.inf).reshape(-1)
+        k = min(self.top_k_kl, key.shape[0])
+        idx = torch.topk(key, k).indices
+        i, p = idx // s, idx % s
+        pos = feat.get("position_ids")
+        if pos is not None:
+            pos = as_tensor(pos, m.device)
+            pos = (pos.unsqueeze(0) if pos.dim() == 1 else pos).expand(b, -1)[:, :s]
+            pos_v = pos[i, p].to(torch.float64)
+        else:
+            pos_v = p.to(torch.float64)
+        labels = feat.get("labels")
+        if labels is not None:
+            labels = as_tensor(labels, m.device)
+            labels = labels.unsqueeze(0) if labels.dim() == 1 else labels
+            tok = labels[:, :s][i, p].to(torch.float64)
+        else:
+            tok = torch.full_like(pos_v, -1.0)
+        gsi = (i + seq_start).to(torch.float64) + self._states["n_seq"].to(i.device, torch.float64)
+        return torch.stack([key[idx], gsi, pos_v, tok, r[i, p], lp[i, p], old[i, p]], 1)
+
+    def _entropy_from_logits(self, name, jobs) -> List[torch.Tensor]:
+        """Per-token entropy [b, s] of each job's logits, chunked; vocab-parallel over TP."""
+        flats, shapes = [], []
+        for i, logits, m in jobs:
+            z = as_tensor(logits, m.device)
+            if z.dim() == 2:
+                z = z.unsqueeze(0)
+            if z.dim() != 3 or z.shape[0] != m.shape[0] or z.shape[1] < m.shape[1]:
+                raise ValueError(f"{name}: outputs['logits'] of microbatch {i} has shape "
+                                 f"{list(z.shape)}; expected [{m.shape[0]}, >= {m.shape[1]}, vocab] "
+                                 "aligned with the log-probs")
+            z = z[:, :m.shape[1]]
+            flats.append(z.reshape(-1, z.shape[-1]))
+            shapes.append(m.shape)
+        z_all = flats
+        tp_group = self.resolve_mesh().tp_group if self.vocab_parallel else None
+        chunk, t = self.entropy_chunk_size, self.temperature
+        work = [torch.promote_types(z.dtype, torch.float32) for z in z_all]
+        if tp_group is None:
+            ents = []
+            for z, dt in zip(z_all, work):
+                parts = []
+                for c in torch.split(z, chunk):
+                    zc = c.to(dt) / t
+                    lse = torch.logsumexp(zc, -1)
+                    p = torch.exp(zc - lse[:, None])
+                    parts.append(lse - torch.where(p > 0, p * zc, 0.0).sum(-1))
+                ents.append(torch.cat(parts) if parts else z.new_zeros(0, dtype=dt))
+        else:
+            import torch.distributed as dist
+
+            dev = comm_device(tp_group)
+            zmax = torch.cat([torch.cat([c.to(dt).amax(-1) / t for c in torch.split(z, chunk)])
+                              if z.shape[0] else z.new_zeros(0, dtype=dt)
+                              for z, dt in zip(z_all, work)]).to(torch.float64)
+            zmax_c = zmax.to(dev)
+            dist.all_reduce(zmax_c, op=dist.ReduceOp.MAX, group=tp_group)          # collective 1
+            zmax = zmax_c.to(zmax.device)
+            sums, start = [], 0
+            for z, dt in zip(z_all, work):
+                for c in torch.split(z, chunk):
+                    zc = c.to(dt) / t
+                    e = torch.exp(zc - zmax[start:start + c.shape[0], None].to(dt))
+                    sums.append(torch.stack([e.sum(-1), torch.where(e > 0, e * zc, 0.0).sum(-1)], 1))
+                    start += c.shape[0]
+            sw = torch.cat(sums).to(torch.float64).to(dev)
+            dist.all_reduce(sw, op=dist.ReduceOp.SUM, group=tp_group)              # collective 2
+            sw = sw.to(zmax.device)
+            h = zmax + torch.log(sw[:, 0]) - sw[:, 1] / sw[:, 0]
+            ents = list(torch.split(h, [z.shape[0] for z in z_all]))
+        return [e.to(torch.float64).reshape(shape) for e, shape in zip(ents, shapes)]
+
+    # ----------------------------------------------------------------- merge
+    def merge(self, rows):
+        if self.top_k_kl:
+            rows = dict(rows)
+            counts = rows["n_seq"].to(torch.float64)
+            dp, cp = rows["dp_index"], rows["cp_index"]
+            # Sequences before rank j's: those of every DP rank below it, counted once per
+            # CP group (CP ranks share sequences).
+            first = torch.where(cp == 0, counts, torch.zeros_like(counts))
+            offset = ((dp[None, :] < dp[:, None]).to(torch.float64) * first[None, :]).sum(1)
+            topk = rows["topk"].clone()
+            topk[:, :, 1] += offset[:, None]
+            rows["topk"] = topk
+        return super().merge(rows)
+
+    # ---------------------------------------------------------------- compute
+    def compute(self, s):
+        if not s["n_tok"]:
+            return {}
+        mean_new = s["sum_new"] / s["n_tok"]
+        out: Dict[str, Any] = {"train/policy_confidence": math.exp(mean_new),
+                               "train/mean_new_logp": mean_new}
+        n = s["n_old"]
+        if n:
+            out.update({
+                "train/mean_old_logp": s["sum_old"] / n,
+                "train/logp_diff_mean": s["sum_diff"] / n,
+                "train/approx_kl": s["sum_kl"] / n,
+                "train/token_kl_max": s["kl_max"],
+                "train/token_ratio_max": s["ratio_max"],
+                "train/ratio_mean": s["sum_ratio"] / n,
+                "train/ratio_min": s["ratio_min"],
+                "train/ratio_max": s["ratio_max"],
+            })
+        if s["n_ent"]:
+            out["train/entropy"] = s["sum_ent"] / s["n_ent"]
+        if s["clip_n"]:
+            out["train/clip_ratio_low"] = s["clip_low"] / s["clip_n"]
+            out["train/clip_ratio_high"] = s["clip_high"] / s["clip_n"]
+            out["train/clip_ratio"] = (s["clip_low"] + s["clip_high"]) / s["clip_n"]
+        if s["n_adv"]:
+            out["train/advantage_mean"] = s["sum_adv"] / s["n_adv"]
+            out["train/advantage_min"] = s["adv_min"]
+            out["train/advantage_max"] = s["adv_max"]
+        if s["n_ref"]:
+            out["train/ref_kl"] = s["sum_ref_kl"] / s["n_ref"]
+        if self.top_k_kl:
+            records = []
+            for row in s["topk"]:
+                if row[0] == -math.inf:
+                    continue
+                rec = dict(zip(_FIELDS, row))
+                for f in _INT_FIELDS:
+                    rec[f] = int(rec[f])
+                records.append(rec)
+            if records:
+                out["_high_kl_records"] = records
+        return out
+
+
+class PPOMetric(GRPOMetric):
+    """PPO policy metric: the same token-level ratio and clip statistics as GRPO."""
+
+
+class GSPOMetric(GRPOMetric):
+    """GRPO metrics with GSPO's sequence-level clip statistics.
+
+    Clip gates apply to each sequence's ratio exp(mean over its tokens of d), with
+    the sequence's advantage (the mean over its tokens when given per token);
+    ``train/clip_ratio*`` count sequences. Under CP the per-sequence sums are
+    completed over the CP group first (one all_reduce in ``accumulate``; every CP
+    rank must call it the same number of times). Other keys are as GRPOMetric.
+    """
+
+    sequence_level_clip = True
+
+
+class CISPOMetric(GRPOMetric):
+    """GRPO metrics with CISPO's clip statistics: r < 1 - epsilon or r > 1 + epsilon_high
+    per token, not gated by the advantage sign (CISPO clips the importance weight itself)."""
+
+    def _clip(self, r, adv, gate):
+        return gate & (r < 1 - self.epsilon), gate & (r > 1 + self.epsilon_high)
+
+
+def _add(acc, key, value):
+    acc[key] = acc[key] + value if key in acc else value
+
+
+def _max(acc, key, value):
+    acc[key] = torch.maximum(acc[key], value) if key in acc else value
+
+
+def _min(acc, key, value):
+    acc[key] = torch.minimum(acc[key], value) if key in acc else value

@@ -1,0 +1,293 @@
+"""``CompletionRewardMetric``: reward, completion-length and rollout-timing statistics."""
+from __future__ import annotations
+
+from numbers import Number
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import torch
+
+from .base import Metric
+from .rl_inputs import cp_lead
+from .state import State
+
+_NAME = "CompletionRewardMetric"
+_PREFIX = "reward/"
+
+
+def _chan(rows: torch.Tensor) -> torch.Tensor:
+    """Merge ``[k, 3]`` rows of (count, mean, M2) into one (Chan et al.'s parallel merge).
+
+    Deviations are taken from the merged mean, so a large common offset (mean >> std)
+    costs no precision, unlike (sum, sum of squares).
+    """
+    n = rows[:, 0]
+    total = n.sum()
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    mean = (n * rows[:, 1]).sum() / safe
+    m2 = rows[:, 2].sum() + (n * (rows[:, 1] - mean) ** 2).sum()
+    return torch.stack([total, torch.where(total > 0, mean, torch.zeros_like(mean)), m2])
+
+
+def _moments_reduce(rows: torch.Tensor) -> torch.Tensor:
+    return _chan(rows)
+
+
+def _moments_fold(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return _chan(torch.stack([old, new]))
+
+
+def _moments_state() -> State:
+    return State(_moments_reduce, torch.float64, shape=(3,), default=0.0, local=_moments_fold)
+
+
+class CompletionRewardMetric(Metric):
+    """Rewards per reward function, completion lengths and rollout timings (Twinkle's keys).
+
+    Keys: ``train/{name}_reward`` (mean), ``train/{name}_reward_std`` (sample std,
+    Bessel; 0 for one value), ``train/completion_length`` (mean) with ``_min`` /
+    ``_max``, ``train/completion_clipped_ratio`` (lengths >= ``max_completion_length``),
+    ``train/frac_reward_zero_std`` (prompt groups whose rewards are all equal),
+    ``profiling/Time taken: generate`` and ``profiling/Time taken: move_model_to_sampler``
+    (mean seconds per call).
+
+    Unlike Twinkle, every statistic is exact over the whole data group (Twinkle
+    reports each rank's own numbers): the std is merged from (count, mean, M2) with
+    Chan's parallel formula in float64, which stays exact when mean >> std. NaN
+    rewards (a reward function that returned None) are skipped, as TRL's nanmean.
+    Nothing seen gives ``{}`` rather than Twinkle's -1.0.
+
+    Under context parallelism the ranks of a CP group hold the same rollouts; only
+    CP rank 0 contributes, so each completion counts once. Reward names seen on
+    the other CP ranks still create their states.
+
+    Reward names: pass ``reward_names=[...]`` to create their states up front.
+    Without it, a name gets its state the first time ``accumulate`` sees it, so
+    every rank of the data group must see the same names before ``calculate()``
+    (names are kept sorted, so the order they arrive in does not matter);
+    otherwise ``calculate()`` raises ``MetricSyncError`` on every rank.
+
+    Args:
+        reward_names: reward function names known up front (recommended).
+        max_completion_length: length at which a completion counts as clipped.
+        num_generations: completions per prompt, consecutive within each call; enables
+            ``frac_reward_zero_std`` (or pass ``group_ids`` to ``accumulate``). A prompt
+            group must lie within one ``accumulate`` call of one rank.
+        zero_std_reward: the reward name whose per-group std is tested; default the
+            sum over all reward functions of the call (TRL tests the total reward).
+
+    Example::
+
+        m = CompletionRewardMetric(reward_names=["accuracy", "format"], num_generations=8)
+        m.accumulate(rewards={"accuracy": acc, "format": fmt}, completion_lengths=lens,
+                     generate_time=12.3, weight_sync_time=0.8)
+        m.calculate()   # {'train/accuracy_reward': ..., 'train/accuracy_reward_std': ..., ...}
+    """
+
+    len_count = State("sum", torch.int64)
+    len_sum = State("sum", torch.float64)
+    len_min = State("min", torch.float64)
+    len_max = State("max", torch.float64)
+    len_clipped = State("sum", torch.int64)
+    groups = State("sum", torch.int64)
+    groups_zero_std = State("sum", torch.int64)
+    gen_time_sum = State("sum", torch.float64)
+    gen_time_n = State("sum", torch.int64)
+    sync_time_sum = State("sum", torch.float64)
+    sync_time_n = State("sum", torch.int64)
+
+    def __init__(self, device_mesh=None, process_group=None, *,
+                 reward_names: Optional[Sequence[str]] = None,
+                 max_completion_length: Optional[int] = None,
+                 num_generations: Optional[int] = None,
+                 zero_std_reward: Optional[str] = None):
+        super().__init__(device_mesh, process_group)
+        if num_generations is not None and (not isinstance(num_generations, int) or num_generations < 1):
+            raise ValueError(f"{_NAME}: num_generations must be a positive int, got {num_generations!r}")
+        self.max_completion_length = max_completion_length
+        self.num_generations = num_generations
+        self.zero_std_reward = zero_std_reward
+        self._dynamic = reward_names is None
+        self._sync_hint = ("CompletionRewardMetric creates a state per reward name on first sight; "
+                           "pass reward_names=[...] to the constructor (or make every rank see "
+                           "the same reward names) so all ranks hold the same states")
+        self._ensure_names(sorted(set(reward_names or ())))
+
+    # ----------------------------------------------------------------- states
+    def _ensure_names(self, names) -> None:
+        new = [n for n in names if _PREFIX + n not in self._specs]
+        if not new:
+            return
+        for name in new:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"{_NAME}: reward names must be non-empty strings, got {name!r}")
+            self.add_state(_PREFIX + name, _moments_state())
+        # Keep reward states sorted by name so ranks that met the names in another order agree.
+        fixed = [k for k in self._specs if not k.startswith(_PREFIX)]
+        order = fixed + sorted(k for k in self._specs if k.startswith(_PREFIX))
+        self._specs = {k: self._specs[k] for k in order}
+        self._states = {k: self._states[k] for k in order}
+
+    @property
+    def reward_names(self):
+        return [k[len(_PREFIX):] for k in self._specs if k.startswith(_PREFIX)]
+
+    # ----------------------------------------------------------------- update
+    def accumulate(self, inputs=None, outputs=None, **kwargs) -> "CompletionRewardMetric":
+        contributions = self.update(inputs, outputs, **kwargs)
+        # New names get states only after the whole call validated.
+        self._ensure_names(sorted(k[len(_PREFIX):] for k in contributions if k.startswith(_PREFIX)))
+        if contributions:
+            self._fold(contributions)
+        return self
+
+    def update(self, inputs=None, outputs=None, *, rewards=None, completion_lengths=None,
+               completions=None, generate_time=None, generation_time=None,
+               weight_sync_time=None, group_ids=None, **kwargs) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        lead = cp_lead(self)
+        per_name = self._rewards_dict(rewards)
+        if not self._dynamic:
+            unknown = sorted(set(per_name) - set(self.reward_names))
+            if unknown:
+                raise ValueError(f"{_NAME}: rewards {unknown} are not in reward_names="
+                                 f"{self.reward_names}; add them to reward_names")
+        sizes = {name: v.shape[0] for name, v in per_name.items()}
+        for name, values in per_name.items():
+            out[_PREFIX + name] = _moments(values)
+
+        lengths = self._lengths(completion_lengths, completions)
+        if lengths is not None and lengths.numel():
+            out["len_count"] = lengths.numel()
+            out["len_sum"] = lengths.sum()
+            out["len_min"] = lengths.amin()
+            out["len_max"] = lengths.amax()
+            if self.max_completion_length is not None:
+                out["len_clipped"] = (lengths >= self.max_completion_length).sum()
+
+        if per_name and (group_ids is not None or self.num_generations is not None):
+            out.update(self._zero_std_groups(per_name, sizes, group_ids))
+
+        if generate_time is not None and generation_time is not None:
+            raise ValueError(f"{_NAME}: got both generate_time and generation_time; pass one")
+        gen = generate_time if generate_time is not None else generation_time
+        for key, field, value in (("gen_time", "generate_time", gen),
+                                  ("sync_time", "weight_sync_time", weight_sync_time)):
+            if value is None:
+                continue
+            t = _as_1d(field, value)
+            out[f"{key}_sum"] = t.sum()
+            out[f"{key}_n"] = t.numel()
+        # CP ranks of one group hold the same rollouts: validate everywhere, count once.
+        if not lead:  # (0, 0, 0) is the identity of the moments merge; names still get states
+            return {k: torch.zeros(3, dtype=torch.float64) for k in out if k.startswith(_PREFIX)}
+        return out
+
+    def _rewards_dict(self, rewards) -> Dict[str, torch.Tensor]:
+        if rewards is None:
+            return {}
+        if not isinstance(rewards, Mapping):
+            rewards = {"reward": rewards}  # a plain list / tensor of one reward function
+        return {str(name): _as_1d(f"rewards[{name!r}]", v) for name, v in rewards.items()}
+
+    def _lengths(self, completion_lengths, completions) -> Optional[torch.Tensor]:
+        if completion_lengths is not None:
+            return _as_1d("completion_lengths", completion_lengths)
+        if completions is None:
+            return None
+        if not isinstance(completions, (list, tuple)):
+            raise TypeError(f"{_NAME}: completions must be a list of strings or token-id lists, got "
+                            f"{type(completions).__name__}")
+        lens = []
+        for i, c in enumerate(completions):
+            if isinstance(c, str):
+                lens.append(len(c))  # characters: no tokenizer here
+            elif isinstance(c, torch.Tensor):
+                lens.append(c.shape[-1] if c.dim() else 1)
+            elif isinstance(c, (list, tuple)):
+                lens.append(len(c))  # token ids
+            else:
+                raise TypeError(f"{_NAME}: completions[{i}] is a {type(c).__name__}; expected a "
+                                "string (length in characters) or token ids (length in tokens)")
+        return torch.tensor(lens, dtype=torch.float64)
+
+    def _zero_std_groups(self, per_name, sizes, group_ids) -> Dict[str, Any]:
+        n_values = set(sizes.values())
+        if len(n_values) != 1:
+            raise ValueError(f"{_NAME}: reward functions returned different numbers of values "
+                             f"{sizes}; frac_reward_zero_std needs one value per completion")
+        n = n_values.pop()
+        if self.zero_std_reward is not None:
+            if self.zero_std_reward not in per_name:
+                raise ValueError(f"{_NAME}: zero_std_reward={self.zero_std_reward!r} is not among "
+                                 f"the rewards of this call {sorted(per_name)}")
+            total = per_name[self.zero_std_reward]
+        else:
+            total = torch.stack([v.to(torch.float64) for v in per_name.values()]).sum(0)
+        if group_ids is not None:
+            ids = group_ids if isinstance(group_ids, torch.Tensor) else torch.as_tensor(group_ids)
+            ids = ids.reshape(-1).to(total.device)
+            if ids.shape[0] != n:
+                raise ValueError(f"{_NAME}: group_ids has {ids.shape[0]} entries but there are {n} "
+                                 "rewards; pass one group id per completion")
+            # O(n^2) pairwise test instead of torch.unique (which waits for the device).
+            same = ids[:, None] == ids[None, :]
+            gmax = torch.where(same, total[None, :], -torch.inf).amax(1)
+            gmin = torch.where(same, total[None, :], torch.inf).amin(1)
+            earlier = torch.ones(n, n, dtype=torch.bool, device=total.device).tril(-1)
+            first = (same & earlier).sum(1) == 0
+            return {"groups": first.sum(), "groups_zero_std": (first & (gmax == gmin)).sum()}
+        g = self.num_generations
+        if n % g:
+            raise ValueError(f"{_NAME}: {n} rewards are not a multiple of num_generations={g}; "
+                             "pass whole prompt groups to each accumulate call, or group_ids")
+        grouped = total.reshape(n // g, g)
+        return {"groups": n // g, "groups_zero_std": (grouped.amax(1) == grouped.amin(1)).sum()}
+
+    # ---------------------------------------------------------------- compute
+    def compute(self, s):
+        out: Dict[str, Any] = {}
+        if s["sync_time_n"]:
+            out["profiling/Time taken: move_model_to_sampler"] = s["sync_time_sum"] / s["sync_time_n"]
+        if s["gen_time_n"]:
+            out["profiling/Time taken: generate"] = s["gen_time_sum"] / s["gen_time_n"]
+        for name in self.reward_names:
+            n, mean, m2 = s[_PREFIX + name]
+            if n < 1:
+                continue
+            out[f"train/{name}_reward"] = mean
+            out[f"train/{name}_reward_std"] = (max(m2, 0.0) / (n - 1)) ** 0.5 if n > 1 else 0.0
+        if s["len_count"]:
+            out["train/completion_length"] = s["len_sum"] / s["len_count"]
+            out["train/completion_length_min"] = s["len_min"]
+            out["train/completion_length_max"] = s["len_max"]
+            if self.max_completion_length is not None:
+                out["train/completion_clipped_ratio"] = s["len_clipped"] / s["len_count"]
+        if s["groups"]:
+            out["train/frac_reward_zero_std"] = s["groups_zero_std"] / s["groups"]
+        return out
+
+
+def _as_1d(field: str, value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).to(torch.float64)
+    if isinstance(value, Number):
+        return torch.tensor([float(value)], dtype=torch.float64)
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(v, torch.Tensor) for v in value):
+            return torch.stack([torch.as_tensor(v).reshape(()).to(torch.float64) for v in value])
+        try:
+            return torch.tensor([float("nan") if v is None else v for v in value], dtype=torch.float64)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"{_NAME}: {field} must be a number, a list of numbers or a tensor, got "
+                    f"{type(value).__name__}")
+
+
+def _moments(values: torch.Tensor) -> torch.Tensor:
+    """(count, mean, M2) of the non-NaN values, in float64, on the device."""
+    x = values.to(torch.float64)
+    ok = ~torch.isnan(x)
+    n = ok.sum().to(torch.float64)
+    mean = torch.where(ok, x, 0.0).sum() / n.clamp(min=1.0)
+    m2 = torch.where(ok, (x - mean) ** 2, 0.0).sum()
+    return torch.stack([n, mean, m2])

@@ -1,0 +1,178 @@
+"""Input helpers shared by the RL metrics (DPO, GRPO family).
+
+Everything here runs on the device without waiting for it: masks come from
+``completion_mask`` or ``labels``, ragged per-sequence values are scattered onto
+mask positions with ``pad_sequence`` + ``gather`` (no ``nonzero``), and the one
+CP collective sums per-sequence partial totals on the device.
+"""
+from __future__ import annotations
+
+from numbers import Number
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from parallel import comm_device, group_size
+
+
+def as_tensor(value, device=None, dtype=None) -> torch.Tensor:
+    """``torch.as_tensor`` that keeps device tensors where they are (asynchronous move)."""
+    if isinstance(value, torch.Tensor):
+        if device is not None and value.device != torch.device(device):
+            value = value.to(device, non_blocking=True)
+        return value if dtype is None else value.to(dtype)
+    return torch.as_tensor(value, dtype=dtype, device=device)
+
+
+def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tensor:
+    """``[b, s]`` bool mask: ``completion_mask`` when given, else ``labels != ignore_index``."""
+    if feat.get("completion_mask") is not None:
+        mask = as_tensor(feat["completion_mask"], device) != 0
+    elif feat.get("labels") is not None:
+        mask = as_tensor(feat["labels"], device) != ignore_index
+    else:
+        raise ValueError(f"{metric}: an input feature has neither 'completion_mask' nor 'labels'; "
+                         f"pass one so the valid tokens are known; got keys {sorted(feat)}")
+    return mask.unsqueeze(0) if mask.dim() == 1 else mask
+
+
+def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
+              dtype=torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One microbatch's per-token side input aligned to ``mask`` ([b, s]).
+
+    Returns ``(values [b, s], has [b, s] bool)``: ``has`` marks masked tokens that
+    received a value. Accepted forms:
+
+    * a ``[b, s]`` tensor aligned to the batch (``s`` = the mask length, or the
+      untruncated length ``full_len``);
+    * a ``[b]`` tensor or a list of ``b`` numbers: one scalar per sequence;
+    * a list of ``b`` 1-D tensors / lists: each sequence's values for its valid
+      tokens only (Twinkle's ragged form), scattered onto its mask positions in
+      order; tokens beyond a short entry get no value;
+    * a ``[b, L]`` tensor with another ``L``: right-padded valid-token values.
+    """
+    b, s = mask.shape
+    device = mask.device
+    if isinstance(value, torch.Tensor):
+        value = value.to(device=device, dtype=dtype, non_blocking=True) if value.device != device \
+            else value.to(dtype)
+        if value.dim() == 2 and value.shape[0] == b and value.shape[1] in (s, full_len):
+            return value[:, :s], mask
+        if value.dim() == 1 and value.shape[0] == b:
+            return value[:, None].expand(b, s), mask
+        if value.dim() == 2 and value.shape[0] == b:
+            return _scatter_padded(value, None, mask)
+        raise ValueError(f"{metric}: {field} has shape {list(value.shape)} but the microbatch has "
+                         f"{b} sequences of length {s}; pass [{b}, {s}] (aligned), [{b}] (one value "
+                         "per sequence) or a list with one 1-D tensor per sequence")
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{metric}: {field} must be a tensor or a list, got {type(value).__name__}")
+    if len(value) != b:
+        raise ValueError(f"{metric}: {field} has {len(value)} per-sequence entries but the "
+                         f"microbatch has {b} sequences; pass one entry per sequence")
+    if all(_is_scalar(v) for v in value):
+        vals = torch.stack([as_tensor(v, device, dtype).reshape(()) for v in value]) if b else \
+            torch.zeros(0, dtype=dtype, device=device)
+        return vals[:, None].expand(b, s), mask
+    rows: List[torch.Tensor] = []
+    for i, v in enumerate(value):
+        if _is_scalar(v):
+            rows.append(as_tensor(v, device, dtype).reshape(1).expand(s))
+            continue
+        t = as_tensor(v, device, dtype)
+        if t.dim() != 1:
+            raise ValueError(f"{metric}: {field}[{i}] has shape {list(t.shape)}; expected a 1-D "
+                             "tensor of that sequence's valid-token values")
+        rows.append(t)
+    lengths = torch.tensor([r.shape[0] for r in rows], device=device)  # shapes: host ints
+    padded = pad_sequence(rows, batch_first=True) if rows else torch.zeros(0, 0, dtype=dtype)
+    return _scatter_padded(padded, lengths, mask)
+
+
+def _scatter_padded(padded: torch.Tensor, lengths: Optional[torch.Tensor], mask: torch.Tensor):
+    b, s = mask.shape
+    width = padded.shape[1]
+    if width == 0:
+        return torch.zeros(b, s, dtype=padded.dtype, device=mask.device), torch.zeros_like(mask)
+    # The k-th valid token of a row takes the row's k-th value: index = cumsum(mask) - 1.
+    rank = mask.to(torch.int64).cumsum(1) - 1
+    vals = padded.gather(1, rank.clamp(0, width - 1))
+    limit = lengths[:, None] if lengths is not None else width
+    has = mask & (rank < limit)
+    return torch.where(has, vals, torch.zeros_like(vals)), has
+
+
+def _is_scalar(v) -> bool:
+    return isinstance(v, Number) or (isinstance(v, torch.Tensor) and v.dim() == 0)
+
+
+def split_side_input(metric: str, field: str, value, sizes: Sequence[int]) -> List[Any]:
+    """Split a side input (``old_logps``, ``advantages``, ...) into one entry per microbatch.
+
+    ``value`` may be one tensor aligned to the concatenated batch (dim 0 = all
+    sequences), a list with one entry per microbatch (each a ``[b, s]`` tensor or a
+    per-sequence list), or a list with one entry per sequence (1-D tensors / numbers,
+    Twinkle's ragged form). 2-D entries mean "per microbatch", 1-D / scalar entries
+    mean "per sequence" when both readings fit.
+    """
+    n_micro, total = len(sizes), sum(sizes)
+    if value is None:
+        return [None] * n_micro
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] != total:
+            raise ValueError(f"{metric}: {field} has shape {list(value.shape)} but the batch holds "
+                             f"{total} sequences ({list(sizes)} per microbatch); pass a tensor with "
+                             f"dim 0 = {total}, or a list per microbatch / per sequence")
+        return list(torch.split(value, list(sizes), dim=0))
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{metric}: {field} must be a tensor or a list, got {type(value).__name__}")
+    per_micro_like = all(v is None or isinstance(v, (list, tuple)) or
+                         (isinstance(v, torch.Tensor) and v.dim() >= 2) for v in value)
+    if len(value) == n_micro and (per_micro_like or len(value) != total):
+        return list(value)
+    if len(value) == total:
+        out, start = [], 0
+        for n in sizes:
+            out.append(list(value[start:start + n]))
+            start += n
+        return out
+    raise ValueError(f"{metric}: {field} has {len(value)} entries; expected one per microbatch "
+                     f"({n_micro}) or one per sequence ({total})")
+
+
+def cp_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``t`` over the CP group on the device (one all_reduce; none for one rank).
+
+    Every rank of the group must call it with the same shape.
+    """
+    if group is None or group_size(group) == 1:
+        return t
+    import torch.distributed as dist
+
+    dev = comm_device(group)
+    x = t.to(dev, non_blocking=True).contiguous() if t.device != dev else t.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x.to(t.device, non_blocking=True) if x.device != t.device else x
+
+
+def cp_lead(metric) -> bool:
+    """True unless this rank is a non-first rank of its CP group.
+
+    Sequence-level quantities (rewards, DPO pairs, GSPO sequence ratios) are the
+    same on every CP rank once completed; only CP rank 0 contributes them, so the
+    DP x CP reduction counts each sequence once.
+    """
+    if metric.process_group is not None:
+        return True
+    return metric.resolve_mesh().cp_rank == 0
+
+
+def common_length(metric: str, field: str, values: torch.Tensor, mask: torch.Tensor):
+    """Truncate ``values`` ([b, s', ...]) and ``mask`` ([b, s]) to a common length (Twinkle
+    trims off-by-one differences from packing/SP the same way); the batch dims must agree."""
+    if values.dim() < 2 or values.shape[0] != mask.shape[0]:
+        raise ValueError(f"{metric}: outputs[{field!r}] has shape {list(values.shape)} but the "
+                         f"labels/mask are {list(mask.shape)}; pass [batch, seq] aligned to the labels")
+    n = min(values.shape[1], mask.shape[1])
+    return values[:, :n], mask[:, :n]
