@@ -14,6 +14,8 @@ Workloads (what the brief fixes):
 
 Twinkle takes advantages only as a per-sequence list of floats, so it gets that;
 old logps go to both as a tensor shaped like the logps (Twinkle's fast path).
+``GRPOMetric:ragged`` gives both Twinkle's native rollout form instead: old logps
+as one 1-D tensor of completion tokens per sequence, advantages as a list.
 
 Device waits: every metric's accumulate runs once under ``waits.count_device_waits``
 on the suite's standard microbatch (plus the workloads above).
@@ -49,10 +51,16 @@ def workloads(seed=0):
                     outputs={"logits": torch.randn(4, 1024, 32000, generator=g)}, kwargs={})
     dpo = dict(inputs={"labels": labels}, outputs={"logps": logps},
                kwargs=dict(ref_outputs={"logps": logps + 0.1 * torch.randn(b, s, generator=g)}))
-    return {"GRPOMetric": grpo, "Accuracy": accuracy, "DPOMetric": dpo}
+    # Twinkle's native rollout form: per sequence, old logps of its completion tokens only,
+    # and one advantage per sequence, as Python lists (both metrics accept it).
+    old = grpo["kwargs"]["old_logps"]
+    ragged = dict(grpo, kwargs=dict(old_logps=[old[i][completion[i]] for i in range(b)],
+                                    advantages=grpo["kwargs"]["advantages"].tolist()))
+    return {"GRPOMetric": grpo, "GRPOMetric:ragged": ragged, "Accuracy": accuracy, "DPOMetric": dpo}
 
 
 def make_ours(name):
+    name = name.split(":")[0]
     cls = suite.ours_classes([name])[name]
     if name == "Accuracy":
         return cls(vocab_parallel=True)
@@ -62,6 +70,7 @@ def make_ours(name):
 def make_twinkle(name):
     import twinkle.metric as tm
 
+    name = name.split(":")[0]
     return getattr(tm, name)(None, None)
 
 
@@ -120,13 +129,17 @@ def count_waits(names):
             call()  # warm-up (lazy imports)
             with count_device_waits() as c:
                 call()
-            row[impl] = {"total": c.total, "by_call": dict(c.counts)}
-            if name in big:
-                w = big[name]
-                kw = w["kwargs"] if impl == "ours" else twinkle_kwargs(name, w["kwargs"])
+            row[impl] = {"total": c.total, "by_call": dict(c.counts), "host_reads": c.host_reads}
+            for key in (name, name + ":ragged"):
+                if key not in big:
+                    continue
+                w = big[key]
+                m.reset()
+                kw = w["kwargs"] if impl == "ours" else twinkle_kwargs(key, w["kwargs"])
                 with count_device_waits() as c:
                     m.accumulate(w["inputs"], w["outputs"], **kw)
-                row[impl + "_benchmark_workload"] = {"total": c.total, "by_call": dict(c.counts)}
+                row[impl + "_" + ("ragged_workload" if key != name else "benchmark_workload")] = {
+                    "total": c.total, "by_call": dict(c.counts), "host_reads": c.host_reads}
         out[name] = row
     return out
 
@@ -140,20 +153,21 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     t_start = time.time()
     w = workloads()
-    plan = {"GRPOMetric": (16, 10), "DPOMetric": (16, 20), "Accuracy": (8, 2)}
+    plan = {"GRPOMetric": (16, 10), "GRPOMetric:ragged": (12, 10), "DPOMetric": (16, 20), "Accuracy": (8, 2)}
     timing = {}
     for name, (blocks, per_block) in plan.items():
         timing[name] = time_pair(name, w[name], max(2, int(blocks * args.scale)), per_block)
         r = timing[name]
-        print(f"{name:12s} ours {r['ours_ms']:8.2f} ms  twinkle {r['twinkle_ms']:8.2f} ms  "
+        print(f"{name:18s} ours {r['ours_ms']:8.2f} ms  twinkle {r['twinkle_ms']:8.2f} ms  "
               f"twinkle/ours {r['twinkle_over_ours']:.2f}x (p10 {r['ratio_p10']:.2f}, p90 {r['ratio_p90']:.2f})")
         sys.stdout.flush()
     waits = count_waits(suite.ALL)
     for name, row in waits.items():
         extra = ""
-        if "ours_benchmark_workload" in row:
-            extra = (f" | benchmark workload: ours {row['ours_benchmark_workload']['total']}, "
-                     f"twinkle {row['twinkle_benchmark_workload']['total']}")
+        for kind in ("benchmark_workload", "ragged_workload"):
+            if "ours_" + kind in row:
+                extra += (f" | {kind.replace('_', ' ')}: ours {row['ours_' + kind]['total']}, "
+                          f"twinkle {row['twinkle_' + kind]['total']}")
         print(f"device waits per accumulate  {name:24s} ours {row['ours']['total']:3d}  "
               f"twinkle {row['twinkle']['total']:3d}{extra}")
     command = "benchmarks/.venv/bin/python -m benchmarks.bench_accumulate " + " ".join(argv or sys.argv[1:])

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks import suite  # noqa: E402
-from benchmarks.bench_accumulate import twinkle_kwargs, workloads  # noqa: E402
+from benchmarks.bench_accumulate import make_ours, make_twinkle, twinkle_kwargs, workloads  # noqa: E402
 
 
 def to_dev(x, dev):
@@ -38,7 +38,9 @@ def to_dev(x, dev):
         return x.to(dev)
     if isinstance(x, dict):
         return {k: to_dev(v, dev) for k, v in x.items()}
-    return x
+    if isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
+        return [v.to(dev) for v in x]
+    return x  # lists of Python numbers stay host data, as a rollout delivers them
 
 
 def sync_check(names, dev):
@@ -48,9 +50,11 @@ def sync_check(names, dev):
     for name in names:
         m = suite.ours_classes([name])[name]()
         calls = [("standard batch", lambda: suite._accumulate_ours(name, m, b))]
-        if name in big:
-            w = big[name]
-            calls.append(("benchmark workload", lambda w=w: m.accumulate(w["inputs"], w["outputs"], **w["kwargs"])))
+        for key in (name, name + ":ragged"):
+            if key in big:
+                w = big[key]
+                label = "benchmark workload" + (" (ragged host lists)" if key.endswith("ragged") else "")
+                calls.append((label, lambda w=w: m.accumulate(w["inputs"], w["outputs"], **w["kwargs"])))
         row = {}
         for label, call in calls:
             call()  # warm-up: lazy allocations outside the check
@@ -114,10 +118,9 @@ def blocked_time(dev, busy_ms=50.0):
     big = {k: to_dev(v, dev) for k, v in workloads().items()}
     out = {"queued_gpu_ms": 1e3 * per_mm * n_mm, "twinkle_available": have_twinkle}
     for name, w in big.items():
-        impls = {"ours": (suite.ours_classes([name])[name](), w["kwargs"])}
+        impls = {"ours": (make_ours(name), w["kwargs"])}
         if have_twinkle:
-            import twinkle.metric as tm
-            impls["twinkle"] = (getattr(tm, name)(None, None), twinkle_kwargs(name, w["kwargs"]))
+            impls["twinkle"] = (make_twinkle(name), twinkle_kwargs(name, w["kwargs"]))
         row = {}
         for label, (m, kw) in impls.items():
             m.accumulate(w["inputs"], w["outputs"], **kw)

@@ -5,7 +5,10 @@ The same calls ``twinkle_metrics.testing.forbid_device_waits()`` forbids
 ``bool(t)``, ``nonzero``, ``masked_select``, ``unique``, ``any``/``all``,
 boolean-mask indexing), counted instead of raised. On a CUDA device each of these
 is a stream synchronisation; on CPU they cost little, which is why we count them.
-Nested calls (``bool(t)`` calling ``.item()`` inside torch) count once.
+Nested calls (``bool(t)`` calling ``.item()`` inside torch) count once. Reads a
+metric marks with ``twinkle_metrics._host.host_reads()`` (CPU tensors of
+host-known sizes exchanged over gloo: no device involved) are counted apart, in
+``host_reads``, and not in ``total``.
 """
 from __future__ import annotations
 
@@ -16,10 +19,17 @@ import torch
 
 from twinkle_metrics.testing import _TENSOR_METHODS, _TORCH_FUNCS
 
+try:
+    from twinkle_metrics._host import host_reads_active
+except ImportError:  # a tree without the host-exchange helper
+    def host_reads_active() -> bool:
+        return False
+
 
 class WaitCounter:
     def __init__(self):
         self.counts: Counter = Counter()
+        self.host_reads = 0
         self._depth = 0
 
     @property
@@ -35,7 +45,10 @@ def count_device_waits():
     def wrap(owner, name, original, label):
         def counted(*args, **kwargs):
             if counter._depth == 0:
-                counter.counts[label] += 1
+                if host_reads_active():
+                    counter.host_reads += 1
+                else:
+                    counter.counts[label] += 1
             counter._depth += 1
             try:
                 return original(*args, **kwargs)
