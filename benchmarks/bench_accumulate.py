@@ -87,10 +87,11 @@ def time_pair(name, w, blocks, per_block):
            "twinkle": lambda: tw.accumulate(w["inputs"], w["outputs"], **tw_kw)}
     for fn in fns.values():  # warm-up
         fn()
-    per_call = {"ours": [], "twinkle": []}
-    ratios = []
+    per_call = {k: [] for k in fns}
+    ratios = {k: [] for k in fns if k != "twinkle"}
     for blk in range(blocks):
-        order = ["ours", "twinkle"] if blk % 2 == 0 else ["twinkle", "ours"]
+        order = list(fns)
+        order = order[blk % len(order):] + order[:blk % len(order)]
         got = {}
         for impl in order:
             t0 = time.perf_counter()
@@ -98,15 +99,17 @@ def time_pair(name, w, blocks, per_block):
                 fns[impl]()
             got[impl] = (time.perf_counter() - t0) / per_block
             per_call[impl].append(got[impl])
-        ratios.append(got["twinkle"] / got["ours"])
+        for k in ratios:
+            ratios[k].append(got["twinkle"] / got[k])
         if blk % 4 == 3:  # keep Python-number accumulators of the peer bounded
             tw.reset()
             ours.reset()
-    return {"ours_ms": 1e3 * common.median(per_call["ours"]),
-            "twinkle_ms": 1e3 * common.median(per_call["twinkle"]),
-            "twinkle_over_ours": common.median(ratios),
-            "ratio_p10": common.quantile(ratios, 0.1), "ratio_p90": common.quantile(ratios, 0.9),
-            "blocks": blocks, "calls_per_block": per_block}
+    out = {"ours_ms": 1e3 * common.median(per_call["ours"]),
+           "twinkle_ms": 1e3 * common.median(per_call["twinkle"]),
+           "twinkle_over_ours": common.median(ratios["ours"]),
+           "ratio_p10": common.quantile(ratios["ours"], 0.1), "ratio_p90": common.quantile(ratios["ours"], 0.9),
+           "blocks": blocks, "calls_per_block": per_block}
+    return out
 
 
 def count_waits(names):

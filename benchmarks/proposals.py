@@ -55,3 +55,4 @@ def entropy_from_logits(z: torch.Tensor, temperature: float = 1.0, tp_group=None
         dist.all_reduce(st, op=dist.ReduceOp.SUM, group=tp_group)
     h = torch.log(st[:, 0]) - st[:, 1] / st[:, 0]
     return h.reshape(lead)
+
