@@ -301,3 +301,33 @@ def test_embedding_errors():
         EmbeddingMetric().accumulate([{"labels": labels[:4]}, {"labels": labels[4:8]}], {"embeddings": emb})
     with pytest.raises(ValueError, match=r"EmbeddingMetric: outputs\['embeddings'\] has 3 entries but there are 2"):
         EmbeddingMetric().accumulate([{"labels": labels[:4]}, {"labels": labels[4:]}], {"embeddings": [emb] * 3})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_device_sync_on_cuda():
+    """Ground truth for 'no device waits': CUDA's sync debug mode errors on any sync."""
+    dev = torch.device("cuda")
+    labels, logits = _lm(7, dtype=torch.bfloat16)
+    labels, logits = labels.to(dev), logits.to(dev)
+    emb, elab = _emb_batch(3)
+    emb, elab = emb.to(dev), elab.to(dev)
+    reports, _, _ = _megatron_reports(3)
+    reports = [{k: v.to(dev) for k, v in r.items()} for r in reports]
+    metrics = [Accuracy(), LossMetric(loss_reduction="sum"), EmbeddingMetric(), TrainMetric()]
+    for m in metrics:  # first call moves states to the device; warm up kernels too
+        m.to(dev)
+    grad_norm, loss = torch.tensor(1.0, device=dev), torch.tensor(0.1, device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        metrics[0].accumulate({"labels": labels}, {"logits": logits})
+        metrics[1].accumulate(None, reports, grad_norm=grad_norm)
+        metrics[2].accumulate({"labels": elab}, {"embeddings": emb, "loss": loss})
+        metrics[3].accumulate(None, None, lr=1e-3, step=1, gradient_accumulation_steps=1,
+                              tokens=reports[1]["lm loss"][1], samples=4)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    got = MetricCollection({"acc": metrics[0], "loss": metrics[1], "emb": metrics[2], "": metrics[3]}).calculate()
+    assert_results_close({k: got[k] for k in ("acc/accuracy",)},
+                         {"acc/accuracy": _ref_accuracy(labels.cpu(), logits.cpu())["accuracy"]})
+    assert got["peak memory GiB"] > 0

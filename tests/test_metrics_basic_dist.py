@@ -226,3 +226,18 @@ def test_embedding_gathers_over_data_group_with_empty_ranks(dist_pool):
     whole["loss"] = (1 + 3 + 6 + 7) / 4
     for got in dist_pool.run(case_embedding_uneven_and_empty):
         assert_results_close(got, whole, rel=1e-12)
+
+
+def case_train_metric_over_world():
+    mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2)
+    m = TrainMetric(mesh, process_group=dist.group.WORLD, flops_per_token=10.0, peak_flops=1e6)
+    with forbid_device_waits():
+        m.accumulate(None, None, lr=1e-3, step=4, gradient_accumulation_steps=2, tokens=640, samples=8)
+    return m.calculate()
+
+
+def test_train_metric_same_on_every_rank_with_world_group(dist_pool):
+    out = dist_pool.run(case_train_metric_over_world)
+    assert all(r == out[0] for r in out)
+    assert out[0]["iters"] == 2 and math.isclose(out[0]["tokens/s"] / out[0]["samples/s"], 80.0)
+    assert math.isclose(out[0]["mfu"], out[0]["tokens/s"] * 10.0 / 8 / 1e6, rel_tol=1e-12)

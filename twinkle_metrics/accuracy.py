@@ -125,6 +125,9 @@ class Accuracy(Metric):
     stages that never produce logits should call it on all of their TP ranks or
     on none.
 
+    Memory: the argmax reads the logits once in their own dtype; no softmax and no
+    fp32 copy of ``[b, s, V]`` is made (only ``[b, s]`` values and indices).
+
     Args:
         vocab_parallel: logits are sharded along the vocab over the mesh's TP group.
         ignore_index: label value of tokens without a target.

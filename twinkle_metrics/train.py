@@ -44,7 +44,9 @@ class TrainMetric(Metric):
     metric shares the one fused sync of a ``MetricCollection``); under TP > 1 the TP
     replicas reduce in different groups and their time values can differ by their
     clock skew. Pass ``process_group=torch.distributed.group.WORLD`` for identical
-    values on every rank, at the cost of a separate sync.
+    values on every rank, at the cost of a separate sync. With ``device_mesh=None``
+    the mesh is ``DeviceMesh.current()``; in a ``MetricCollection`` give the
+    collection the mesh so that all metrics share one sync.
 
     Args:
         counts: ``'global'`` (default): ``tokens``/``samples`` are already global
