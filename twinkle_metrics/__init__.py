@@ -1,5 +1,5 @@
 """twinkle-metrics: Twinkle's training metrics, exact and cheap under Megatron and DeepSpeed."""
-from .accuracy import Accuracy
+from .accuracy import Accuracy, vocab_parallel_argmax
 from .base import Metric
 from .collection import MetricCollection
 from .data_format import InputFeature, ModelOutput
@@ -16,5 +16,5 @@ from .train import TrainMetric
 __all__ = ["Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
-           "PPOMetric"]
+           "PPOMetric", "vocab_parallel_argmax"]
 __version__ = "0.1.0"
