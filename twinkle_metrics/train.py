@@ -39,12 +39,10 @@ class TrainMetric(Metric):
     attention term is the usual estimate) and ``num_devices`` is the world size.
 
     Times are host clocks taken at each ``accumulate`` (the interval ends at the last
-    call before ``calculate``) and reduced with MAX, so every rank that reduces
-    together reports the same numbers. The reduction uses the data group (so the
-    metric shares the one fused sync of a ``MetricCollection``); under TP > 1 the TP
-    replicas reduce in different groups and their time values can differ by their
-    clock skew. Pass ``process_group=torch.distributed.group.WORLD`` for identical
-    values on every rank, at the cost of a separate sync. With ``device_mesh=None``
+    call before ``calculate``) and reduced with MAX over the data group, inside the
+    one fused sync of a ``MetricCollection``; the sync then hands one rank's numbers
+    (last stage, TP rank 0) to every rank of TP x PP, so every rank reports the same
+    values, clock readings included. With ``device_mesh=None``
     the mesh is ``DeviceMesh.current()``; in a ``MetricCollection`` give the
     collection the mesh so that all metrics share one sync.
 
