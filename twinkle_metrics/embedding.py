@@ -48,9 +48,11 @@ class EmbeddingMetric(Metric):
     than one rank this costs two collectives, on every rank, whatever its data:
 
     1. a host-side MAX all-reduce of three integers (row count, embedding dim) over
-       a CPU group, ``size_group`` or the data group itself when it is gloo, so that
-       no rank reads the device; with an NCCL data group and no ``size_group`` it
-       falls back to a device all-reduce read on the host (one device wait, warned).
+       a CPU group: ``size_group``, else the mesh's ``cpu_data_group`` (the data group
+       itself when it is gloo, Megatron's gloo DP x CP group, or the gloo groups
+       ``DeviceMesh.from_sizes`` creates beside NCCL ones), so that no rank reads the
+       device; without any CPU group it falls back to a device all-reduce read on
+       the host (one device wait, warned).
     2. an all-gather of ``[max rows, d + 1]`` float64 (positives and a validity
        column) on the device. Rows past a rank's count and non-anchor rows carry
        validity 0, so statistics are masked arithmetic and no rank branches on data;
@@ -61,8 +63,7 @@ class EmbeddingMetric(Metric):
 
     Args:
         size_group: a CPU (gloo) process group over the data-group ranks for the
-            row-count exchange (e.g. Megatron's
-            ``get_data_parallel_group_gloo(with_context_parallel=True)``).
+            row-count exchange; defaults to the mesh's ``cpu_data_group``.
         eps: lower bound of the norm in the cosine.
     """
 
@@ -174,8 +175,11 @@ class EmbeddingMetric(Metric):
         size = group_size(group)
         if size > 1:
             # Host-known shapes only; -d so that the MAX also yields the smallest dim.
+            size_group = self.size_group
+            if size_group is None and self.process_group is None:
+                size_group = self.resolve_mesh().cpu_data_group
             n_max, d_max, neg_d_min = host_max(_NAME, [n, d, -d if n else -(1 << 62)], group,
-                                               self.size_group)
+                                               size_group)
             if n_max and d_max != -neg_d_min:
                 raise ValueError(f"{_NAME}: ranks of the data group hold embeddings of different dims "
                                  f"({-neg_d_min} to {d_max}); this rank has {d}")
