@@ -25,9 +25,11 @@ import torch.distributed as dist
 from . import groups as G
 from .layout import DEFAULT_ORDER, Layout
 
-# Group names a mesh can hold. "dp_cp" is the data group used for metric reduction.
-GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "expt_dp")
-_LAYOUT_AXES = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp",
+# Group names a mesh can hold. "dp_cp" is the data group used for metric reduction; "mp" is
+# TP x PP (Megatron's model-parallel group), over which reduced results are shared;
+# "dp_cp_cpu" is a CPU (gloo) group over the data-group ranks for host-side exchanges.
+GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "ep", "expt_dp", "dp_cp_cpu")
+_LAYOUT_AXES = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp", "mp": "tp-pp",
                 "ep": "ep", "expt_dp": "expt_dp"}
 
 
@@ -60,6 +62,14 @@ class DeviceMesh:
                 raise ValueError("DeviceMesh: cp > 1 needs the combined 'dp_cp' group; pass it")
             else:
                 self._groups["dp_cp"] = self._groups["cp"]
+        if "mp" not in groups:
+            # TP x PP is the TP group without PP and the PP group without TP.
+            if self.tp_size == 1:
+                self._groups["mp"] = self._groups["pp"]
+            elif self.pp_size == 1:
+                self._groups["mp"] = self._groups["tp"]
+        if self._groups["dp_cp_cpu"] is None and _is_cpu_group(self._groups["dp_cp"]):
+            self._groups["dp_cp_cpu"] = self._groups["dp_cp"]
         self.layout = layout
         self.vpp_size = int(vpp_size or 1)
         self.source = source
@@ -143,8 +153,10 @@ class DeviceMesh:
                 "cp": ps.get_context_parallel_group(),
                 "dp": ps.get_data_parallel_group(with_context_parallel=False),
                 "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
+                "mp": ps.get_model_parallel_group(),
                 "ep": ps.get_expert_model_parallel_group(check_initialized=False),
                 "expt_dp": ps.get_expert_data_parallel_group(check_initialized=False),
+                "dp_cp_cpu": _megatron_gloo_data_group(ps),
             }
             vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
         return cls(found, vpp_size=vpp, source="megatron")
@@ -186,6 +198,7 @@ class DeviceMesh:
             found["dp"] = grid.get_data_parallel_group()
             found["pp"] = grid.get_pipe_parallel_group()
             found["tp"] = grid.get_slice_parallel_group()
+            found["mp"] = grid.get_model_parallel_group()  # pipe x model: TP x PP, as wanted here
         else:
             mpu = getattr(obj, "mpu", None)
             if mpu is not None and hasattr(mpu, "get_tensor_model_parallel_group"):
@@ -231,6 +244,8 @@ class DeviceMesh:
         found["dp"] = _torch_mesh_group(mesh, dp_axes, me)
         found["cp"] = _torch_mesh_group(mesh, cp_axes, me)
         found["dp_cp"] = _torch_mesh_group(mesh, dp_axes + cp_axes, me)
+        mp_axes = [i for i, n in enumerate(names) if aliases[n] in ("tp", "pp")]
+        found["mp"] = _torch_mesh_group(mesh, mp_axes, me)
         return cls(found, source="torch")
 
     @classmethod
@@ -270,6 +285,9 @@ class DeviceMesh:
         return G.group_ranks(self.get_group(name))
 
     data_group = property(lambda self: self._groups["dp_cp"], doc="DP x CP: metric reduction group")
+    cpu_data_group = property(lambda self: self._groups["dp_cp_cpu"],
+                              doc="a CPU (gloo) group over the data-group ranks, or None")
+    mp_group = property(lambda self: self._groups["mp"], doc="TP x PP: results are shared over it")
     tp_group = property(lambda self: self._groups["tp"])
     pp_group = property(lambda self: self._groups["pp"])
     cp_group = property(lambda self: self._groups["cp"])
@@ -298,6 +316,21 @@ class DeviceMesh:
     def is_last_stage(self) -> bool:
         """Last physical pipeline stage (Megatron's ``ignore_virtual=True``): it owns the loss."""
         return self.pp_rank == self.pp_size - 1
+
+    @property
+    def result_group(self) -> G.ProcessGroup:
+        """The group over which reduced results are shared: TP x PP when known, else PP."""
+        return self.mp_group if self.mp_group is not None else self.pp_group
+
+    @property
+    def is_result_source(self) -> bool:
+        """Whether this rank's reduced numbers are the ones its ``result_group`` returns:
+        last pipeline stage and, when results are shared over TP x PP, TP rank 0. TP
+        replicas agree on every metric value but not on wall-clock readings; one source
+        makes every rank return the same dict."""
+        if self.mp_group is None:
+            return self.is_last_stage
+        return self.is_last_stage and self.tp_rank == 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -337,6 +370,8 @@ def _create_groups(layout: Layout, backend) -> Dict[str, G.ProcessGroup]:
     out: Dict[str, G.ProcessGroup] = {}
     made: Dict[tuple, G.ProcessGroup] = {}  # dp_cp == dp without CP, expt_dp == dp without EP
     for name in GROUP_NAMES:
+        if name == "dp_cp_cpu":
+            continue
         mine = None
         for ranks in layout.all_groups(_LAYOUT_AXES[name]):
             if len(ranks) == 1:
@@ -349,7 +384,29 @@ def _create_groups(layout: Layout, backend) -> Dict[str, G.ProcessGroup]:
             if me in ranks:
                 mine = group
         out[name] = mine
+    if not _is_cpu_group(dist.group.WORLD):
+        mine = None
+        for ranks in layout.all_groups("dp-cp"):
+            if len(ranks) > 1:
+                group = dist.new_group(ranks=ranks, backend="gloo")
+                mine = group if me in ranks else mine
+        out["dp_cp_cpu"] = mine
     return out
+
+
+def _is_cpu_group(group) -> bool:
+    if group is None or not G.dist_ready():
+        return False
+    backend = str(dist.get_backend(group)).lower()
+    return "gloo" in backend or "mpi" in backend
+
+
+def _megatron_gloo_data_group(ps):
+    """Megatron's gloo DP x CP group when it created one (create_gloo_process_groups=True)."""
+    try:
+        return ps.get_data_parallel_group_gloo(with_context_parallel=True)
+    except Exception:  # not created: megatron asserts
+        return None
 
 
 def _check_topology(topo, layout: Layout) -> None:

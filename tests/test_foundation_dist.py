@@ -11,7 +11,12 @@ from twinkle_metrics import MetricCollection, MetricSyncError
 
 pytestmark = pytest.mark.xdist_group("dist")
 
-NAMES = ("tp", "cp", "dp", "dp_cp", "pp")
+NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp")
+LAYOUT_AXES = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp", "mp": "tp-pp"}
+
+
+def _expected(lay, rank):
+    return {n: lay.group_ranks(LAYOUT_AXES[n], rank) for n in NAMES}
 
 
 def _ranks(mesh):
@@ -25,7 +30,7 @@ def case_layouts(sizes):
     me = dist.get_rank()
     mesh = DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
     lay = Layout(**sizes)
-    expected = {n: lay.group_ranks(n.replace("_", "-"), me) for n in NAMES}
+    expected = _expected(lay, me)
     ps.initialize_model_parallel(tensor_model_parallel_size=sizes.get("tp", 1),
                                  pipeline_model_parallel_size=sizes.get("pp", 1),
                                  context_parallel_size=sizes.get("cp", 1),
@@ -69,7 +74,7 @@ def case_deepspeed_and_torch():
 def test_deepspeed_and_torch_meshes(dist_pool):
     lay = Layout(tp=2, pp=2, dp=2)
     for rank, (grid, topo, tmesh, ds_last, last, t_last) in enumerate(dist_pool.run(case_deepspeed_and_torch)):
-        expected = {n: lay.group_ranks(n.replace("_", "-"), rank) for n in NAMES}
+        expected = _expected(lay, rank)
         assert grid == topo == tmesh == expected
         assert ds_last == last == t_last == (rank >= 4)
 
@@ -149,7 +154,7 @@ def case_collective_count(sizes, n_metrics):
 
 
 @pytest.mark.parametrize("sizes,limit", [(dict(tp=2, pp=2, dp=2), 2), (dict(dp=8), 1),
-                                         (dict(tp=2, cp=2, dp=2), 1)])
+                                         (dict(tp=2, cp=2, dp=2), 2), (dict(cp=2, dp=4), 1)])
 def test_collective_count_is_fixed(dist_pool, sizes, limit):
     for n_metrics in (1, 12):
         out = dist_pool.run(case_collective_count, sizes, n_metrics)
@@ -172,14 +177,13 @@ def case_schema_mismatch():
 
 
 def test_schema_mismatch_raises_on_every_affected_rank(dist_pool):
-    # Rank 3 reduces with data group [1, 3] and pipeline group [3, 7]; its TP
-    # partner slice (ranks 1, 5) shares those groups. All four must raise and none
-    # may hang; ranks 0, 2, 4, 6 never reduce with rank 3 and must succeed.
+    # Rank 3 reduces with data group [1, 3], then shares results over TP x PP [2, 3, 6, 7];
+    # rank 1 shares over [0, 1, 4, 5]. So every rank is affected: all must raise, none
+    # may hang, and the ranks of rank 3's data group name it.
     errors = dist_pool.run(case_schema_mismatch, timeout=120)
-    raised = [r for r, e in enumerate(errors) if e is not None]
-    assert raised == [1, 3, 5, 7], errors
-    assert "ranks [3]" in errors[1] and "different" in errors[3]
-    assert "pipeline stage" in errors[5] and "pipeline stage" in errors[7]
+    assert all(e is not None for e in errors), errors
+    assert "(ranks [1] vs ranks [3])" in errors[1] and "(ranks [1] vs ranks [3])" in errors[3]
+    assert all("TP rank" in errors[r] for r in (0, 2, 4, 5, 6, 7))
 
 
 def case_state_dict_resume():
@@ -238,6 +242,6 @@ def test_deepspeed_ulysses_sequence_groups(dist_pool):
     whole = _whole(5)
     for rank, (ranks, sp_size, got) in enumerate(dist_pool.run(case_deepspeed_ulysses)):
         assert sp_size == 2
-        assert ranks == {n: lay.group_ranks(n.replace("_", "-"), rank) for n in NAMES}
+        assert ranks == _expected(lay, rank)
         assert got["tokens"] == whole["tokens"]
         assert math.isclose(got["mean"], whole["mean"], rel_tol=1e-12)

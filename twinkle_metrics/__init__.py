@@ -1,15 +1,20 @@
 """twinkle-metrics: Twinkle's training metrics, exact and cheap under Megatron and DeepSpeed."""
+from .accuracy import Accuracy, vocab_parallel_argmax
 from .base import Metric
 from .collection import MetricCollection
 from .data_format import InputFeature, ModelOutput
 from .dpo import DPOMetric
+from .embedding import EmbeddingMetric
 from .grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
+from .loss import LossMetric
 from .microbatch import microbatches
 from .reward import CompletionRewardMetric
 from .state import State
 from .sync import MetricSyncError
+from .train import TrainMetric
 
 __all__ = ["Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
-           "MetricSyncError", "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric",
-           "CISPOMetric", "PPOMetric"]
+           "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
+           "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
+           "PPOMetric", "vocab_parallel_argmax"]
 __version__ = "0.1.0"

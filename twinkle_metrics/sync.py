@@ -4,10 +4,11 @@
    holding every state of every metric, plus a header (schema hash, is-last-stage,
    error flag). Each rank then merges the rows locally with each state's declared
    reduction, so sum, max, min and custom merges (top-k) all ride in one collective.
-2. Under pipeline parallelism, one ``all_gather`` over the PP group of the merged
-   buffer; every rank keeps the row of the last stage, so all stages return the
-   same numbers. Non-last stages (which hold nothing) take part with the same
-   buffer shape, so nothing can hang.
+2. Under tensor or pipeline parallelism, one ``all_gather`` over TP x PP (the
+   mesh's ``mp`` group) of the merged buffer; every rank keeps the row of the
+   result source (last stage, TP rank 0), so all stages and TP replicas return the
+   same numbers, wall-clock readings included. Non-last stages (which hold
+   nothing) take part with the same buffer shape, so nothing can hang.
 
 Integers travel as float64: exact up to 2**53. The buffer length is padded to a
 power of two so that ranks whose metric sets differ slightly still agree on the
@@ -23,7 +24,7 @@ import torch
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_ranks
 
-_HEADER = 3  # schema hash, is last stage, error flag
+_HEADER = 3  # schema hash, is result source, error flag
 
 
 class MetricSyncError(RuntimeError):
@@ -50,7 +51,7 @@ def _bucket(n: int) -> int:
 
 def _groups_key(metric) -> Tuple:
     mesh = metric.resolve_mesh()
-    return (id(metric.data_group()), id(mesh.pp_group))
+    return (id(metric.data_group()), id(mesh.result_group))
 
 
 def sync_and_compute(metrics: Sequence, reset: bool = True) -> List[Dict[str, Any]]:
@@ -80,14 +81,14 @@ def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
     """
     lead = metrics[0]
     mesh = lead.resolve_mesh()
-    data_group, pp_group = lead.data_group(), mesh.pp_group
-    is_last = mesh.is_last_stage
-    device = comm_device(data_group if data_group is not None else pp_group)
+    data_group = lead.data_group()
+    share_group, is_source = mesh.result_group, mesh.is_result_source
+    device = comm_device(data_group if data_group is not None else share_group)
     plan = _merge_plan(metrics, device)
     schema, schema_text = plan.schema
 
     # One cat (int64 states promote to float64 in it) instead of a cast kernel per state.
-    flat = [torch.tensor([schema, float(is_last), 0.0], dtype=torch.float64, device=device)]
+    flat = [torch.tensor([schema, float(is_source), 0.0], dtype=torch.float64, device=device)]
     for m in metrics:
         for name in m._specs:
             t = m._states[name].detach().reshape(-1)
@@ -99,16 +100,19 @@ def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
     rows = all_gather_rows(buf, data_group)                     # collective 1
     error = ""
     if rows.shape[0] > 1 and not bool((rows[:, 0] == schema).all()):
-        bad = [r for r, h in zip(group_ranks(data_group), rows[:, 0].tolist()) if h != schema]
-        error = (f"ranks {bad} of the data group hold a different set of metrics/states than "
-                 f"rank {group_ranks(None)[0]}; build the same metrics, in the same order, with "
-                 f"the same arguments on every rank (this rank has: {schema_text[:300]})")
+        by_hash: Dict[float, List[int]] = {}
+        for r, h in zip(group_ranks(data_group), rows[:, 0].tolist()):
+            by_hash.setdefault(h, []).append(r)
+        sides = " vs ".join(f"ranks {v}" for v in by_hash.values())
+        error = (f"the data group's ranks hold different sets of metrics/states ({sides}); build "
+                 f"the same metrics, in the same order, with the same arguments on every rank "
+                 f"(rank {group_ranks(None)[0]} has: {schema_text[:300]})")
 
     # Plain sum/max/min states of every metric merge in one reduction per op (the
     # columns are planned once per set of metrics); metrics with their own merge()
     # or a callable reduce get their rows as before.
     vec = rows[0].clone()
-    vec[:_HEADER] = torch.tensor([schema, float(is_last), float(bool(error))], dtype=torch.float64,
+    vec[:_HEADER] = torch.tensor([schema, float(is_source), float(bool(error))], dtype=torch.float64,
                                  device=device)
     for op, cols in plan.columns.items():
         sel = rows.index_select(1, cols)
@@ -122,17 +126,18 @@ def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
         out = m.merge(per_state)
         vec[start:offset] = torch.cat([out[name].to(torch.float64).reshape(-1) for name in m._specs])
 
-    if pp_group is not None:
-        stage_rows = all_gather_rows(vec, pp_group)             # collective 2
-        last = (stage_rows[:, 1] == 1.0).nonzero().flatten().tolist()
+    if share_group is not None:
+        stage_rows = all_gather_rows(vec, share_group)          # collective 2
+        source = (stage_rows[:, 1] == 1.0).nonzero().flatten().tolist()
         hashes_agree = bool((stage_rows[:, 0] == schema).all())
-        if not error and (not hashes_agree or len(last) != 1):
-            error = ("pipeline stages hold different metrics/states (or no single last stage); "
-                     "build the same metrics on every stage and call calculate() on all of them")
+        if not error and (not hashes_agree or len(source) != 1):
+            error = ("pipeline stages or TP ranks hold different metrics/states (or no single "
+                     "last stage); build the same metrics on every rank and call calculate() "
+                     "on all of them")
         if not error and bool((stage_rows[:, 2] != 0).any()):
-            error = "another pipeline stage found ranks holding different metrics/states"
+            error = "another pipeline stage or TP rank found ranks holding different metrics/states"
         if not error:
-            vec = stage_rows[last[0]]
+            vec = stage_rows[source[0]]
     if error:
         hints = dict.fromkeys(h for h in (getattr(m, "_sync_hint", None) for m in metrics) if h)
         raise MetricSyncError(f"calculate(): {error}" + "".join(f"; hint: {h}" for h in hints))

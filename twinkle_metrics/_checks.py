@@ -1,0 +1,77 @@
+"""Input checks shared by the built-in metrics: clear errors, no device reads."""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional, Sequence
+
+import torch
+
+
+def shape(x) -> list:
+    return list(x.shape) if isinstance(x, torch.Tensor) else [len(x)] if isinstance(x, (list, tuple)) else []
+
+
+def int_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
+    """``value`` (tensor or nested list of ints) as an integer tensor on ``device``."""
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"{metric}: {field} must be an integer tensor or a list of ints, got "
+                            f"{type(value).__name__} ({e})") from None
+    if value.is_floating_point() or value.is_complex():
+        raise TypeError(f"{metric}: {field} must have an integer dtype, got {value.dtype} with shape "
+                        f"{list(value.shape)}; pass token ids / flags as torch.long")
+    if device is not None and value.device != device:
+        value = value.to(device, non_blocking=True)
+    return value
+
+
+def float_tensor(metric: str, field: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{metric}: outputs[{field!r}] must be a tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{metric}: outputs[{field!r}] must be a floating tensor, got {value.dtype} "
+                        f"with shape {list(value.shape)}")
+    return value
+
+
+def right_align(metric: str, field: str, value: torch.Tensor, target: Sequence[int], what: str) -> torch.Tensor:
+    """Keep the last ``target[-1]`` positions of ``value`` (Twinkle aligns labels to the right
+    when logits are shorter); raise when the shapes cannot be aligned."""
+    target = list(target)
+    got = list(value.shape)
+    if got == target:
+        return value
+    if len(got) == len(target) and len(got) >= 1 and got[:-1] == target[:-1] and got[-1] >= target[-1]:
+        return value[..., got[-1] - target[-1]:]
+    raise ValueError(f"{metric}: {field} {got} do not match {what}; expected {target} (or the same "
+                     f"leading dims and at least {target[-1] if target else 0} positions, aligned to the "
+                     f"right); pass {field} aligned to the outputs")
+
+
+def scalar(metric: str, field: str, value, numel: int = 1):
+    """A Python number or a tensor with ``numel`` elements, returned as is (no read)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Number, torch.Tensor)):
+        raise TypeError(f"{metric}: {field} must be a number or a tensor, got {type(value).__name__}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != numel:
+            want = "a scalar" if numel == 1 else f"{numel} elements"
+            raise ValueError(f"{metric}: {field} must be {want}, got a tensor of shape {list(value.shape)}")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{metric}: {field} must be a real number, got dtype {value.dtype}")
+        return value.reshape(-1)[0] if numel == 1 else value.reshape(-1)
+    if numel != 1:
+        raise ValueError(f"{metric}: {field} must have {numel} elements, got a single number")
+    return value
+
+
+def f64(value) -> Any:
+    """A number or tensor as float64 (tensors stay on their device)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64)
+    return float(value)
+
+
+def add(total: Optional[Any], value: Any) -> Any:
+    return value if total is None else total + value

@@ -1,0 +1,67 @@
+"""Host-side exchange of values the host already knows (batch sizes, dims).
+
+A metric that must agree with the other ranks on a buffer size before a device
+collective (``EmbeddingMetric``'s padded gather) exchanges its host-known Python
+integers over a CPU (gloo) group. Reading that CPU tensor waits for the network,
+never for the accelerator, so ``testing.forbid_device_waits`` lets reads inside
+``host_reads()`` through.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import List, Sequence
+
+import torch
+import torch.distributed as dist
+
+_state = threading.local()
+
+
+def host_reads_active() -> bool:
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Marks reads of CPU tensors that only ever held host-known values."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def is_cpu_group(group) -> bool:
+    backend = str(dist.get_backend(group)).lower()
+    return "gloo" in backend or "mpi" in backend
+
+
+_warned = set()
+
+
+def host_max(metric: str, values: Sequence[int], group, cpu_group=None) -> List[int]:
+    """Element-wise MAX of small host integers over ``group``; one collective.
+
+    Uses ``cpu_group`` (a gloo group over the same ranks) or ``group`` itself when it
+    is a CPU group: no device involved. Otherwise it falls back to an all-reduce on
+    the device and a read of its result (a device wait), warning once.
+    """
+    via = cpu_group if cpu_group is not None else (group if is_cpu_group(group) else None)
+    if via is not None:
+        t = torch.tensor(list(values), dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=via)
+        with host_reads():
+            return [int(v) for v in t.tolist()]
+    if metric not in _warned:
+        _warned.add(metric)
+        warnings.warn(f"{metric}: the data group is not a CPU group and no size_group was given, so "
+                      "batch sizes are exchanged on the device and read back (one device wait per "
+                      "accumulate); pass size_group=<gloo group over the data-group ranks>, e.g. "
+                      "megatron's get_data_parallel_group_gloo(with_context_parallel=True)")
+    from parallel import comm_device
+
+    t = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]

@@ -1,0 +1,197 @@
+"""``Accuracy``: token accuracy, exact under data, context and tensor (vocab) parallelism."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from parallel import comm_device
+
+from ._checks import float_tensor, int_tensor, right_align
+from .base import Metric
+from .microbatch import microbatches
+from .state import State
+
+_NAME = "Accuracy"
+_LOW32 = (1 << 32) - 1
+
+
+def _ordered_f32(values: torch.Tensor) -> torch.Tensor:
+    """float32 -> int32 with the same order (NaN above +inf, -0.0 == +0.0)."""
+    v = values.to(torch.float32) + 0.0          # -0.0 + 0.0 == +0.0: argmax sees them equal
+    bits = v.view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return torch.where(torch.isnan(v), torch.full_like(ordered, 0x7FFFFFFF), ordered)
+
+
+def _ordered_f64(values: torch.Tensor) -> torch.Tensor:
+    v = values.to(torch.float64) + 0.0
+    bits = v.view(torch.int64)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFFFFFFFFFF)
+    return torch.where(torch.isnan(v), torch.full_like(ordered, 0x7FFFFFFFFFFFFFFF), ordered)
+
+
+def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_size: int) -> List[torch.Tensor]:
+    """Global ``argmax(-1)`` of vocab-sharded logits, exactly as ``torch.argmax`` on the full vocab.
+
+    Each rank holds ``[..., V / tp]`` (shard ``tp_rank`` of equal shards). Ties go to
+    the lowest global index and NaN counts as the largest value (first NaN wins),
+    as ``torch.argmax`` does. No full-vocab gather, no host read.
+
+    Cost: one int64 ``all_reduce(MAX)`` over ``group`` of one value per token for
+    16/32-bit logits (the value, made order-preserving, in the high 32 bits; the
+    reversed global index in the low 32 bits, so the max picks the lowest index
+    among equal values); fp64 logits need two (MAX of the value, then MIN of the
+    index among shards holding it) because a 64-bit value leaves no room for the
+    index. Every rank of ``group`` must call it the same number of times, also with
+    an empty list (a one-element dummy collective then keeps the ranks in step).
+
+    Args:
+        logits: per-microbatch local shards; all reduced in one collective.
+        group: the TP group (``None``: a single shard, plain argmax).
+    """
+    if group is None or tp_size == 1:
+        return [x.argmax(-1) for x in logits]
+    local_vocab = {int(x.shape[-1]) for x in logits}
+    if len(local_vocab) > 1:
+        raise ValueError(f"{_NAME}: vocab-parallel logits shards have different widths {sorted(local_vocab)}; "
+                         "every microbatch must hold the same vocab shard")
+    v_local = local_vocab.pop() if local_vocab else 1
+    v_global = v_local * tp_size
+    if v_global > _LOW32:
+        raise ValueError(f"{_NAME}: vocab size {v_global} does not fit the packed 32-bit index")
+    offset = tp_rank * v_local
+    wide = any(x.dtype == torch.float64 for x in logits)
+    keys, idx_all, ord_all, shapes = [], [], [], []
+    for x in logits:
+        idx = x.argmax(-1)                                   # one read of the logits
+        val = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1)    # [...]: no [.., V] copy
+        gidx = idx + offset
+        shapes.append(idx.shape)
+        if wide:
+            ord_all.append(_ordered_f64(val).reshape(-1))
+            idx_all.append(gidx.reshape(-1))
+        else:
+            ordered = _ordered_f32(val).to(torch.int64)
+            keys.append((ordered * (1 << 32) + (v_global - 1 - gidx)).reshape(-1))
+    device = logits[0].device if logits else comm_device(group)
+    if not wide:
+        packed = _cat_or_dummy(keys, device)
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+        flat = (v_global - 1) - (packed & _LOW32)
+    else:
+        ordered = _cat_or_dummy(ord_all, device)
+        best = ordered.clone()
+        dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+        gidx = _cat_or_dummy(idx_all, device)
+        cand = torch.where(ordered == best, gidx, torch.full_like(gidx, v_global))
+        dist.all_reduce(cand, op=dist.ReduceOp.MIN, group=group)
+        flat = cand
+    out, start = [], 0
+    for shp in shapes:
+        n = shp.numel()
+        out.append(flat[start:start + n].reshape(shp))
+        start += n
+    return out
+
+
+def _cat_or_dummy(parts: List[torch.Tensor], device) -> torch.Tensor:
+    if parts and sum(p.numel() for p in parts):
+        return torch.cat(parts)
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+class Accuracy(Metric):
+    """Token accuracy: ``sum(m * [argmax(logits) == label]) / sum(m)``.
+
+    ``m`` is ``completion_mask`` when the input has one, else ``labels != ignore_index``.
+    Labels and mask are right-aligned to the logits length when the logits are
+    shorter (Twinkle's behaviour). Keys: ``accuracy`` (a fraction in [0, 1]),
+    ``correct_tokens``, ``total_tokens``; ``{}`` when no token counted.
+
+    Differences from Twinkle: accepts ``List[InputFeature]`` (pipeline microbatches)
+    and ``[]`` (non-last stages); plain numbers instead of ``'0.50'``; no ``.item()``
+    per call; counts reduced exactly over the data group (DP x CP), never over TP.
+
+    Vocab parallelism (``vocab_parallel=True``): logits are Megatron's vocab shards
+    ``[b, s, v/tp]`` (shard ``tp_rank`` covers ``[tp_rank * v/tp, (tp_rank+1) * v/tp)``)
+    and the argmax is taken over the whole vocab with one collective per
+    ``accumulate`` over the mesh's TP group (see ``vocab_parallel_argmax``), with
+    ``torch.argmax``'s rules (lowest index among ties, NaN is the largest). bf16/fp16
+    values are compared exactly (in fp32); fp64 logits are compared in fp64 with two
+    collectives. The caller must make every rank of a TP group call ``accumulate``
+    the same number of times, also when a rank has nothing (pass ``[]``): pipeline
+    stages that never produce logits should call it on all of their TP ranks or
+    on none.
+
+    Memory: the argmax reads the logits once in their own dtype; no softmax and no
+    fp32 copy of ``[b, s, V]`` is made (only ``[b, s]`` values and indices).
+
+    Args:
+        vocab_parallel: logits are sharded along the vocab over the mesh's TP group.
+        ignore_index: label value of tokens without a target.
+    """
+
+    correct = State("sum", torch.int64)
+    total = State("sum", torch.int64)
+
+    def __init__(self, device_mesh=None, process_group=None, *, vocab_parallel: bool = False,
+                 ignore_index: int = -100, **kwargs):
+        super().__init__(device_mesh, process_group, **kwargs)
+        self.vocab_parallel = bool(vocab_parallel)
+        self.ignore_index = ignore_index
+
+    def update(self, inputs, outputs, **kwargs):
+        if inputs is None and isinstance(outputs, dict) and outputs.get("logits") is not None:
+            raise ValueError(f"{_NAME}: labels missing: outputs have logits but inputs is None; pass the "
+                             "InputFeature (or list of them) with labels")
+        pairs = microbatches(_NAME, inputs, outputs, ("logits",))
+        work = []  # (logits, labels, mask)
+        for i, (feat, out) in enumerate(pairs):
+            logits = out.get("logits")
+            if logits is None:
+                continue  # Twinkle skips calls without logits
+            where = f"microbatch {i}" if len(pairs) > 1 else "the batch"
+            logits = float_tensor(_NAME, "logits", logits)
+            if logits.dim() < 2:
+                raise ValueError(f"{_NAME}: logits must be [..., vocab], got shape {list(logits.shape)}")
+            target = list(logits.shape[:-1])
+            if feat.get("labels") is None:
+                raise ValueError(f"{_NAME}: labels missing in {where}: expected labels of shape {target} "
+                                 f"for logits {list(logits.shape)}; got keys {sorted(feat)}")
+            labels = int_tensor(_NAME, "labels", feat["labels"], logits.device)
+            labels = right_align(_NAME, "labels", labels, target, f"logits {list(logits.shape)}")
+            mask = feat.get("completion_mask")
+            if mask is not None:
+                mask = torch.as_tensor(mask)
+                if mask.is_floating_point():
+                    raise TypeError(f"{_NAME}: completion_mask must be bool or integer, got {mask.dtype}")
+                mask = mask.to(logits.device, non_blocking=True)
+                mask = right_align(_NAME, "completion_mask", mask, target, f"logits {list(logits.shape)}") != 0
+            else:
+                mask = labels != self.ignore_index
+            work.append((logits, labels, mask))
+        preds = self._argmax([w[0] for w in work])
+        if not work:
+            return None
+        correct = total = None
+        for pred, (_, labels, mask) in zip(preds, work):
+            c = ((pred == labels) & mask).sum()
+            t = mask.sum()
+            correct = c if correct is None else correct + c
+            total = t if total is None else total + t
+        return {"correct": correct, "total": total}
+
+    def _argmax(self, logits: List[torch.Tensor]) -> List[torch.Tensor]:
+        if not self.vocab_parallel:
+            return [x.argmax(-1) for x in logits]
+        mesh = self.resolve_mesh()
+        # Always enter the TP collective (even with nothing), so TP ranks stay in step.
+        return vocab_parallel_argmax(logits, mesh.tp_group, mesh.tp_rank, mesh.tp_size)
+
+    def compute(self, s):
+        if not s["total"]:
+            return {}
+        return {"accuracy": s["correct"] / s["total"], "correct_tokens": s["correct"],
+                "total_tokens": s["total"]}

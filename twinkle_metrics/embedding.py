@@ -1,0 +1,249 @@
+"""``EmbeddingMetric``: InfoNCE similarity statistics over the whole data group."""
+from __future__ import annotations
+
+from typing import Any, List, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from parallel import comm_device
+from parallel.groups import all_gather_rows, group_rank, group_size
+
+from ._checks import add, f64, int_tensor, scalar
+from ._host import host_max
+from .base import Metric
+from .microbatch import as_feature_list, microbatches
+from .state import State
+
+_NAME = "EmbeddingMetric"
+
+
+class EmbeddingMetric(Metric):
+    """Anchor/positive similarity statistics for contrastive (InfoNCE) training.
+
+    Rows of ``outputs['embeddings']`` (``[n, d]``, or ``[n, s, d]`` whose first
+    token is taken; ``outputs['logits']`` as a fallback, as in Twinkle) pair with
+    ``labels`` (``[n]`` per batch): a label > 0 marks an anchor, and the positive of
+    the anchor in row ``i`` is row ``i + 1`` of the same batch (an anchor in the last
+    row has none and is ignored). Keys (Twinkle's):
+
+    * ``pos_sim``, ``pos_sim_min``, ``pos_sim_max``: cosine(anchor, its positive).
+    * ``neg_sim``: mean cosine between each anchor and every *other* anchor's
+      positive in the data-group batch (in-batch negatives). Cosine, like
+      ``pos_sim``; Twinkle uses a raw dot product here, which is not comparable
+      to ``pos_sim`` unless the embeddings are normalised.
+    * ``loss``: mean of ``outputs['loss']`` over the entries seen; ``grad_norm``: MAX
+      over ranks of the last value passed.
+
+    Added: ``in_batch_accuracy``: the fraction of anchors whose own positive is
+    strictly more similar than every in-batch negative (top-1 retrieval; a tie
+    counts as a miss); ``margin``: mean over anchors that have negatives of
+    ``pos - max(neg)`` (positive minus the hardest in-batch negative).
+
+    In-batch statistics span the whole data group (DP x CP, or ``process_group``):
+    each rank gathers the normalised positives of every rank of that group (its
+    size, not the world size; TP replicas are not mixed in) and scores its own
+    anchors against them; the sums are reduced at ``calculate``. Ranks may hold
+    different numbers of rows. Per ``accumulate`` call with a data group of more
+    than one rank this costs two collectives, on every rank, whatever its data:
+
+    1. a host-side MAX all-reduce of three integers (row count, embedding dim) over
+       a CPU group: ``size_group``, else the mesh's ``cpu_data_group`` (the data group
+       itself when it is gloo, Megatron's gloo DP x CP group, or the gloo groups
+       ``DeviceMesh.from_sizes`` creates beside NCCL ones), so that no rank reads the
+       device; without any CPU group it falls back to a device all-reduce read on
+       the host (one device wait, warned).
+    2. an all-gather of ``[max rows, d + 1]`` float64 (positives and a validity
+       column) on the device. Rows past a rank's count and non-anchor rows carry
+       validity 0, so statistics are masked arithmetic and no rank branches on data;
+       a batch without anchors contributes zeros everywhere, consistently.
+
+    Every rank of the data group must therefore call ``accumulate`` the same number
+    of times (an empty list ``[]`` where it has nothing), as with Twinkle.
+
+    Args:
+        size_group: a CPU (gloo) process group over the data-group ranks for the
+            row-count exchange; defaults to the mesh's ``cpu_data_group``.
+        eps: lower bound of the norm in the cosine.
+    """
+
+    pos_sum = State("sum")
+    pos_min = State("min")
+    pos_max = State("max")
+    pos_count = State("sum", torch.int64)
+    neg_sum = State("sum")
+    neg_count = State("sum")
+    top1_correct = State("sum", torch.int64)
+    margin_sum = State("sum")
+    margin_count = State("sum", torch.int64)
+    loss_total = State("sum")
+    loss_count = State("sum", torch.int64)
+    grad_norm = State("max", local="last")
+
+    def __init__(self, device_mesh=None, process_group=None, *, size_group=None, eps: float = 1e-8,
+                 **kwargs):
+        super().__init__(device_mesh, process_group, **kwargs)
+        self.size_group = size_group
+        self.eps = eps
+
+    def update(self, inputs, outputs, *, grad_norm=None, **kwargs):
+        emb, labels, losses = self._rows(inputs, outputs)
+        out = {}
+        if grad_norm is not None:
+            out["grad_norm"] = f64(scalar(_NAME, "grad_norm", grad_norm))
+        for loss in losses:
+            out["loss_total"] = add(out.get("loss_total"), f64(loss))
+            out["loss_count"] = add(out.get("loss_count"), 1)
+        out.update(self._similarities(emb, labels))
+        return out
+
+    # ------------------------------------------------------------ inputs
+    def _rows(self, inputs, outputs):
+        """(embeddings [n, d] or None, labels [n] or None, [loss values]) of this call."""
+        feats = as_feature_list(_NAME, inputs)
+        losses: List[Any] = []
+        if isinstance(outputs, Mapping):
+            outputs = dict(outputs)
+            loss = outputs.pop("loss", None)
+            if loss is not None and not isinstance(loss, (list, tuple)):
+                losses.append(scalar(_NAME, "outputs['loss']", loss))
+            elif loss is not None:
+                losses += [scalar(_NAME, f"outputs['loss'][{i}]", x) for i, x in enumerate(loss) if x is not None]
+            key = "embeddings" if outputs.get("embeddings") is not None else "logits"
+            value = outputs.get(key)
+            if isinstance(value, torch.Tensor) and len(feats) > 1:
+                # One tensor over several microbatches: split by each one's label count
+                # (a host-known shape; labels are 1-D here, so batch_size() does not apply).
+                sizes = [self._labels(f, i).numel() for i, f in enumerate(feats)]
+                if value.shape[0] != sum(sizes):
+                    raise ValueError(f"{_NAME}: outputs[{key!r}] has shape {list(value.shape)} but the "
+                                     f"{len(feats)} microbatches hold {sum(sizes)} labels ({sizes}); "
+                                     "concatenate the rows in microbatch order, or pass a list")
+                outputs[key] = list(torch.split(value, sizes, dim=0))
+            outputs = {key: outputs[key]} if outputs.get(key) is not None else {}
+        elif isinstance(outputs, (list, tuple)):
+            for i, o in enumerate(outputs):
+                if isinstance(o, Mapping) and o.get("loss") is not None:
+                    losses.append(scalar(_NAME, f"outputs[{i}]['loss']", o["loss"]))
+        if not feats and _has_rows(outputs):
+            raise ValueError(f"{_NAME}: labels missing: outputs have embeddings but inputs is None; pass "
+                             "the InputFeature (or list of them) with labels marking anchors")
+        rows, labels = [], []
+        for i, (feat, o) in enumerate(microbatches(_NAME, feats, outputs, ("embeddings", "logits"))):
+            e = o.get("embeddings", o.get("logits"))
+            if e is None:
+                continue  # Twinkle skips calls without embeddings
+            field = "embeddings" if "embeddings" in o else "logits"
+            if not isinstance(e, torch.Tensor) or not e.is_floating_point():
+                raise TypeError(f"{_NAME}: outputs[{field!r}] must be a floating tensor, got "
+                                f"{getattr(e, 'dtype', type(e).__name__)}")
+            if e.dim() == 3:
+                e = e[:, 0]
+            if e.dim() != 2:
+                raise ValueError(f"{_NAME}: outputs[{field!r}] must be [n, d] or [n, s, d], got "
+                                 f"{list(e.shape)}")
+            lab = self._labels(feat, i).to(e.device, non_blocking=True)
+            if lab.numel() != e.shape[0]:
+                raise ValueError(f"{_NAME}: labels of microbatch {i} have {lab.numel()} entries "
+                                 f"(shape {list(lab.shape)}) but {field} have {e.shape[0]} rows "
+                                 f"(shape {list(e.shape)}); pass one label per embedding row")
+            rows.append(e)
+            labels.append(lab)
+        if rows and len({r.shape[1] for r in rows}) > 1:
+            raise ValueError(f"{_NAME}: microbatch embeddings have different dims "
+                             f"{[list(r.shape) for r in rows]}")
+        if not rows:
+            return None, None, losses
+        # A positive never crosses a microbatch boundary: mark the last row of each.
+        ends = [torch.arange(lab.numel(), device=lab.device) + 1 < lab.numel() for lab in labels]
+        anchors = torch.cat([(lab > 0) & end for lab, end in zip(labels, ends)])
+        nxt = torch.cat([torch.roll(r, -1, dims=0) for r in rows])
+        return (torch.cat(rows), nxt), anchors, losses
+
+    @staticmethod
+    def _labels(feat: Mapping, i: int) -> torch.Tensor:
+        if feat.get("labels") is None:
+            raise ValueError(f"{_NAME}: labels missing in microbatch {i}: expected a [n] tensor marking "
+                             f"anchors with 1; got keys {sorted(feat)}")
+        return int_tensor(_NAME, "labels", feat["labels"]).reshape(-1)
+
+    # ------------------------------------------------------------ statistics
+    def _similarities(self, rows, anchors) -> Mapping[str, Any]:
+        n = rows[0].shape[0] if rows is not None else 0
+        d = rows[0].shape[1] if rows is not None else 0
+        group = self.data_group()
+        size = group_size(group)
+        if size > 1:
+            # Host-known shapes only; -d so that the MAX also yields the smallest dim.
+            size_group = self.size_group
+            if size_group is None and self.process_group is None:
+                size_group = self.resolve_mesh().cpu_data_group
+            n_max, d_max, neg_d_min = host_max(_NAME, [n, d, -d if n else -(1 << 62)], group,
+                                               size_group)
+            if n_max and d_max != -neg_d_min:
+                raise ValueError(f"{_NAME}: ranks of the data group hold embeddings of different dims "
+                                 f"({-neg_d_min} to {d_max}); this rank has {d}")
+        else:
+            n_max, d_max = n, d
+        if n_max == 0:
+            return {}  # nobody holds rows: every rank knows it and skips the gather alike
+        device = rows[0].device if rows is not None else comm_device(group)
+        anchor_vec = pos_local = valid = None
+        if n:
+            emb, nxt = rows
+            anchor_vec = F.normalize(emb.to(torch.float64), dim=-1, eps=self.eps)
+            pos_local = F.normalize(nxt.to(torch.float64), dim=-1, eps=self.eps)
+            valid = anchors.to(torch.float64)
+        if size > 1:
+            buf = torch.zeros(n_max, d_max + 1, dtype=torch.float64, device=comm_device(group))
+            if n:
+                buf[:n, :d_max] = pos_local
+                buf[:n, d_max] = valid
+            gathered = all_gather_rows(buf.reshape(-1), group).reshape(size * n_max, d_max + 1)
+            positives, col_valid = gathered[:, :d_max].to(device), gathered[:, d_max].to(device)
+            own_offset = group_rank(group) * n_max
+        else:
+            positives, col_valid, own_offset = pos_local, valid, 0
+        if not n:
+            return {}
+        sim = anchor_vec @ positives.T                                   # [n, N]
+        own = torch.arange(n, device=device) + own_offset
+        pos = (anchor_vec * pos_local).sum(-1)
+        is_own = torch.arange(sim.shape[1], device=device).unsqueeze(0) == own.unsqueeze(1)
+        neg_mask = valid.unsqueeze(1) * col_valid.unsqueeze(0) * (~is_own).to(torch.float64)
+        neg_count = neg_mask.sum(-1)                                     # per anchor
+        hardest = torch.where(neg_mask > 0, sim, -torch.inf).amax(-1)
+        has_neg = (neg_count > 0) & (valid > 0)
+        is_anchor = valid > 0
+        return {
+            "pos_sum": (pos * valid).sum(),
+            "pos_min": torch.where(is_anchor, pos, torch.inf).amin(),
+            "pos_max": torch.where(is_anchor, pos, -torch.inf).amax(),
+            "pos_count": is_anchor.sum(),
+            "neg_sum": (sim * neg_mask).sum(),
+            "neg_count": neg_count.sum(),
+            "top1_correct": (is_anchor & (pos > hardest)).sum(),
+            "margin_sum": torch.where(has_neg, pos - hardest, 0.0).sum(),
+            "margin_count": has_neg.sum(),
+        }
+
+    def compute(self, s):
+        out = {}
+        if s["pos_count"]:
+            out.update(pos_sim=s["pos_sum"] / s["pos_count"], pos_sim_min=s["pos_min"],
+                       pos_sim_max=s["pos_max"], in_batch_accuracy=s["top1_correct"] / s["pos_count"])
+        if s["neg_count"]:
+            out["neg_sim"] = s["neg_sum"] / s["neg_count"]
+        if s["margin_count"]:
+            out["margin"] = s["margin_sum"] / s["margin_count"]
+        if s["loss_count"]:
+            out["loss"] = s["loss_total"] / s["loss_count"]
+        if s["grad_norm"] != -float("inf"):
+            out["grad_norm"] = s["grad_norm"]
+        return out
+
+
+def _has_rows(outputs) -> bool:
+    items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    return any(isinstance(o, Mapping) and (o.get("embeddings") is not None or o.get("logits") is not None)
+               for o in items)

@@ -1,0 +1,188 @@
+"""``TrainMetric``: learning rate, iterations, time, throughput, MFU, peak memory."""
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from typing import Optional
+
+import torch
+
+from parallel.groups import world_size
+from .base import Metric
+from .state import State
+
+_NAME = "TrainMetric"
+_COUNTS = ("global", "local")
+
+
+class TrainMetric(Metric):
+    """Twinkle's training-progress metric, with numbers instead of strings.
+
+    Call once per step (or micro step, as Twinkle does)::
+
+        metric.accumulate(None, None, lr=scheduler.get_last_lr(), step=step,
+                          gradient_accumulation_steps=ga, tokens=n_tokens, samples=n_seqs)
+
+    Keys (Twinkle's): ``learning rate`` (one param group) or ``learning rate(param
+    group i)`` (1-based, several groups), ``iters`` = ``step // gradient_accumulation_steps``,
+    ``total time elapse`` (seconds since construction, a float; Twinkle prints
+    ``'12 seconds'`` or ``'1.5 minutes'``), ``speed`` (iterations per second since
+    the previous ``calculate``). Added: ``step time`` (seconds per iteration),
+    ``tokens/s`` and ``samples/s`` (when counts are passed), ``mfu`` (when
+    ``flops_per_token`` and ``peak_flops`` are known), ``peak memory GiB``
+    (``torch.cuda.max_memory_allocated`` since start, CUDA only).
+
+    MFU here is achieved model FLOP/s per device divided by the device's peak:
+    ``tokens * flops_per_token / interval / num_devices / peak_flops``, where
+    ``flops_per_token`` counts forward and backward (``6 * params`` plus the
+    attention term is the usual estimate) and ``num_devices`` is the world size.
+
+    Times are host clocks taken at each ``accumulate`` (the interval ends at the last
+    call before ``calculate``) and reduced with MAX over the data group, inside the
+    one fused sync of a ``MetricCollection``; the sync then hands one rank's numbers
+    (last stage, TP rank 0) to every rank of TP x PP, so every rank reports the same
+    values, clock readings included. With ``device_mesh=None``
+    the mesh is ``DeviceMesh.current()``; in a ``MetricCollection`` give the
+    collection the mesh so that all metrics share one sync.
+
+    Args:
+        counts: ``'global'`` (default): ``tokens``/``samples`` are already global
+            per step (the same on every rank; reduced with MAX). ``'local'``: they
+            are this rank's counts, summed over the data group (DP x CP; under CP
+            pass ``samples`` on one CP rank only, e.g. ``cp_rank == 0``).
+        flops_per_token: model FLOPs per token (forward + backward); also per call.
+        peak_flops: peak FLOP/s of one device; also per call.
+        num_devices: devices sharing the work for MFU; default the world size.
+        max_param_groups: capacity of the learning-rate state.
+    """
+
+    lr_groups = State("max", torch.int64, local="last")
+    step = State("max", torch.int64, local="last")
+    grad_accum = State("max", torch.int64, local="last")
+    interval_steps = State("max", torch.int64, local="last")
+    elapsed = State("max", local="last")
+    interval_time = State("max", local="last")
+    peak_flops = State("max", local="last")
+    peak_memory = State("max", local="max")
+
+    def __init__(self, device_mesh=None, process_group=None, *, counts: str = "global",
+                 flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
+                 num_devices: Optional[int] = None, max_param_groups: int = 16, **kwargs):
+        if counts not in _COUNTS:
+            raise ValueError(f"{_NAME}: counts must be one of {_COUNTS}, got {counts!r}")
+        self._start = time.perf_counter()
+        self._seen_step: Optional[int] = None
+        super().__init__(device_mesh, process_group, **kwargs)
+        if int(max_param_groups) < 1:
+            raise ValueError(f"{_NAME}: max_param_groups must be >= 1, got {max_param_groups}")
+        # -inf marks unused slots; "last": the newest lr wins, MAX over ranks (all equal).
+        self.add_state("lr", State("max", shape=(int(max_param_groups),), local="last"))
+        # Global counts are the same on every rank: sum over calls, MAX over ranks.
+        reduce, local = ("max", "sum") if counts == "global" else ("sum", "sum")
+        for name in ("tokens", "samples", "model_flops"):
+            self.add_state(name, State(reduce, local=local, default=0.0))
+        self.counts = counts
+        self.flops_per_token = flops_per_token
+        self.default_peak_flops = peak_flops
+        self.num_devices = num_devices
+
+    def reset(self) -> "TrainMetric":
+        super().reset()
+        # Host bookkeeping of the interval that starts now (like Twinkle's reset).
+        self._interval_start = time.perf_counter()
+        self._interval_first_step = getattr(self, "_seen_step", None) or 0
+        return self
+
+    def update(self, inputs, outputs, *, lr=None, step=None, gradient_accumulation_steps=None,
+               tokens=None, samples=None, flops_per_token=None, peak_flops=None, **kwargs):
+        now = time.perf_counter()
+        out = {"elapsed": now - self._start, "interval_time": now - self._interval_start}
+        if lr is not None:
+            lrs = list(lr) if isinstance(lr, (list, tuple)) else [lr]
+            cap = self._specs["lr"].shape[0]
+            if not lrs or len(lrs) > cap:
+                raise ValueError(f"{_NAME}: lr has {len(lrs)} param groups, expected 1 to {cap}; pass "
+                                 f"TrainMetric(max_param_groups={max(len(lrs), 1)})")
+            values = [_number("lr", x) for x in lrs]
+            out["lr"] = torch.tensor(values + [-math.inf] * (cap - len(values)), dtype=torch.float64)
+            out["lr_groups"] = len(values)
+        ga = None
+        if gradient_accumulation_steps is not None:
+            ga = _integer("gradient_accumulation_steps", gradient_accumulation_steps)
+            if ga < 1:
+                raise ValueError(f"{_NAME}: gradient_accumulation_steps must be >= 1, got {ga}")
+            out["grad_accum"] = ga
+        if step is not None:
+            step = _integer("step", step)
+            out["step"] = step
+            out["interval_steps"] = step - self._interval_first_step
+        for name, value in (("tokens", tokens), ("samples", samples)):
+            if value is not None:
+                out[name] = _count(name, value)
+        fpt = flops_per_token if flops_per_token is not None else self.flops_per_token
+        if tokens is not None and fpt is not None:
+            out["model_flops"] = out["tokens"] * _number("flops_per_token", fpt)
+        peak = peak_flops if peak_flops is not None else self.default_peak_flops
+        if peak is not None:
+            out["peak_flops"] = _number("peak_flops", peak)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # An allocator counter on the host: no device wait.
+            out["peak_memory"] = torch.cuda.max_memory_allocated() / 2**30
+        # Host bookkeeping only after every check passed (a failed call changes nothing).
+        if step is not None:
+            self._seen_step = step
+        return out
+
+    def compute(self, s):
+        out = {}
+        groups = s["lr_groups"]
+        if groups > 0:
+            if groups == 1:
+                out["learning rate"] = s["lr"][0]
+            else:
+                for i in range(groups):
+                    out[f"learning rate(param group {i + 1})"] = s["lr"][i]
+        ga = s["grad_accum"] if s["grad_accum"] > 0 else 1
+        interval = s["interval_time"]
+        if s["elapsed"] != -math.inf:
+            out["total time elapse"] = s["elapsed"]
+        if s["step"] >= 0:
+            out["iters"] = s["step"] // ga
+            iters = s["interval_steps"] / ga
+            out["speed"] = iters / interval if interval > 0 else 0.0
+            if iters > 0:
+                out["step time"] = interval / iters
+        if interval > 0 and interval != -math.inf:
+            if s["tokens"] > 0:
+                out["tokens/s"] = s["tokens"] / interval
+            if s["samples"] > 0:
+                out["samples/s"] = s["samples"] / interval
+            if s["model_flops"] > 0 and s["peak_flops"] > 0:
+                devices = self.num_devices or world_size()
+                out["mfu"] = s["model_flops"] / interval / devices / s["peak_flops"]
+        if s["peak_memory"] != -math.inf:
+            out["peak memory GiB"] = s["peak_memory"]
+        return out
+
+
+def _count(field: str, value):
+    """A count as float64: Python numbers as they are, tensors kept on their device (no read)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{_NAME}: {field} must be a scalar count, got a {value.dtype} tensor of shape "
+                             f"{list(value.shape)}")
+        return value.detach().reshape(()).to(torch.float64)
+    return _number(field, value)
+
+
+def _number(field: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{_NAME}: {field} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _integer(field: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{_NAME}: {field} must be an int, got {type(value).__name__} ({value!r})")
+    return int(value)
