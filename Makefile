@@ -26,5 +26,9 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH bash launch/demo.sh
 
+# Benchmarks run in their own environment (benchmarks/.venv: peers twinkle-kit, torchmetrics).
+bench:
+	bash benchmarks/run_all.sh
+
 clean:
 	rm -rf $(VENV) runs

@@ -84,12 +84,15 @@ def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
     data_group = lead.data_group()
     share_group, is_source = mesh.result_group, mesh.is_result_source
     device = comm_device(data_group if data_group is not None else share_group)
-    schema, schema_text = _schema(metrics)
+    plan = _merge_plan(metrics, device)
+    schema, schema_text = plan.schema
 
+    # One cat (int64 states promote to float64 in it) instead of a cast kernel per state.
     flat = [torch.tensor([schema, float(is_source), 0.0], dtype=torch.float64, device=device)]
     for m in metrics:
         for name in m._specs:
-            flat.append(m._states[name].detach().to(device=device, dtype=torch.float64).reshape(-1))
+            t = m._states[name].detach().reshape(-1)
+            flat.append(t if t.device == device else t.to(device))
     buf = torch.cat(flat)
     used = buf.numel()
     buf = torch.nn.functional.pad(buf, (0, _bucket(used) - used))
@@ -105,19 +108,23 @@ def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
                  f"the same metrics, in the same order, with the same arguments on every rank "
                  f"(rank {group_ranks(None)[0]} has: {schema_text[:300]})")
 
-    merged = [torch.tensor([schema, float(is_source), float(bool(error))], dtype=torch.float64,
-                           device=device)]
-    offset = _HEADER
-    for m in metrics:
-        per_state = {}
+    # Plain sum/max/min states of every metric merge in one reduction per op (the
+    # columns are planned once per set of metrics); metrics with their own merge()
+    # or a callable reduce get their rows as before.
+    vec = rows[0].clone()
+    vec[:_HEADER] = torch.tensor([schema, float(is_source), float(bool(error))], dtype=torch.float64,
+                                 device=device)
+    for op, cols in plan.columns.items():
+        sel = rows.index_select(1, cols)
+        vec[cols] = sel.sum(0) if op == "sum" else (sel.amax(0) if op == "max" else sel.amin(0))
+    for i, offset in plan.custom:
+        m = metrics[i]
+        per_state, start = {}, offset
         for name, spec in m._specs.items():
             per_state[name] = rows[:, offset:offset + spec.numel].reshape(rows.shape[0], *spec.shape)
             offset += spec.numel
         out = m.merge(per_state)
-        for name, spec in m._specs.items():
-            merged.append(out[name].to(torch.float64).reshape(-1))
-    vec = torch.cat(merged)
-    vec = torch.nn.functional.pad(vec, (0, _bucket(used) - used))
+        vec[start:offset] = torch.cat([out[name].to(torch.float64).reshape(-1) for name in m._specs])
 
     if share_group is not None:
         stage_rows = all_gather_rows(vec, share_group)          # collective 2
@@ -148,6 +155,47 @@ def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
             states[name] = chunk[0] if spec.shape == () else _unflatten(chunk, spec.shape)
         out.append(states)
     return out
+
+
+class _MergePlan:
+    def __init__(self, schema, columns: Dict[str, torch.Tensor], custom: List[Tuple[int, int]]):
+        self.schema = schema        # (hash, text) of _schema(metrics)
+        self.columns = columns      # op -> column indices of states merged by that op
+        self.custom = custom        # (metric index, first column) merged by the metric
+
+
+_PLANS: Dict[Tuple, _MergePlan] = {}
+
+
+def _merge_plan(metrics: Sequence, device) -> _MergePlan:
+    from .base import Metric
+
+    # Everything _schema() and the plan depend on, so both can be cached under it.
+    key = (str(device),) + tuple(
+        (type(m), tuple((n, s.reduce if isinstance(s.reduce, str) else getattr(s.reduce, "__name__", "fn"),
+                         callable(s.reduce), s.shape, s.dtype) for n, s in m._specs.items()))
+        for m in metrics)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    cols: Dict[str, List[int]] = {"sum": [], "max": [], "min": []}
+    custom: List[Tuple[int, int]] = []
+    offset = _HEADER
+    for i, m in enumerate(metrics):
+        plain = type(m).merge is Metric.merge and all(isinstance(s.reduce, str) for s in m._specs.values())
+        if not plain:
+            custom.append((i, offset))
+        for spec in m._specs.values():
+            if plain:
+                cols[spec.reduce].extend(range(offset, offset + spec.numel))
+            offset += spec.numel
+    plan = _MergePlan(_schema(metrics),
+                      {op: torch.tensor(c, dtype=torch.long, device=device) for op, c in cols.items() if c},
+                      custom)
+    if len(_PLANS) > 64:  # a process builds few metric sets; bound it anyway
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 def _unflatten(values: List[Any], shape: Tuple[int, ...]):

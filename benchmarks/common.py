@@ -1,0 +1,230 @@
+"""Shared harness: gloo rank launcher, collective counter, timing, JSON results.
+
+Benchmarks report *ratios* measured in the same run, interleaved iteration by
+iteration (the machine is shared and noisy, so absolute times drift; two peers
+timed back to back see the same noise).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+# --------------------------------------------------------------------- environment
+def versions() -> Dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "twinkle-kit", "torchmetrics", "twinkle-metrics"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def machine() -> Dict[str, Any]:
+    info = {"platform": platform.platform(), "cpus": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            info["mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return info
+
+
+def source_tree() -> Dict[str, str]:
+    """Which code was measured: the commit of the tree the benchmark imported from."""
+    import subprocess
+
+    import twinkle_metrics
+
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(twinkle_metrics.__file__)))
+    try:
+        head = subprocess.run(["git", "-C", tree, "log", "-1", "--format=%h %s"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", tree, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        head, dirty = "unknown", ""
+    out = {"path": tree, "head": head, "modified": bool(dirty)}
+    if os.environ.get("BENCH_SOURCE_NOTE"):
+        out["note"] = os.environ["BENCH_SOURCE_NOTE"]
+    return out
+
+
+def save(name: str, payload: Dict[str, Any], command: str) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    doc = {"benchmark": name, "command": command,
+           "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+           "machine": machine(), "versions": versions(), "source": source_tree(), **payload}
+    path = os.path.join(RESULTS, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.write("\n")
+    return path
+
+
+def median(xs: List[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def quantile(xs: List[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+# --------------------------------------------------------------- collective counter
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "_all_gather_base", "all_gather_object", "all_gather_coalesced", "reduce",
+                "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "gather",
+                "gather_object", "scatter", "scatter_object_list", "reduce_scatter",
+                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv",
+                "isend", "irecv", "all_reduce_coalesced", "batch_isend_irecv")
+
+
+class CollectiveCounter:
+    """Counts torch.distributed collectives by wrapping the c10d functions.
+
+    Both namespaces are patched (``torch.distributed.X`` and
+    ``torch.distributed.distributed_c10d.X``), so helpers built from other
+    collectives (``all_gather_object`` = an all_gather of sizes + one of data)
+    count their inner collectives too. ``wire`` counts only the innermost calls
+    (those that issue no further wrapped collective): what goes over the network.
+    ``api`` counts the outermost calls a library made.
+    """
+
+    def __init__(self):
+        self.wire: Dict[str, int] = {}
+        self.api: Dict[str, int] = {}
+        self._stack: List[List[bool]] = []
+        self._saved = []
+
+    def __enter__(self):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        originals = {}
+        for name in _COLLECTIVES:
+            fn = getattr(c10d, name, None) or getattr(dist, name, None)
+            if fn is not None:
+                originals[name] = fn
+        for name, fn in originals.items():
+            wrapped = self._wrap(name, fn)
+            for mod in (dist, c10d):
+                if hasattr(mod, name):
+                    self._saved.append((mod, name, getattr(mod, name)))
+                    setattr(mod, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, fn in reversed(self._saved):
+            setattr(mod, name, fn)
+        self._saved = []
+
+    def _wrap(self, name, fn):
+        counter = self
+
+        def wrapper(*args, **kwargs):
+            top = not counter._stack
+            if counter._stack:
+                counter._stack[-1][0] = True  # the caller has an inner collective
+            counter._stack.append([False])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                had_inner = counter._stack.pop()[0]
+                if not had_inner:
+                    counter.wire[name] = counter.wire.get(name, 0) + 1
+                if top:
+                    counter.api[name] = counter.api.get(name, 0) + 1
+
+        wrapper.__wrapped__ = fn
+        return wrapper
+
+    def reset(self):
+        self.wire.clear()
+        self.api.clear()
+
+    @property
+    def total(self) -> int:
+        return sum(self.wire.values())
+
+
+# ------------------------------------------------------------------ rank launcher
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, fn, args, results):
+    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+        try:
+            results.put((rank, True, fn(*args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(world: int, fn: Callable, *args, timeout: float = 600) -> List[Any]:
+    """Run ``fn(*args)`` on ``world`` fresh gloo ranks; return the results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: Dict[int, Any] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(got) < world:
+            rank, ok, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [got[r] for r in range(world)]
+
+
+@contextlib.contextmanager
+def timer(out: List[float]):
+    t0 = time.perf_counter()
+    yield
+    out.append(time.perf_counter() - t0)
