@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+import torch
 import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,3 +112,27 @@ def print_rank0(*args: Any) -> None:
 
 def logging_section(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return config.get("logging") or {}
+
+
+def make_microbatches(step: int, dp_rank: int, cfg: Mapping[str, Any]):
+    """The demo task: ``(tokens, labels)`` per microbatch of one step on one DP rank.
+
+    Each sequence counts up from a random start by a random stride (mod vocab); a random
+    tail is padding (label -100), so microbatches differ in token count. Seeded by step
+    and DP rank only, so TP ranks and pipeline stages of one DP rank see the same data.
+    """
+    t, m = cfg["train"], cfg["model"]
+    b, s, v = t["micro_batch_size"], m["seq_length"], m["vocab_size"]
+    g = torch.Generator().manual_seed(t["seed"] * 1_000_003 + step * 1009 + dp_rank)
+    out = []
+    for _ in range(t["num_microbatches"]):
+        start = torch.randint(0, v, (b, 1), generator=g)
+        stride = torch.randint(1, t.get("max_stride", 4) + 1, (b, 1), generator=g)
+        seq = (start + stride * torch.arange(s + 1)) % v
+        tokens, labels = seq[:, :-1].clone(), seq[:, 1:].clone()
+        length = torch.randint(s // 4, s + 1, (b, 1), generator=g)
+        pad = torch.arange(s) >= length
+        tokens[pad] = 0
+        labels[pad] = -100
+        out.append((tokens, labels))
+    return out

@@ -23,7 +23,7 @@ import os
 import time
 import warnings
 
-import common  # noqa: F401  (puts the repository on sys.path)
+import common  # also puts the repository on sys.path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -115,26 +115,6 @@ class TokenLoss:
         return out
 
 
-# ----------------------------------------------------------------------------- data
-def make_microbatches(step: int, dp_rank: int, cfg: dict):
-    """Same task as the Megatron demo: strided counting sequences with padded tails."""
-    t, m = cfg["train"], cfg["model"]
-    b, s, v = t["micro_batch_size"], m["seq_length"], m["vocab_size"]
-    g = torch.Generator().manual_seed(t["seed"] * 1_000_003 + step * 1009 + dp_rank)
-    out = []
-    for _ in range(t["num_microbatches"]):
-        start = torch.randint(0, v, (b, 1), generator=g)
-        stride = torch.randint(1, t.get("max_stride", 4) + 1, (b, 1), generator=g)
-        seq = (start + stride * torch.arange(s + 1)) % v
-        tokens, labels = seq[:, :-1].clone(), seq[:, 1:].clone()
-        length = torch.randint(s // 4, s + 1, (b, 1), generator=g)
-        pad = torch.arange(s) >= length
-        tokens[pad] = 0
-        labels[pad] = -100
-        out.append((tokens, labels))
-    return out
-
-
 def global_grad_norm(params, group):
     """L2 norm of all gradients across pipeline stages (after DeepSpeed's DP reduction)."""
     sq = torch.zeros((), dtype=torch.float64)
@@ -217,7 +197,7 @@ def main(argv=None):
     ds_losses = []
     start = time.time()
     for step in range(t["steps"]):
-        batches = make_microbatches(step, mesh.dp_rank, cfg)
+        batches = common.make_microbatches(step, mesh.dp_rank, cfg)
         ds_loss = engine.train_batch(iter(batches))  # unweighted mean (DeepSpeed's number)
         ds_losses.append(float(ds_loss))
         reports = loss_fn.pop()  # [] on stages other than the last

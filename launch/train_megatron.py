@@ -32,7 +32,7 @@ import time
 import warnings
 from functools import partial
 
-import common  # noqa: F401  (puts the repository on sys.path)
+import common  # also puts the repository on sys.path
 import torch
 import torch.distributed as dist
 
@@ -61,24 +61,10 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- data
 def make_microbatches(step: int, dp_rank: int, cfg: dict):
-    """The microbatches of one step on one DP rank: identical on its TP ranks and stages.
-
-    Each sequence counts up from a random start by a random stride (mod vocab); a
-    random tail is padding (label -100), so microbatches differ in token count.
-    """
-    t, m = cfg["train"], cfg["model"]
-    b, s, v = t["micro_batch_size"], m["seq_length"], m["vocab_size"]
-    g = torch.Generator().manual_seed(t["seed"] * 1_000_003 + step * 1009 + dp_rank)
+    """The demo task's microbatches with Megatron's position ids (see common.make_microbatches)."""
     out = []
-    for _ in range(t["num_microbatches"]):
-        start = torch.randint(0, v, (b, 1), generator=g)
-        stride = torch.randint(1, t.get("max_stride", 4) + 1, (b, 1), generator=g)
-        seq = (start + stride * torch.arange(s + 1)) % v
-        tokens, labels = seq[:, :-1].clone(), seq[:, 1:].clone()
-        length = torch.randint(s // 4, s + 1, (b, 1), generator=g)
-        pad = torch.arange(s) >= length
-        tokens[pad] = 0
-        labels[pad] = -100
+    for tokens, labels in common.make_microbatches(step, dp_rank, cfg):
+        b, s = tokens.shape
         out.append({"tokens": tokens, "labels": labels,
                     "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous()})
     return out
