@@ -190,3 +190,16 @@ def test_layout_validation_messages():
         DeviceMesh.from_sizes(tp_size=2, dp_size=2, world_size=8)
     with pytest.raises(TypeError, match="unsupported arguments"):
         DeviceMesh.from_sizes(fsdp_size=2)
+
+
+def test_merged_shards_equal_whole_batch():
+    from twinkle_metrics.testing import merged_results
+
+    labels, values = make_batch(9)
+    whole = _whole(labels, values)
+    shards = [TokenStats().accumulate({"labels": labels[i:i + 3]}, {"values": values[i:i + 3]})
+              for i in range(0, labels.shape[0], 3)]
+    shards.append(TokenStats())  # a rank that saw nothing
+    assert_results_close(merged_results(shards), whole)
+    with pytest.raises(ValueError, match="same metric"):
+        merged_results([TokenStats(), MetricCollection])

@@ -142,13 +142,18 @@ def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
         hints = dict.fromkeys(h for h in (getattr(m, "_sync_hint", None) for m in metrics) if h)
         raise MetricSyncError(f"calculate(): {error}" + "".join(f"; hint: {h}" for h in hints))
 
-    values = vec.tolist()  # the one device-to-host copy
+    return unpack(vec.tolist()[_HEADER:], metrics)  # the one device-to-host copy
+
+
+def unpack(values: Sequence[float], metrics: Sequence) -> List[Dict[str, Any]]:
+    """Split a flat list of state values (metric order, state order) into plain Python
+    states per metric: ints for int64 states, nested lists for shaped states."""
     out: List[Dict[str, Any]] = []
-    offset = _HEADER
+    offset = 0
     for m in metrics:
         states = {}
         for name, spec in m._specs.items():
-            chunk = values[offset:offset + spec.numel]
+            chunk = list(values[offset:offset + spec.numel])
             offset += spec.numel
             if spec.dtype == torch.int64:
                 chunk = [int(v) if v == v and abs(v) != float("inf") else v for v in chunk]

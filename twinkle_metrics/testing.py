@@ -6,12 +6,15 @@
   On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the ground-truth check;
   this guard gives the same verdict on a CPU-only machine.
 * ``assert_results_close(got, want)``: same keys, numbers equal to a tolerance.
+* ``merged_results(shards)``: the single-process conformance check of a metric's merge:
+  metrics that each accumulated one shard, merged as ``calculate()`` merges the ranks of
+  a data group; compare with one metric that accumulated everything.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Sequence
 
 import torch
 
@@ -93,3 +96,27 @@ def _close(key, a, b, rel, abs_tol):
         return
     if a != b:
         raise AssertionError(f"{key}: {a!r} != {b!r}")
+
+
+def merged_results(shards: Sequence) -> Dict[str, Any]:
+    """Results of metrics that each accumulated one shard, merged like the ranks of one
+    data group in ``calculate()`` (same ``merge``, same conversion to plain numbers).
+
+    Example::
+
+        whole = MyMetric().accumulate(batch_inputs, batch_outputs).calculate()
+        parts = [MyMetric().accumulate(i, o) for i, o in shards_of(batch)]
+        assert_results_close(merged_results(parts), whole)
+    """
+    from .sync import unpack
+
+    lead = shards[0]
+    types = {type(m) for m in shards}
+    if len(types) != 1 or any(list(m._specs) != list(lead._specs) for m in shards):
+        raise ValueError(f"merged_results: shards must be the same metric with the same states, "
+                         f"got {sorted(t.__name__ for t in types)}")
+    rows = {name: torch.stack([m._states[name].detach().cpu().to(torch.float64) for m in shards])
+            for name in lead._specs}
+    merged = lead.merge(rows)
+    flat = torch.cat([merged[name].to(torch.float64).reshape(-1) for name in lead._specs])
+    return lead.compute(unpack(flat.tolist(), [lead])[0])
