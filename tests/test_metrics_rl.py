@@ -246,6 +246,44 @@ def test_entropy_from_logits_chunked_matches_full_softmax(temperature):
     assert got["train/entropy"] == 2.0
 
 
+@pytest.mark.parametrize("kw", [
+    dict(entropy_chunk_bytes=1),                          # budget below one token's row: 1 row per chunk
+    dict(entropy_chunk_bytes=3 * 11 * 8 + 5),             # 3 rows of float64 logits
+    dict(entropy_chunk_size=5),                           # token cap alone (the old meaning)
+    dict(entropy_chunk_size=2, entropy_chunk_bytes=10 ** 9),  # the token cap wins
+    {},                                                   # default: 1/64 of the logits, >= 1 MiB
+])
+def test_entropy_from_logits_any_chunking(kw):
+    b = make_rl_batch(12)
+    want = ref_entropy(b["logits"], b["labels"], 0.7)
+    # logits one position longer than the labels: the [:, :s] slice is strided
+    longer = torch.cat([b["logits"], b["logits"][:, :1]], 1)
+    for logits, rel in ((b["logits"], 1e-10), (longer, 1e-10), (b["logits"].float(), 1e-6)):
+        m = GRPOMetric(entropy_from_logits=True, temperature=0.7, **kw)
+        with forbid_device_waits():
+            m.accumulate([{"labels": b["labels"][:5]}, {"labels": b["labels"][5:]}],
+                         [{"logps": b["logps"][:5], "logits": logits[:5]},
+                          {"logps": b["logps"][5:], "logits": logits[5:]}])
+        assert math.isclose(m.calculate()["train/entropy"], want, rel_tol=rel), (kw, logits.dtype)
+
+
+def test_entropy_from_logits_masked_vocab_entries():
+    b = make_rl_batch(13)
+    want = ref_entropy(b["logits"][..., :-2], b["labels"])  # -inf logits are impossible tokens
+    z = b["logits"].clone()
+    z[..., -2:] = -math.inf
+    for kw in (dict(entropy_chunk_bytes=1), {}):
+        got = GRPOMetric(entropy_from_logits=True, **kw).accumulate(
+            {"labels": b["labels"]}, {"logps": b["logps"], "logits": z}).calculate()
+        assert math.isclose(got["train/entropy"], want, rel_tol=1e-10)
+
+
+def test_entropy_chunk_arguments_validated():
+    for kw in (dict(entropy_chunk_size=0), dict(entropy_chunk_bytes=0), dict(entropy_chunk_size=2.5)):
+        with pytest.raises(ValueError, match="GRPOMetric: entropy_chunk_"):
+            GRPOMetric(**kw)
+
+
 def test_grpo_in_collection_ignores_foreign_kwargs():
     b = make_rl_batch(8)
     coll = MetricCollection({"grpo": GRPOMetric(), "dpo": DPOMetric(), "": CompletionRewardMetric()})

@@ -46,10 +46,12 @@ class GRPOMetric(Metric):
     * ``train/entropy`` from ``outputs['entropies']``, or, with
       ``entropy_from_logits=True`` and no entropies, from ``outputs['logits']``
       ``[b, s, v]`` aligned with the log-probs: H = logsumexp(z) - sum softmax(z) z
-      with z = logits / temperature, in chunks of tokens (no ``[tokens, vocab]``
-      softmax); with ``vocab_parallel=True`` the logits are the local vocab shard and
-      the sums are completed over the mesh's TP group (a MAX and a SUM all_reduce
-      per ``accumulate``);
+      with z = logits / temperature, in chunks of tokens sized in bytes: two
+      working buffers of a chunk each (by default 1/64 of the logits, so ~3% extra
+      memory; a full-vocab softmax needs 300%); with ``vocab_parallel=True`` the
+      logits are the local vocab shard and the sums are completed over the mesh's
+      TP group: one MAX and one SUM all_reduce per ``accumulate``, whatever the
+      number of chunks or microbatches;
     * ``top_k_kl > 0``: ``_high_kl_records``, the K highest-k3 tokens of the whole
       data group, each ``{'gsi', 'pos', 'token_id', 'kl', 'ratio', 'logp_new',
       'logp_old'}``. ``gsi`` counts sequences over the data group in DP-rank order
@@ -78,7 +80,12 @@ class GRPOMetric(Metric):
         entropy_from_logits: compute entropy from ``outputs['logits']`` when no
             ``outputs['entropies']`` are given.
         vocab_parallel: the logits are vocab-sharded over the mesh's TP group.
-        entropy_chunk_size: tokens per chunk of the entropy computation.
+        entropy_chunk_size: at most this many tokens per entropy chunk (None: the
+            byte budget alone decides).
+        entropy_chunk_bytes: size of one float32 (float64 for float64 logits)
+            working buffer of the entropy computation; two are live at once.
+            None: 1/64 of the call's logits, at least 1 MiB. Never less than one
+            token's row.
     """
 
     n_tok = State("sum", torch.int64)
@@ -109,15 +116,19 @@ class GRPOMetric(Metric):
     def __init__(self, device_mesh=None, process_group=None, *, ignore_index: int = -100,
                  temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
                  top_k_kl: int = 0, entropy_from_logits: bool = False, vocab_parallel: bool = False,
-                 entropy_chunk_size: int = 4096):
+                 entropy_chunk_size: Optional[int] = None, entropy_chunk_bytes: Optional[int] = None):
         super().__init__(device_mesh, process_group)
         name = type(self).__name__
         if temperature <= 0:
             raise ValueError(f"{name}: temperature must be > 0, got {temperature}")
         if not isinstance(top_k_kl, int) or top_k_kl < 0:
             raise ValueError(f"{name}: top_k_kl must be an int >= 0, got {top_k_kl!r}")
-        if entropy_chunk_size < 1:
-            raise ValueError(f"{name}: entropy_chunk_size must be >= 1, got {entropy_chunk_size}")
+        if entropy_chunk_size is not None and (not isinstance(entropy_chunk_size, int) or entropy_chunk_size < 1):
+            raise ValueError(f"{name}: entropy_chunk_size (tokens per chunk) must be an int >= 1 or None, "
+                             f"got {entropy_chunk_size!r}")
+        if entropy_chunk_bytes is not None and (not isinstance(entropy_chunk_bytes, int) or entropy_chunk_bytes < 1):
+            raise ValueError(f"{name}: entropy_chunk_bytes must be an int >= 1 or None (1/64 of the "
+                             f"logits), got {entropy_chunk_bytes!r}")
         self.ignore_index = ignore_index
         self.temperature = float(temperature)
         self.epsilon = float(epsilon)
@@ -125,7 +136,8 @@ class GRPOMetric(Metric):
         self.top_k_kl = top_k_kl
         self.entropy_from_logits = bool(entropy_from_logits)
         self.vocab_parallel = bool(vocab_parallel)
-        self.entropy_chunk_size = int(entropy_chunk_size)
+        self.entropy_chunk_size = entropy_chunk_size
+        self.entropy_chunk_bytes = entropy_chunk_bytes
         if top_k_kl:
             self.add_state("topk", State(self._reduce_topk, torch.float64, shape=(top_k_kl, len(_FIELDS)),
                                          default=-math.inf, local=self._fold_topk))
@@ -292,8 +304,13 @@ class GRPOMetric(Metric):
         return torch.stack([key[idx], gsi, pos_v, tok, r[i, p], lp[i, p], old[i, p]], 1)
 
     def _entropy_from_logits(self, name, jobs) -> List[torch.Tensor]:
-        """Per-token entropy [b, s] of each job's logits, chunked; vocab-parallel over TP."""
-        flats, shapes = [], []
+        """Per-token entropy [b, s] (float64) of each job's logits; vocab-parallel over TP.
+
+        Two collectives per call however many jobs and chunks: the row maxima of
+        every job are all-reduced at once (MAX), then every chunk's partial
+        ``(S, sum e*y)`` is collected and all-reduced at once (SUM).
+        """
+        blocks, shapes = [], []
         for i, logits, m in jobs:
             z = as_tensor(logits, m.device)
             if z.dim() == 2:
@@ -302,46 +319,46 @@ class GRPOMetric(Metric):
                 raise ValueError(f"{name}: outputs['logits'] of microbatch {i} has shape "
                                  f"{list(z.shape)}; expected [{m.shape[0]}, >= {m.shape[1]}, vocab] "
                                  "aligned with the log-probs")
-            z = z[:, :m.shape[1]]
-            flats.append(z.reshape(-1, z.shape[-1]))
+            blocks.append(_row_blocks(z[:, :m.shape[1]]))
             shapes.append(m.shape)
-        z_all = flats
         tp_group = self.resolve_mesh().tp_group if self.vocab_parallel else None
-        chunk, t = self.entropy_chunk_size, self.temperature
-        work = [torch.promote_types(z.dtype, torch.float32) for z in z_all]
-        if tp_group is None:
-            ents = []
-            for z, dt in zip(z_all, work):
-                parts = []
-                for c in torch.split(z, chunk):
-                    zc = c.to(dt) / t
-                    lse = torch.logsumexp(zc, -1)
-                    p = torch.exp(zc - lse[:, None])
-                    parts.append(lse - torch.where(p > 0, p * zc, 0.0).sum(-1))
-                ents.append(torch.cat(parts) if parts else z.new_zeros(0, dtype=dt))
-        else:
+        if tp_group is not None and group_size(tp_group) == 1:
+            tp_group = None
+        chunks = [c for job in blocks for block in job
+                  for c in torch.split(block, self._entropy_rows(block, job))]
+        t = self.temperature
+        zmax = None
+        if tp_group is not None:
             import torch.distributed as dist
 
+            # max(z) / T == max(z / T) (T > 0, rounding is monotone): no scaled copy.
+            zmax = torch.cat([c.amax(-1).to(_work_dtype(c)) / t for c in chunks]) if chunks else \
+                torch.zeros(0, device=jobs[0][2].device)
             dev = comm_device(tp_group)
-            zmax = torch.cat([torch.cat([c.to(dt).amax(-1) / t for c in torch.split(z, chunk)])
-                              if z.shape[0] else z.new_zeros(0, dtype=dt)
-                              for z, dt in zip(z_all, work)]).to(torch.float64)
             zmax_c = zmax.to(dev)
             dist.all_reduce(zmax_c, op=dist.ReduceOp.MAX, group=tp_group)          # collective 1
             zmax = zmax_c.to(zmax.device)
-            sums, start = [], 0
-            for z, dt in zip(z_all, work):
-                for c in torch.split(z, chunk):
-                    zc = c.to(dt) / t
-                    e = torch.exp(zc - zmax[start:start + c.shape[0], None].to(dt))
-                    sums.append(torch.stack([e.sum(-1), torch.where(e > 0, e * zc, 0.0).sum(-1)], 1))
-                    start += c.shape[0]
-            sw = torch.cat(sums).to(torch.float64).to(dev)
-            dist.all_reduce(sw, op=dist.ReduceOp.SUM, group=tp_group)              # collective 2
-            sw = sw.to(zmax.device)
-            h = zmax + torch.log(sw[:, 0]) - sw[:, 1] / sw[:, 0]
-            ents = list(torch.split(h, [z.shape[0] for z in z_all]))
-        return [e.to(torch.float64).reshape(shape) for e, shape in zip(ents, shapes)]
+        stats, start = [], 0
+        for c in chunks:
+            stats.append(_entropy_partials(c, t, None if zmax is None else zmax[start:start + c.shape[0]]))
+            start += c.shape[0]
+        st = torch.cat(stats) if stats else torch.zeros(0, 2, dtype=torch.float64, device=jobs[0][2].device)
+        if tp_group is not None:
+            dev = comm_device(tp_group)
+            st_c = st.to(dev)
+            dist.all_reduce(st_c, op=dist.ReduceOp.SUM, group=tp_group)              # collective 2
+            st = st_c.to(st.device)
+        h = torch.log(st[:, 0]) - st[:, 1] / st[:, 0]  # H = log S - sum(e y) / S, y = z/T - max
+        return [e.reshape(shape) for e, shape in zip(torch.split(h, [math.prod(s) for s in shapes]), shapes)]
+
+    def _entropy_rows(self, block: torch.Tensor, job) -> int:
+        """Rows per chunk: the byte budget (one working buffer), capped by entropy_chunk_size."""
+        row = block.shape[-1] * torch.finfo(_work_dtype(block)).bits // 8
+        budget = self.entropy_chunk_bytes
+        if budget is None:  # 1/64 of this job's logits (in the working dtype), at least 1 MiB
+            budget = max(sum(b.shape[0] for b in job) * row // 64, 1 << 20)
+        rows = max(1, budget // max(row, 1))  # never less than one token's row
+        return min(rows, self.entropy_chunk_size) if self.entropy_chunk_size else rows
 
     # ----------------------------------------------------------------- merge
     def merge(self, rows):
@@ -426,6 +443,35 @@ class CISPOMetric(GRPOMetric):
 
     def _clip(self, r, adv, gate):
         return gate & (r < 1 - self.epsilon), gate & (r > 1 + self.epsilon_high)
+
+
+def _work_dtype(z: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(z.dtype, torch.float32)
+
+
+def _row_blocks(z: torch.Tensor) -> List[torch.Tensor]:
+    """``[b, s, V]`` as contiguous ``[rows, V]`` views (per sequence when a slice is strided)."""
+    if z.is_contiguous():
+        return [z.reshape(-1, z.shape[-1])]
+    return [z[i] if z[i].is_contiguous() else z[i].contiguous() for i in range(z.shape[0])]
+
+
+def _entropy_partials(c: torch.Tensor, t: float, zmax: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[rows, 2]`` float64 ``(S, sum e*y)`` of one chunk, with y = z/T - max, e = exp(y).
+
+    Two buffers of the chunk's size: y (the chunk's own copy, clamped in place so
+    that a -inf logit gives e = 0 and e*y = 0, never 0 * -inf) and e; ``sum e*y``
+    is a batched dot product, not a third buffer. ``zmax`` is the global row max
+    under TP (None: this chunk's own).
+    """
+    y = c.to(_work_dtype(c), copy=True)
+    if t != 1.0:
+        y.div_(t)
+    m = y.amax(-1) if zmax is None else zmax.to(y.dtype)
+    y.sub_(m[:, None]).clamp_(min=torch.finfo(y.dtype).min)
+    e = torch.exp(y)
+    ey = torch.bmm(e.unsqueeze(1), y.unsqueeze(2)).reshape(-1)
+    return torch.stack([e.sum(-1), ey], 1).to(torch.float64)
 
 
 def _add(acc, key, value):
