@@ -13,6 +13,10 @@ from .state import State
 _NAME = "DPOMetric"
 
 
+_LINEAR_KEYS = ("chosen", "rejected", "ref_chosen", "ref_rejected", "reward_chosen", "reward_rejected",
+                "margin")
+
+
 class DPOMetric(Metric):
     """DPO metrics with TRL's keys, exact over the data group.
 
@@ -114,7 +118,7 @@ class DPOMetric(Metric):
             lp = lp.unsqueeze(0) if lp.dim() == 1 else lp
             mask = token_mask(_NAME, feat, self.ignore_index, lp.device)
             lp, mask = common_length(_NAME, f"{what} logps", lp, mask)
-            cols = [torch.where(mask, lp.to(torch.float64), 0.0).sum(-1)]
+            cols = [lp]
             if ref_pairs is not None:
                 ref = as_tensor(ref_pairs[i][1]["logps"], lp.device)
                 ref = ref.unsqueeze(0) if ref.dim() == 1 else ref
@@ -122,9 +126,13 @@ class DPOMetric(Metric):
                     raise ValueError(f"{_NAME}: reference logps for {what} have shape "
                                      f"{list(ref.shape)}, expected [{lp.shape[0]}, >= {lp.shape[1]}]; "
                                      "run the reference model on the same batch")
-                cols.append(torch.where(mask, ref[:, :lp.shape[1]].to(torch.float64), 0.0).sum(-1))
-            rows.append(torch.stack(cols, dim=1))
-        return torch.cat(rows)
+                cols.append(ref[:, :lp.shape[1]])
+            # Masked by a 0/1 multiplier in the input dtype (as Twinkle: masked values must be
+            # finite), summed in float64; bool -> uint8 -> float is the cheap conversion on CPU.
+            mf = mask.view(torch.uint8).to(torch.promote_types(lp.dtype, torch.float32))
+            sums = [(c * mf).sum(-1, dtype=torch.float64) for c in cols]
+            rows.append(torch.stack(sums, 1) if len(sums) > 1 else sums[0][:, None])
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def _complete(self, sums: torch.Tensor) -> torch.Tensor:
         """Whole-sequence totals: one SUM all_reduce of the partial sums over CP."""
@@ -159,14 +167,28 @@ class DPOMetric(Metric):
 
     def _stats(self, c: torch.Tensor, r: torch.Tensor) -> Dict[str, Any]:
         n = c.shape[0]
-        out: Dict[str, Any] = {"pairs": n, "chosen": c[:, 0].sum(), "rejected": r[:, 0].sum()}
-        if c.shape[1] > 1:
-            rc = self.beta * (c[:, 0] - c[:, 1])
-            rr = self.beta * (r[:, 0] - r[:, 1])
-            out.update(ref_pairs=n, ref_chosen=c[:, 1].sum(), ref_rejected=r[:, 1].sum(),
-                       reward_chosen=rc.sum(), reward_rejected=rr.sum(), margin=(rc - rr).sum(),
-                       correct=(rc > rr).sum())
+        x = torch.cat([c, r], 1)  # [pairs, (chosen, ref_chosen)?, (rejected, ref_rejected)?]
+        if c.shape[1] == 1:
+            chosen, rejected = x.sum(0).unbind()
+            return {"pairs": n, "chosen": chosen, "rejected": rejected}
+        # Every sum is linear in the four per-pair columns: one matmul, one reduction.
+        per_pair = x @ self._linear(x)
+        sums = per_pair.sum(0).unbind()
+        out: Dict[str, Any] = dict(zip(_LINEAR_KEYS, sums))
+        out.update(pairs=n, ref_pairs=n, correct=(per_pair[:, 4] > per_pair[:, 5]).sum())
         return out
+
+    def _linear(self, like: torch.Tensor) -> torch.Tensor:
+        """[4, 7]: (chosen, ref_chosen, rejected, ref_rejected) -> the _LINEAR_KEYS columns."""
+        key, w = self.__dict__.get("_w", (None, None))
+        if key != (self.beta, like.device):
+            b = self.beta
+            w = torch.tensor([[1, 0, 0, 0, b, 0, b],
+                              [0, 0, 1, 0, -b, 0, -b],
+                              [0, 1, 0, 0, 0, b, -b],
+                              [0, 0, 0, 1, 0, -b, b]], dtype=torch.float64).to(like.device)
+            self._w = ((b, like.device), w)  # built once per device (one small copy to it)
+        return w
 
     def compute(self, s):
         if not s["pairs"]:
