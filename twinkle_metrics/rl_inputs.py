@@ -27,13 +27,21 @@ def as_tensor(value, device=None, dtype=None) -> torch.Tensor:
 def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tensor:
     """``[b, s]`` bool mask: ``completion_mask`` when given, else ``labels != ignore_index``."""
     if feat.get("completion_mask") is not None:
-        mask = as_tensor(feat["completion_mask"], device) != 0
+        mask = _ne(as_tensor(feat["completion_mask"], device), 0)
     elif feat.get("labels") is not None:
-        mask = as_tensor(feat["labels"], device) != ignore_index
+        mask = _ne(as_tensor(feat["labels"], device), ignore_index)
     else:
         raise ValueError(f"{metric}: an input feature has neither 'completion_mask' nor 'labels'; "
                          f"pass one so the valid tokens are known; got keys {sorted(feat)}")
     return mask.unsqueeze(0) if mask.dim() == 1 else mask
+
+
+def _ne(x: torch.Tensor, value) -> torch.Tensor:
+    """``x != value`` as bool; written as uint8 and viewed (the bool kernel is ~2x slower on CPU)."""
+    if x.dtype == torch.bool:
+        return x != value
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    return torch.ne(x, value, out=out).view(torch.bool)
 
 
 def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
