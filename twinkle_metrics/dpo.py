@@ -84,9 +84,9 @@ class DPOMetric(Metric):
                                  f"but rejected has {r.shape[0]} (ref: {r.shape[1] > 1}); pass "
                                  "matching pairs, with reference log-probs for both or neither")
             sums = self._complete(torch.cat([c, r]))
-            c, r = sums[:c.shape[0]], sums[c.shape[0]:]
+            x = torch.cat([sums[:c.shape[0]], sums[c.shape[0]:]], 1)
         elif isinstance(outputs, dict) and outputs.get("chosen_logps") is not None:
-            c, r = self._presummed(outputs)
+            x = torch.cat(self._presummed(outputs), 1)
         else:
             sums = self._seq_logps("outputs", inputs, outputs, ref_outputs)
             if sums is None:
@@ -96,10 +96,10 @@ class DPOMetric(Metric):
                                  "[chosen, rejected, ...] batches need an even count (or pass "
                                  "chosen=/rejected= separately)")
             sums = self._complete(sums)
-            c, r = sums[0::2], sums[1::2]
+            x = sums.reshape(sums.shape[0] // 2, -1)  # rows [c, r] interleaved: one row per pair
         if not cp_lead(self):
             return {}  # the other CP ranks hold the same completed sums: count pairs once
-        return self._stats(c, r)
+        return self._stats(x)
 
     # ----------------------------------------------------------------- pieces
     def _seq_logps(self, what: str, inputs, outputs, ref_outputs) -> Optional[torch.Tensor]:
@@ -126,7 +126,7 @@ class DPOMetric(Metric):
                     raise ValueError(f"{_NAME}: reference logps for {what} have shape "
                                      f"{list(ref.shape)}, expected [{lp.shape[0]}, >= {lp.shape[1]}]; "
                                      "run the reference model on the same batch")
-                cols.append(ref[:, :lp.shape[1]])
+                cols.append(ref if ref.shape[1] == lp.shape[1] else ref[:, :lp.shape[1]])
             # Masked by a 0/1 multiplier in the input dtype (as Twinkle: masked values must be
             # finite), summed in float64; bool -> uint8 -> float is the cheap conversion on CPU.
             mf = mask.view(torch.uint8).to(torch.promote_types(lp.dtype, torch.float32))
@@ -165,10 +165,10 @@ class DPOMetric(Metric):
                     torch.stack([cols["rejected_logps"], cols["ref_rejected_logps"]], 1))
         return cols["chosen_logps"][:, None], cols["rejected_logps"][:, None]
 
-    def _stats(self, c: torch.Tensor, r: torch.Tensor) -> Dict[str, Any]:
-        n = c.shape[0]
-        x = torch.cat([c, r], 1)  # [pairs, (chosen, ref_chosen)?, (rejected, ref_rejected)?]
-        if c.shape[1] == 1:
+    def _stats(self, x: torch.Tensor) -> Dict[str, Any]:
+        """Contributions of ``x`` = [pairs, (chosen, [ref_chosen], rejected, [ref_rejected])]."""
+        n = x.shape[0]
+        if x.shape[1] == 2:
             chosen, rejected = x.sum(0).unbind()
             return {"pairs": n, "chosen": chosen, "rejected": rejected}
         # Every sum is linear in the four per-pair columns: one matmul, one reduction.

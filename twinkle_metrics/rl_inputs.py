@@ -229,4 +229,6 @@ def common_length(metric: str, field: str, values: torch.Tensor, mask: torch.Ten
         raise ValueError(f"{metric}: outputs[{field!r}] has shape {list(values.shape)} but the "
                          f"labels/mask are {list(mask.shape)}; pass [batch, seq] aligned to the labels")
     n = min(values.shape[1], mask.shape[1])
+    if values.shape[1] == n == mask.shape[1]:
+        return values, mask
     return values[:, :n], mask[:, :n]
