@@ -183,11 +183,12 @@ class DPOMetric(Metric):
         key, w = self.__dict__.get("_w", (None, None))
         if key != (self.beta, like.device):
             b = self.beta
-            w = torch.tensor([[1, 0, 0, 0, b, 0, b],
-                              [0, 0, 1, 0, -b, 0, -b],
-                              [0, 1, 0, 0, 0, b, -b],
-                              [0, 0, 0, 1, 0, -b, b]], dtype=torch.float64).to(like.device)
-            self._w = ((b, like.device), w)  # built once per device (one small copy to it)
+            # Filled on the device (fill kernels), not copied from host memory: no sync on CUDA.
+            w = torch.zeros(4, 7, dtype=torch.float64, device=like.device)
+            for (i, j), v in {(0, 0): 1, (0, 4): b, (0, 6): b, (1, 2): 1, (1, 4): -b, (1, 6): -b,
+                              (2, 1): 1, (2, 5): b, (2, 6): -b, (3, 3): 1, (3, 5): -b, (3, 6): b}.items():
+                w[i, j] = v
+            self._w = ((b, like.device), w)
         return w
 
     def compute(self, s):
