@@ -17,8 +17,9 @@ code, so the ranks run with MALLOC_MMAP_THRESHOLD_=65536: every buffer of 64 KiB
 or more is its own mapping and leaves the RSS when freed. Each rank reports its own extra against its own
 logits shard; the table shows the worst rank.
 
-``proposed`` is benchmarks/proposals.py's entropy_from_logits (chunks sized in
-bytes, two chunk buffers), the design fix this benchmark led to.
+``ours`` is the real ``GRPOMetric(entropy_from_logits=True)`` (chunks sized in
+bytes: two working buffers of 1/64 of the logits each), the design this benchmark
+led to; ``--chunks`` adds runs with an ``entropy_chunk_size`` token cap.
 
 Naive baselines (what users write):
   accuracy  TP1: logits.argmax(-1) (Twinkle); TP2: all_gather the vocab shards, argmax
@@ -78,11 +79,6 @@ def rank_fn(case, impl, tp, batch, seq, vocab, chunk):
 
             def call(z, lab=labels, lp=logps):
                 metric.accumulate({"labels": lab[:, :z.shape[1]]}, {"logps": lp[:, :z.shape[1]], "logits": z})
-    elif impl == "proposed":
-        from benchmarks.proposals import entropy_from_logits
-
-        def call(z):
-            return entropy_from_logits(z, tp_group=mesh.tp_group if tp > 1 else None)
     else:
         if case == "accuracy":
             def call(z):
@@ -112,7 +108,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--vocab", type=int, default=VOCAB)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--chunks", type=int, nargs="+", default=[0, 128],
+    p.add_argument("--chunks", type=int, nargs="+", default=[0],
                    help="entropy_chunk_size values for ours (0: the metric's default)")
     p.add_argument("--out", default="memory")
     args = p.parse_args(argv)
@@ -121,7 +117,7 @@ def main(argv=None):
     rows = []
     for case in ("accuracy", "entropy"):
         for tp in args.tp:
-            impls = [("naive", 0)] + ([("ours", c) for c in args.chunks] + [("proposed", 0)]
+            impls = [("naive", 0)] + ([("ours", c) for c in args.chunks]
                                       if case == "entropy" else [("ours", 0)])
             for impl, chunk in impls:
                 per_rank = common.run_ranks(tp, rank_fn, case, impl, tp, args.batch, args.seq, args.vocab, chunk)

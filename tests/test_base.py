@@ -97,6 +97,71 @@ def test_bad_contribution_shape_changes_no_state():
     assert m.a == 0
 
 
+class _AllOps(Metric):
+    """One state per fold kind, so the grouped (foreach) fold is checked state by state."""
+    n = State("sum", torch.int64)
+    total = State("sum")
+    vec = State("sum", shape=(3,))
+    hi = State("max")
+    lo = State("min")
+    ihi = State("max", torch.int64)
+    last = State("max", torch.int64, local="last")
+    pair = State(lambda rows: rows.sum(0), shape=(2,), default=0.0,
+                 local=lambda old, new: torch.stack([old[0] + new[0], torch.maximum(old[1], new[1])]))
+
+    def update(self, inputs, outputs, **kw):
+        return dict(outputs)
+
+    def compute(self, s):
+        return s
+
+
+def _fold_reference(calls):
+    """The per-state fold, one op per state (what the grouped fold must equal)."""
+    ref = _AllOps()
+    for c in calls:
+        for name, value in c.items():
+            ref._specs[name].fold(ref._states[name], value)
+    return ref
+
+
+def test_grouped_fold_equals_per_state_fold():
+    calls = [
+        {"n": torch.tensor(3), "total": torch.tensor(1.5, dtype=torch.float64), "vec": torch.arange(3.0),
+         "hi": 2.0, "lo": torch.tensor(-1.0), "ihi": 7, "last": 4, "pair": torch.tensor([1.0, 5.0])},
+        {"n": 2, "total": 0.25, "vec": 1.0, "hi": torch.tensor(-3.0, dtype=torch.float64),
+         "lo": -2.5, "ihi": torch.tensor(9), "last": torch.tensor(1), "pair": torch.tensor([2.0, 4.0])},
+        {"hi": float("nan"), "n": torch.tensor(True), "total": 2 ** 60},
+    ]
+    m = _AllOps()
+    for c in calls:
+        m.accumulate(None, c)
+    ref = _fold_reference(calls)
+    for name, t in m.states.items():
+        assert t.dtype == ref.states[name].dtype and t.shape == ref.states[name].shape, name
+        assert torch.equal(t, ref.states[name]) or (t.isnan().all() and ref.states[name].isnan().all()), name
+    assert m.n == 6 and m.last == 1 and m.pair.tolist() == [3.0, 5.0] and math.isnan(m.hi)
+
+
+@pytest.mark.parametrize("bad", [
+    {"vec": torch.ones(4)},                                           # shape
+    {"ihi": 2 ** 70},                                                 # int64 overflow
+    {"pair": torch.ones(5)},                                          # shape of a callable's input
+    {"pair": torch.tensor(1.0)},                                      # callable merge raises
+    {"nope": 1.0},                                                    # unknown state
+])
+def test_grouped_fold_is_all_or_nothing(bad):
+    m = _AllOps().accumulate(None, {"n": 1, "total": 1.0, "hi": 1.0, "lo": 1.0, "ihi": 1, "last": 1,
+                                    "pair": torch.tensor([1.0, 1.0]), "vec": torch.ones(3)})
+    before = {k: v.clone() for k, v in m.states.items()}
+    good = {"n": torch.tensor(5), "total": 2.0, "hi": torch.tensor(9.0), "lo": -9.0, "ihi": 9, "last": 9,
+            "pair": torch.tensor([9.0, 9.0]), "vec": torch.full((3,), 9.0)}
+    with pytest.raises((ValueError, RuntimeError, KeyError, IndexError, OverflowError)):
+        m.accumulate(None, {**good, **bad})  # the bad entry comes last: the good ones were staged
+    for k, v in m.states.items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_accumulate_never_waits_for_device():
     labels, values = make_batch(5)
     m = TokenStats()

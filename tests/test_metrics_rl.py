@@ -176,6 +176,54 @@ def test_grpo_family_matches_reference(cls, kind):
     assert 0 < got["train/clip_ratio"] < 1
 
 
+def _rounded_to_float32(b):
+    """The batch with float values rounded to float32 (kept float64, for the references)."""
+    return {k: v.float().double() if v.is_floating_point() else v for k, v in b.items()}
+
+
+@pytest.mark.parametrize("cls,kind", [(GRPOMetric, "grpo"), (GSPOMetric, "gspo"), (CISPOMetric, "cispo")])
+def test_grpo_family_float32_inputs_exact(cls, kind):
+    # Per-token work in float32 is only masking (exact) and sums accumulate in float64;
+    # log-ratios and k3 are float64. So float32 inputs match the float64 reference on the
+    # same (rounded) values at the float64 tolerance.
+    b = _rounded_to_float32(make_rl_batch(21))
+    eps, eps_high = (0.05, 0.08) if kind == "gspo" else (0.2, 0.28)
+    want = ref_grpo(b, kind, eps=eps, eps_high=eps_high, top_k=5)
+    m = cls(epsilon=eps, epsilon_high=eps_high, top_k_kl=5)
+    with forbid_device_waits():
+        m.accumulate({"labels": b["labels"], "position_ids": b["pos"]}, {"logps": b["logps"].float()},
+                     old_logps=b["old"].float(), advantages=b["adv"].float(), ref_logps=b["ref"].float())
+    assert_results_close(m.calculate(), want, rel=1e-9)
+
+
+def test_grpo_small_log_ratios_keep_relative_precision():
+    # On-policy steps have |d| ~ 1e-4: k3 ~ d^2/2 must not lose d's low bits (float32 k3 would
+    # be off by ~1e-3 relative here).
+    b = make_rl_batch(22)
+    b["old"] = b["logps"] + 1e-4 * torch.randn(b["logps"].shape, dtype=torch.float64,
+                                               generator=torch.Generator().manual_seed(0))
+    b = _rounded_to_float32(b)
+    want = ref_grpo(b)
+    got = GRPOMetric().accumulate({"labels": b["labels"]}, {"logps": b["logps"].float()},
+                                  old_logps=b["old"].float(), advantages=b["adv"]).calculate()
+    for key in ("train/approx_kl", "train/token_kl_max", "train/logp_diff_mean", "train/ratio_mean"):
+        assert math.isclose(got[key], want[key], rel_tol=1e-8), key
+
+
+@pytest.mark.parametrize("eps,eps_high", [(0.0, 0.0), (-0.05, 0.1), (0.1, -0.05), (1.5, 0.3)])
+def test_grpo_clip_bounds_edge_cases(eps, eps_high):
+    # epsilon 0, negative (r = 1 would count as clipped, so the gate applies) and >= 1
+    b = make_rl_batch(23)
+    lab = b["labels"]
+    for cls, kind in ((GRPOMetric, "grpo"), (CISPOMetric, "cispo")):
+        want = ref_grpo(b, kind, eps=eps, eps_high=eps_high)
+        for adv in (b["adv"], [float(a) for a in b["adv"]], ragged(b["adv"][:, None].expand(-1, 8), lab)):
+            got = cls(epsilon=eps, epsilon_high=eps_high).accumulate(
+                {"labels": lab}, {"logps": b["logps"]}, old_logps=ragged(b["old"], lab), advantages=adv,
+                ref_logps=b["ref"]).calculate()
+            assert_results_close(got, want, rel=1e-9)
+
+
 def test_grpo_side_input_forms_agree():
     b = make_rl_batch(4)
     lab, lp = b["labels"], b["logps"]
@@ -244,6 +292,44 @@ def test_entropy_from_logits_chunked_matches_full_softmax(temperature):
     got = GRPOMetric(entropy_from_logits=True).accumulate(
         {"labels": b["labels"]}, {"logps": b["logps"], "logits": b["logits"], "entropies": ent}).calculate()
     assert got["train/entropy"] == 2.0
+
+
+@pytest.mark.parametrize("kw", [
+    dict(entropy_chunk_bytes=1),                          # budget below one token's row: 1 row per chunk
+    dict(entropy_chunk_bytes=3 * 11 * 8 + 5),             # 3 rows of float64 logits
+    dict(entropy_chunk_size=5),                           # token cap alone (the old meaning)
+    dict(entropy_chunk_size=2, entropy_chunk_bytes=10 ** 9),  # the token cap wins
+    {},                                                   # default: 1/64 of the logits, >= 1 MiB
+])
+def test_entropy_from_logits_any_chunking(kw):
+    b = make_rl_batch(12)
+    want = ref_entropy(b["logits"], b["labels"], 0.7)
+    # logits one position longer than the labels: the [:, :s] slice is strided
+    longer = torch.cat([b["logits"], b["logits"][:, :1]], 1)
+    for logits, rel in ((b["logits"], 1e-10), (longer, 1e-10), (b["logits"].float(), 1e-6)):
+        m = GRPOMetric(entropy_from_logits=True, temperature=0.7, **kw)
+        with forbid_device_waits():
+            m.accumulate([{"labels": b["labels"][:5]}, {"labels": b["labels"][5:]}],
+                         [{"logps": b["logps"][:5], "logits": logits[:5]},
+                          {"logps": b["logps"][5:], "logits": logits[5:]}])
+        assert math.isclose(m.calculate()["train/entropy"], want, rel_tol=rel), (kw, logits.dtype)
+
+
+def test_entropy_from_logits_masked_vocab_entries():
+    b = make_rl_batch(13)
+    want = ref_entropy(b["logits"][..., :-2], b["labels"])  # -inf logits are impossible tokens
+    z = b["logits"].clone()
+    z[..., -2:] = -math.inf
+    for kw in (dict(entropy_chunk_bytes=1), {}):
+        got = GRPOMetric(entropy_from_logits=True, **kw).accumulate(
+            {"labels": b["labels"]}, {"logps": b["logps"], "logits": z}).calculate()
+        assert math.isclose(got["train/entropy"], want, rel_tol=1e-10)
+
+
+def test_entropy_chunk_arguments_validated():
+    for kw in (dict(entropy_chunk_size=0), dict(entropy_chunk_bytes=0), dict(entropy_chunk_size=2.5)):
+        with pytest.raises(ValueError, match="GRPOMetric: entropy_chunk_"):
+            GRPOMetric(**kw)
 
 
 def test_grpo_in_collection_ignores_foreign_kwargs():

@@ -123,7 +123,7 @@ def test_rl_metrics_sharded_equal_whole(dist_pool, source, sizes):
             assert counts == (2 if cp > 1 else 0)
 
 
-def case_entropy_vocab_parallel(chunk):
+def case_entropy_vocab_parallel(chunking):
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
@@ -134,8 +134,7 @@ def case_entropy_vocab_parallel(chunk):
         vocab_split = [7, 6]  # uneven vocab shards
         start = sum(vocab_split[:mesh.tp_rank])
         logits = b["logits"].float()[rows][:, :, start:start + vocab_split[mesh.tp_rank]]
-        m = GRPOMetric(mesh, entropy_from_logits=True, vocab_parallel=True, temperature=0.8,
-                       entropy_chunk_size=chunk)
+        m = GRPOMetric(mesh, entropy_from_logits=True, vocab_parallel=True, temperature=0.8, **chunking)
         with _Counter() as c, forbid_device_waits():
             m.accumulate([{"labels": b["labels"][rows[:2]]}, {"labels": b["labels"][rows[2:]]}],
                          {"logps": b["logps"][rows], "logits": logits})
@@ -147,9 +146,11 @@ def case_entropy_vocab_parallel(chunk):
 def test_entropy_vocab_parallel_matches_full_vocab(dist_pool):
     b = make_rl_batch(SEED + 1, N_SEQ, SEQ_LEN, vocab=13)
     want = ref_entropy(b["logits"], b["labels"], 0.8)
-    for got, count in dist_pool.run(case_entropy_vocab_parallel, 5):
-        assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5)
-        assert count == 2  # one MAX and one SUM all_reduce over TP per accumulate
+    # one chunk, chunks of 5 tokens, and one token per chunk (a budget below one row)
+    for chunking in ({}, {"entropy_chunk_size": 5}, {"entropy_chunk_bytes": 1}):
+        for got, count in dist_pool.run(case_entropy_vocab_parallel, chunking):
+            assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5)
+            assert count == 2  # one MAX and one SUM all_reduce over TP per accumulate, any chunking
 
 
 def case_reward_names_mismatch():

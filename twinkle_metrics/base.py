@@ -179,25 +179,86 @@ class Metric:
 
     # --------------------------------------------------------------- internal
     def _fold(self, contributions: Mapping[str, Any]) -> None:
-        unknown = set(contributions) - set(self._specs)
-        if unknown:
-            raise KeyError(f"{type(self).__name__}.update returned unknown states {sorted(unknown)}")
+        """Fold ``{state: contribution}`` into the states: all or nothing.
+
+        Stage first (names, devices, dtypes, shapes, results of callable folds), so
+        that nothing below the staging loop can raise; then one multi-tensor op per
+        reduction (``torch._foreach_add_/_maximum_/_minimum_``, one for tensors and
+        one for Python numbers) instead of one op per state: ~5x less host time for
+        the RL metrics' ~20 states, and one multi-tensor kernel on CUDA.
+        """
+        specs, states = self._specs, self._states
+        if not contributions.keys() <= specs.keys():
+            unknown = sorted(set(contributions) - set(specs))
+            raise KeyError(f"{type(self).__name__}.update returned unknown states {unknown}")
         device = next((v.device for v in contributions.values() if isinstance(v, torch.Tensor)), None)
         if device is not None and device != self._device:
             self.to(device)
-        staged = {}
+            states = self._states
+        device = self._device
+        groups: Dict[Any, tuple] = {}  # (op, tensors or numbers) -> (states, values)
+        copies = []  # (state, new value) for "last" and callable local merges
         for name, value in contributions.items():
-            state = self._states[name]
+            state, spec = states[name], specs[name]
+            op = spec.local or spec.reduce
+            if op in _FOREACH:
+                if (type(value) is torch.Tensor and value.dtype is state.dtype
+                        and value.shape == state.shape and value.device == device):
+                    group = groups.setdefault((op, 0), ([], []))  # the common case, checked cheaply
+                    group[0].append(state)
+                    group[1].append(value)
+                    continue
+                number = _plain_number(value, state.dtype)
+                if number is not None:  # a scalar argument: no fill kernel, no copy
+                    group = groups.setdefault((op, 1), ([], []))
+                    group[0].append(state)
+                    group[1].append(number)
+                    continue
             value = _as_tensor(value, state)
             if not _broadcasts_to(value.shape, state.shape):
                 raise ValueError(f"{type(self).__name__}: contribution to state {name!r} has shape "
                                  f"{list(value.shape)}, expected {list(state.shape)}")
-            staged[name] = value
-        for name, value in staged.items():  # nothing changes until every value is valid
-            self._specs[name].fold(self._states[name], value)
+            if callable(op):
+                value = _as_tensor(op(state, value), state)  # pure: computed before any change
+                if not _broadcasts_to(value.shape, state.shape):
+                    raise ValueError(f"{type(self).__name__}: local merge of state {name!r} returned "
+                                     f"shape {list(value.shape)}, expected {list(state.shape)}")
+                copies.append((state, value))
+            elif op == "last":
+                copies.append((state, value))
+            else:
+                group = groups.setdefault((op, 0), ([], []))
+                group[0].append(state)
+                group[1].append(value)
+        # Nothing changes until every value is valid; nothing below can fail.
+        for (op, _), (targets, values) in groups.items():
+            _FOREACH[op](targets, values)
+        for state, value in copies:
+            state.copy_(value)
 
     def __repr__(self):
         return f"{type(self).__name__}(states={list(self._specs)})"
+
+
+_FOREACH = {"sum": torch._foreach_add_, "max": torch._foreach_maximum_, "min": torch._foreach_minimum_}
+_INT64 = (-2 ** 63, 2 ** 63)
+
+
+def _plain_number(value, dtype):
+    """``value`` as a Python scalar a foreach op takes for a state of ``dtype``, else None.
+
+    Only conversions that cannot fail later qualify: ints in int64 range for int64
+    states (floats go through ``_as_tensor``, as before), any finite-size int or float
+    for float64 states.
+    """
+    if type(value) is bool or not isinstance(value, (int, float)):
+        return None
+    if dtype == torch.int64:
+        return int(value) if isinstance(value, int) and _INT64[0] <= value < _INT64[1] else None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def _broadcasts_to(shape, target) -> bool:

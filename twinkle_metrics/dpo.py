@@ -13,6 +13,10 @@ from .state import State
 _NAME = "DPOMetric"
 
 
+_LINEAR_KEYS = ("chosen", "rejected", "ref_chosen", "ref_rejected", "reward_chosen", "reward_rejected",
+                "margin")
+
+
 class DPOMetric(Metric):
     """DPO metrics with TRL's keys, exact over the data group.
 
@@ -80,9 +84,9 @@ class DPOMetric(Metric):
                                  f"but rejected has {r.shape[0]} (ref: {r.shape[1] > 1}); pass "
                                  "matching pairs, with reference log-probs for both or neither")
             sums = self._complete(torch.cat([c, r]))
-            c, r = sums[:c.shape[0]], sums[c.shape[0]:]
+            x = torch.cat([sums[:c.shape[0]], sums[c.shape[0]:]], 1)
         elif isinstance(outputs, dict) and outputs.get("chosen_logps") is not None:
-            c, r = self._presummed(outputs)
+            x = torch.cat(self._presummed(outputs), 1)
         else:
             sums = self._seq_logps("outputs", inputs, outputs, ref_outputs)
             if sums is None:
@@ -92,10 +96,10 @@ class DPOMetric(Metric):
                                  "[chosen, rejected, ...] batches need an even count (or pass "
                                  "chosen=/rejected= separately)")
             sums = self._complete(sums)
-            c, r = sums[0::2], sums[1::2]
+            x = sums.reshape(sums.shape[0] // 2, -1)  # rows [c, r] interleaved: one row per pair
         if not cp_lead(self):
             return {}  # the other CP ranks hold the same completed sums: count pairs once
-        return self._stats(c, r)
+        return self._stats(x)
 
     # ----------------------------------------------------------------- pieces
     def _seq_logps(self, what: str, inputs, outputs, ref_outputs) -> Optional[torch.Tensor]:
@@ -114,7 +118,7 @@ class DPOMetric(Metric):
             lp = lp.unsqueeze(0) if lp.dim() == 1 else lp
             mask = token_mask(_NAME, feat, self.ignore_index, lp.device)
             lp, mask = common_length(_NAME, f"{what} logps", lp, mask)
-            cols = [torch.where(mask, lp.to(torch.float64), 0.0).sum(-1)]
+            cols = [lp]
             if ref_pairs is not None:
                 ref = as_tensor(ref_pairs[i][1]["logps"], lp.device)
                 ref = ref.unsqueeze(0) if ref.dim() == 1 else ref
@@ -122,9 +126,13 @@ class DPOMetric(Metric):
                     raise ValueError(f"{_NAME}: reference logps for {what} have shape "
                                      f"{list(ref.shape)}, expected [{lp.shape[0]}, >= {lp.shape[1]}]; "
                                      "run the reference model on the same batch")
-                cols.append(torch.where(mask, ref[:, :lp.shape[1]].to(torch.float64), 0.0).sum(-1))
-            rows.append(torch.stack(cols, dim=1))
-        return torch.cat(rows)
+                cols.append(ref if ref.shape[1] == lp.shape[1] else ref[:, :lp.shape[1]])
+            # Masked by a 0/1 multiplier in the input dtype (as Twinkle: masked values must be
+            # finite), summed in float64; bool -> uint8 -> float is the cheap conversion on CPU.
+            mf = mask.view(torch.uint8).to(torch.promote_types(lp.dtype, torch.float32))
+            sums = [(c * mf).sum(-1, dtype=torch.float64) for c in cols]
+            rows.append(torch.stack(sums, 1) if len(sums) > 1 else sums[0][:, None])
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def _complete(self, sums: torch.Tensor) -> torch.Tensor:
         """Whole-sequence totals: one SUM all_reduce of the partial sums over CP."""
@@ -157,16 +165,31 @@ class DPOMetric(Metric):
                     torch.stack([cols["rejected_logps"], cols["ref_rejected_logps"]], 1))
         return cols["chosen_logps"][:, None], cols["rejected_logps"][:, None]
 
-    def _stats(self, c: torch.Tensor, r: torch.Tensor) -> Dict[str, Any]:
-        n = c.shape[0]
-        out: Dict[str, Any] = {"pairs": n, "chosen": c[:, 0].sum(), "rejected": r[:, 0].sum()}
-        if c.shape[1] > 1:
-            rc = self.beta * (c[:, 0] - c[:, 1])
-            rr = self.beta * (r[:, 0] - r[:, 1])
-            out.update(ref_pairs=n, ref_chosen=c[:, 1].sum(), ref_rejected=r[:, 1].sum(),
-                       reward_chosen=rc.sum(), reward_rejected=rr.sum(), margin=(rc - rr).sum(),
-                       correct=(rc > rr).sum())
+    def _stats(self, x: torch.Tensor) -> Dict[str, Any]:
+        """Contributions of ``x`` = [pairs, (chosen, [ref_chosen], rejected, [ref_rejected])]."""
+        n = x.shape[0]
+        if x.shape[1] == 2:
+            chosen, rejected = x.sum(0).unbind()
+            return {"pairs": n, "chosen": chosen, "rejected": rejected}
+        # Every sum is linear in the four per-pair columns: one matmul, one reduction.
+        per_pair = x @ self._linear(x)
+        sums = per_pair.sum(0).unbind()
+        out: Dict[str, Any] = dict(zip(_LINEAR_KEYS, sums))
+        out.update(pairs=n, ref_pairs=n, correct=(per_pair[:, 4] > per_pair[:, 5]).sum())
         return out
+
+    def _linear(self, like: torch.Tensor) -> torch.Tensor:
+        """[4, 7]: (chosen, ref_chosen, rejected, ref_rejected) -> the _LINEAR_KEYS columns."""
+        key, w = self.__dict__.get("_w", (None, None))
+        if key != (self.beta, like.device):
+            b = self.beta
+            # Filled on the device (fill kernels), not copied from host memory: no sync on CUDA.
+            w = torch.zeros(4, 7, dtype=torch.float64, device=like.device)
+            for (i, j), v in {(0, 0): 1, (0, 4): b, (0, 6): b, (1, 2): 1, (1, 4): -b, (1, 6): -b,
+                              (2, 1): 1, (2, 5): b, (2, 6): -b, (3, 3): 1, (3, 5): -b, (3, 6): b}.items():
+                w[i, j] = v
+            self._w = ((b, like.device), w)
+        return w
 
     def compute(self, s):
         if not s["pairs"]:

@@ -8,7 +8,8 @@ pairs with each field sliced to its microbatch, or raises a clear error.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping  # isinstance through typing.Mapping costs ~1 us a call
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 

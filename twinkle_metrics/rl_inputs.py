@@ -2,7 +2,7 @@
 
 Everything here runs on the device without waiting for it: masks come from
 ``completion_mask`` or ``labels``, ragged per-sequence values are scattered onto
-mask positions with ``pad_sequence`` + ``gather`` (no ``nonzero``), and the one
+mask positions with one ``gather`` (no ``nonzero``), and the one
 CP collective sums per-sequence partial totals on the device.
 """
 from __future__ import annotations
@@ -11,7 +11,6 @@ from numbers import Number
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from parallel import comm_device, group_size
 
@@ -28,21 +27,34 @@ def as_tensor(value, device=None, dtype=None) -> torch.Tensor:
 def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tensor:
     """``[b, s]`` bool mask: ``completion_mask`` when given, else ``labels != ignore_index``."""
     if feat.get("completion_mask") is not None:
-        mask = as_tensor(feat["completion_mask"], device) != 0
+        mask = _ne(as_tensor(feat["completion_mask"], device), 0)
     elif feat.get("labels") is not None:
-        mask = as_tensor(feat["labels"], device) != ignore_index
+        mask = _ne(as_tensor(feat["labels"], device), ignore_index)
     else:
         raise ValueError(f"{metric}: an input feature has neither 'completion_mask' nor 'labels'; "
                          f"pass one so the valid tokens are known; got keys {sorted(feat)}")
     return mask.unsqueeze(0) if mask.dim() == 1 else mask
 
 
+def _ne(x: torch.Tensor, value) -> torch.Tensor:
+    """``x != value`` as bool; written as uint8 and viewed (the bool kernel is ~2x slower on CPU)."""
+    if x.dtype == torch.bool:
+        return x != value
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    return torch.ne(x, value, out=out).view(torch.bool)
+
+
 def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
-              dtype=torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
+              dtype=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """One microbatch's per-token side input aligned to ``mask`` ([b, s]).
 
-    Returns ``(values [b, s], has [b, s] bool)``: ``has`` marks masked tokens that
-    received a value. Accepted forms:
+    Returns ``(values, has)``: ``values`` is ``[b, s]``, or ``[b, 1]`` (broadcasting
+    to ``[b, s]``) for one value per sequence; ``has`` ([b, s] bool, a subset of
+    ``mask``) marks masked tokens that received a value, and *is* ``mask`` (the same
+    object) when every masked token did, so callers can skip re-masking.
+    Outside ``has`` a scattered value is 0. Values keep a floating tensor's dtype
+    (at least float32; ``dtype`` forces one); Python numbers become float64.
+    Accepted forms:
 
     * a ``[b, s]`` tensor aligned to the batch (``s`` = the mask length, or the
       untruncated length ``full_len``);
@@ -55,12 +67,11 @@ def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
     b, s = mask.shape
     device = mask.device
     if isinstance(value, torch.Tensor):
-        value = value.to(device=device, dtype=dtype, non_blocking=True) if value.device != device \
-            else value.to(dtype)
+        value = value.to(device=device, dtype=dtype or _float(value.dtype), non_blocking=True)
         if value.dim() == 2 and value.shape[0] == b and value.shape[1] in (s, full_len):
             return value[:, :s], mask
         if value.dim() == 1 and value.shape[0] == b:
-            return value[:, None].expand(b, s), mask
+            return value[:, None], mask
         if value.dim() == 2 and value.shape[0] == b:
             return _scatter_padded(value, None, mask)
         raise ValueError(f"{metric}: {field} has shape {list(value.shape)} but the microbatch has "
@@ -71,23 +82,44 @@ def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
     if len(value) != b:
         raise ValueError(f"{metric}: {field} has {len(value)} per-sequence entries but the "
                          f"microbatch has {b} sequences; pass one entry per sequence")
+    if all(isinstance(v, Number) for v in value):  # one host-to-device copy, not one per value
+        return torch.tensor(value, dtype=dtype or torch.float64, device=device).reshape(b, 1), mask
     if all(_is_scalar(v) for v in value):
-        vals = torch.stack([as_tensor(v, device, dtype).reshape(()) for v in value]) if b else \
-            torch.zeros(0, dtype=dtype, device=device)
-        return vals[:, None].expand(b, s), mask
+        vals = [as_tensor(v, device, dtype or torch.float64) for v in value]
+        return torch.stack([v.to(_common(vals, dtype)).reshape(()) for v in vals])[:, None], mask
     rows: List[torch.Tensor] = []
     for i, v in enumerate(value):
+        t = as_tensor(v, device, None if isinstance(v, torch.Tensor) else (dtype or torch.float64))
         if _is_scalar(v):
-            rows.append(as_tensor(v, device, dtype).reshape(1).expand(s))
-            continue
-        t = as_tensor(v, device, dtype)
-        if t.dim() != 1:
+            t = t.reshape(1).expand(s)
+        elif t.dim() != 1:
             raise ValueError(f"{metric}: {field}[{i}] has shape {list(t.shape)}; expected a 1-D "
                              "tensor of that sequence's valid-token values")
         rows.append(t)
-    lengths = torch.tensor([r.shape[0] for r in rows], device=device)  # shapes: host ints
-    padded = pad_sequence(rows, batch_first=True) if rows else torch.zeros(0, 0, dtype=dtype)
-    return _scatter_padded(padded, lengths, mask)
+    dt = _common(rows, dtype)
+    return _scatter_rows(torch.cat([r.to(dt) for r in rows]) if rows else torch.zeros(0, dtype=dt),
+                         [r.shape[0] for r in rows], mask)
+
+
+def _float(dtype: torch.dtype) -> torch.dtype:
+    """The dtype per-token work runs in: floating, at least float32 (integers: float64)."""
+    if not dtype.is_floating_point:
+        return torch.float64
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _common(tensors: Sequence[torch.Tensor], dtype=None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    out = torch.float32
+    for t in tensors:
+        out = torch.promote_types(out, _float(t.dtype))
+    return out
+
+
+def _ranks(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each token among its row's valid tokens (cumsum(mask) - 1)."""
+    return mask.view(torch.uint8).cumsum(1, dtype=torch.int64).sub_(1)  # uint8: cheap on CPU
 
 
 def _scatter_padded(padded: torch.Tensor, lengths: Optional[torch.Tensor], mask: torch.Tensor):
@@ -95,12 +127,34 @@ def _scatter_padded(padded: torch.Tensor, lengths: Optional[torch.Tensor], mask:
     width = padded.shape[1]
     if width == 0:
         return torch.zeros(b, s, dtype=padded.dtype, device=mask.device), torch.zeros_like(mask)
-    # The k-th valid token of a row takes the row's k-th value: index = cumsum(mask) - 1.
-    rank = mask.to(torch.int64).cumsum(1) - 1
+    # The k-th valid token of a row takes the row's k-th value.
+    rank = _ranks(mask)
     vals = padded.gather(1, rank.clamp(0, width - 1))
     limit = lengths[:, None] if lengths is not None else width
     has = mask & (rank < limit)
     return torch.where(has, vals, torch.zeros_like(vals)), has
+
+
+def _scatter_rows(flat: torch.Tensor, lengths: List[int], mask: torch.Tensor):
+    """Rows of ``lengths`` values, concatenated in ``flat``, onto their rows' mask positions.
+
+    One gather from the concatenation (no padded copy per row); starts and lengths are
+    host ints, sent in one small copy.
+    """
+    b, s = mask.shape
+    if flat.shape[0] == 0:
+        return torch.zeros(b, s, dtype=flat.dtype, device=mask.device), torch.zeros_like(mask)
+    starts, total = [], 0
+    for n in lengths:
+        starts.append(total)
+        total += n
+    meta = torch.tensor([starts, lengths], device=mask.device)
+    rank = _ranks(mask)
+    has = mask & (rank < meta[1][:, None])
+    # in place where possible: every [b, s] int64/float64 temporary is a large allocation
+    idx = rank.clamp_(min=0).add_(meta[0][:, None]).clamp_(max=total - 1)
+    vals = flat.to(torch.float64).gather(0, idx.view(-1)).view(b, s)
+    return vals.masked_fill_(~has, 0.0), has
 
 
 def _is_scalar(v) -> bool:
@@ -175,4 +229,6 @@ def common_length(metric: str, field: str, values: torch.Tensor, mask: torch.Ten
         raise ValueError(f"{metric}: outputs[{field!r}] has shape {list(values.shape)} but the "
                          f"labels/mask are {list(mask.shape)}; pass [batch, seq] aligned to the labels")
     n = min(values.shape[1], mask.shape[1])
+    if values.shape[1] == n == mask.shape[1]:
+        return values, mask
     return values[:, :n], mask[:, :n]
