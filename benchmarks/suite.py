@@ -13,7 +13,6 @@ All suites see the same per-rank data (``make_batch``) through the same calls.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -55,29 +54,14 @@ def make_batch(seed: int, n_seq: int = 8, seq_len: int = 256, vocab: int = 1024,
 
 # ------------------------------------------------------------------------ ours
 def ours_classes(names: Sequence[str]) -> Dict[str, type]:
-    """The real twinkle_metrics class of each name when it exists, else the stand-in."""
+    """The twinkle_metrics class of each name."""
     import twinkle_metrics
 
-    from benchmarks import standins
-
-    found = {}
-    for name in names:
-        cls = getattr(twinkle_metrics, name, None)
-        if cls is None:
-            for mod in ("twinkle_metrics.metrics", "twinkle_metrics.metric"):
-                try:
-                    cls = getattr(importlib.import_module(mod), name, None)
-                except ImportError:
-                    cls = None
-                if cls is not None:
-                    break
-        found[name] = cls or getattr(standins, name)
-    return found
+    return {name: getattr(twinkle_metrics, name) for name in names}
 
 
 def implementation(names: Sequence[str]) -> Dict[str, str]:
-    return {n: ("stand-in" if c.__module__.startswith("benchmarks") else c.__module__)
-            for n, c in ours_classes(names).items()}
+    return {n: c.__module__ for n, c in ours_classes(names).items()}
 
 
 class OursSuite:
