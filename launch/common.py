@@ -1,6 +1,7 @@
 """Shared plumbing of the entry points: ranks from the environment, run directory, debug dumps."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -136,3 +137,20 @@ def make_microbatches(step: int, dp_rank: int, cfg: Mapping[str, Any]):
         labels[pad] = -100
         out.append((tokens, labels))
     return out
+
+
+def parse_args(argv, description: str, default_config: str, allow_unknown: bool = False):
+    """The entry points' shared command line (DeepSpeed's ``--local_rank`` included).
+
+    ``allow_unknown``: ignore flags we do not know (the deepspeed launcher may add its own).
+    """
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--config", default=default_config, help="JSON config (bare names: configs/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.steps=8 (repeatable)")
+    p.add_argument("--steps", type=int, default=None, help="shortcut for --set train.steps=N")
+    p.add_argument("--run-dir", default=None, help="write here instead of runs/<timestamp>")
+    p.add_argument("--debug-dump", action="store_true",
+                   help="each rank writes run_dir/debug/rank{R}.jsonl (loss reports, results)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None)  # deepspeed launcher
+    return p.parse_known_args(argv)[0] if allow_unknown else p.parse_args(argv)

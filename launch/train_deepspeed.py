@@ -18,7 +18,6 @@ blocks of the DeepSpeed config) through ``engine.monitor.write_events``.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 import warnings
@@ -39,17 +38,7 @@ warnings.filterwarnings("ignore", category=UserWarning)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="JSON config (bare names: configs/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set train.steps=8 (repeatable)")
-    p.add_argument("--steps", type=int, default=None, help="shortcut for --set train.steps=N")
-    p.add_argument("--run-dir", default=None, help="write here instead of runs/<timestamp>")
-    p.add_argument("--debug-dump", action="store_true",
-                   help="each rank writes run_dir/debug/rank{R}.jsonl (loss pairs, results)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None)  # deepspeed launcher
-    args, _unknown = p.parse_known_args(argv)  # deepspeed may add its own flags
-    return args
+    return common.parse_args(argv, __doc__.splitlines()[0], DEFAULT_CONFIG, allow_unknown=True)
 
 
 # ---------------------------------------------------------------------------- model

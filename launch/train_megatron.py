@@ -25,7 +25,6 @@ of megatron-core's schedules (gloo backend); with CUDA nothing is patched.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
@@ -47,16 +46,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core.
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="JSON config (bare names: configs/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set train.steps=8 (repeatable)")
-    p.add_argument("--steps", type=int, default=None, help="shortcut for --set train.steps=N")
-    p.add_argument("--run-dir", default=None, help="write here instead of runs/<timestamp>")
-    p.add_argument("--debug-dump", action="store_true",
-                   help="each rank writes run_dir/debug/rank{R}.jsonl (schedule reports, results)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None)  # deepspeed launcher
-    return p.parse_args(argv)
+    return common.parse_args(argv, __doc__.splitlines()[0], DEFAULT_CONFIG)
 
 
 # ----------------------------------------------------------------------------- data
@@ -171,7 +161,7 @@ def main(argv=None):
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    par, t, log_cfg = cfg["parallel"], cfg["train"], cfg.get("logging", {})
+    par = cfg["parallel"]
     tp, pp, vpp = par.get("tp", 1), par.get("pp", 1), par.get("vpp", 1)
     if env.world_size % (tp * pp):
         raise SystemExit(f"world size {env.world_size} is not divisible by tp x pp = {tp * pp}; "

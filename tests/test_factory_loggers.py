@@ -5,7 +5,6 @@ import builtins
 import glob
 import io
 import json
-import math
 import os
 
 import pytest

@@ -2,7 +2,6 @@
 import math
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from parallel import DeviceMesh, Layout
@@ -206,8 +205,6 @@ def test_state_dict_resume_mid_interval(dist_pool):
 
 
 def case_gather_results():
-    from twinkle_metrics import Metric
-
     m = TokenStats(DeviceMesh.from_sizes(tp_size=2, dp_size=4))
     return m.gather_results([{"rank": dist.get_rank()}])
 

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from parallel import DeviceMesh
 from tests.refmetric import cp_slice
