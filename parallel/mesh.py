@@ -86,18 +86,40 @@ class DeviceMesh:
                    ep_size: Optional[int] = None, etp_size: Optional[int] = None,
                    vpp_size: Optional[int] = None, world_size: Optional[int] = None,
                    order: str = DEFAULT_ORDER, create_groups: Optional[bool] = None,
-                   backend: Optional[str] = None, **unsupported) -> "DeviceMesh":
+                   backend: Optional[str] = None, fsdp_size: Optional[int] = None,
+                   ulysses_size: Optional[int] = None, sequence_parallel: bool = False,
+                   device_type: Optional[str] = None, **unsupported) -> "DeviceMesh":
         """Build the layout from sizes (Twinkle's keyword names) and create its groups.
 
         ``dp_size=None`` is inferred from the world size. Groups are created right
         here, on every rank in the same order (``new_group`` is collective over the
         world), when torch.distributed is initialised; ``create_groups=False`` gives a
         layout-only mesh (sizes and ranks for printing, no collectives).
+
+        Twinkle's other keywords: ``fsdp_size`` ranks hold different data, so they join
+        the data axis (outside ``dp``, as in Twinkle's mesh; only without PP);
+        ``ulysses_size`` is sequence parallelism, which splits tokens like CP;
+        ``sequence_parallel`` (Megatron SP) and ``device_type`` change no group.
         """
         if unsupported:
             raise TypeError(f"DeviceMesh.from_sizes: unsupported arguments {sorted(unsupported)}; "
                             "valid: dp_size, tp_size, pp_size, cp_size, ep_size, etp_size, "
-                            "vpp_size, world_size, order, create_groups, backend")
+                            "vpp_size, fsdp_size, ulysses_size, world_size, order, create_groups, "
+                            "backend, sequence_parallel, device_type")
+        del sequence_parallel, device_type  # accepted for Twinkle compatibility
+        if ulysses_size and ulysses_size > 1:
+            if cp_size and cp_size > 1:
+                raise ValueError("DeviceMesh.from_sizes: give cp_size or ulysses_size, not both "
+                                 "(both split the sequence)")
+            cp_size = ulysses_size
+        if fsdp_size and fsdp_size > 1:
+            if pp_size and pp_size > 1:
+                raise ValueError("DeviceMesh.from_sizes: fsdp_size with pp_size > 1 is not "
+                                 "supported; build the mesh with DeviceMesh.from_torch(...)")
+            if dp_size is not None:
+                dp_size *= fsdp_size
+            elif not (world_size or G.dist_ready()):
+                dp_size = fsdp_size  # else inferred from the world size below
         tp, pp, cp = tp_size or 1, pp_size or 1, cp_size or 1
         ready = G.dist_ready()
         world = world_size or (G.world_size() if ready else None)

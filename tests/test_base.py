@@ -254,7 +254,20 @@ def test_layout_validation_messages():
     with pytest.raises(ValueError, match="world has 8 ranks"):
         DeviceMesh.from_sizes(tp_size=2, dp_size=2, world_size=8)
     with pytest.raises(TypeError, match="unsupported arguments"):
-        DeviceMesh.from_sizes(fsdp_size=2)
+        DeviceMesh.from_sizes(hsdp_size=2)
+    with pytest.raises(ValueError, match="fsdp_size with pp_size > 1"):
+        DeviceMesh.from_sizes(fsdp_size=2, pp_size=2)
+    with pytest.raises(ValueError, match="cp_size or ulysses_size"):
+        DeviceMesh.from_sizes(cp_size=2, ulysses_size=2)
+
+
+def test_twinkle_size_keywords():
+    # Twinkle's from_sizes(fsdp_size=4, dp_size=2): 8 data ranks; ulysses splits tokens like CP.
+    mesh = DeviceMesh.from_sizes(fsdp_size=4, dp_size=2, tp_size=2, sequence_parallel=True,
+                                 device_type="cuda")
+    assert (mesh.dp_size, mesh.tp_size, mesh.data_size) == (8, 2, 8)
+    mesh = DeviceMesh.from_sizes(ulysses_size=2, dp_size=2)
+    assert (mesh.cp_size, mesh.dp_size, mesh.data_size) == (2, 2, 4)
 
 
 def test_merged_shards_equal_whole_batch():
