@@ -12,7 +12,7 @@ setup(
     extras_require={
         "megatron": ["megatron-core>=0.16,<0.17"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
-        "loggers": ["tensorboard", "matplotlib", "tqdm"],
+        "loggers": ["tensorboard", "matplotlib", "tqdm", "wandb"],
         "test": ["pytest", "pytest-xdist", "numpy"],
     },
 )

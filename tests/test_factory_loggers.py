@@ -191,6 +191,16 @@ def test_unknown_sink_is_an_error(tmp_path):
         loggers.build_loggers(["csv"], str(tmp_path))
 
 
+def test_wandb_offline_run_is_written(tmp_path):
+    pytest.importorskip("wandb")
+    logger = loggers.build_loggers(["wandb"], str(tmp_path))
+    logger.log({"loss": 1.5, "accuracy": 0.5, "note": "not a number"}, 1)
+    logger.log({"loss": 1.25, "accuracy": 0.625}, 2)
+    logger.close()
+    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
+    assert len(runs) == 1 and os.path.getsize(runs[0]) > 0
+
+
 def test_wandb_missing_is_skipped(tmp_path, monkeypatch, capsys):
     real_import = builtins.__import__
 
