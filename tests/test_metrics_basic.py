@@ -211,7 +211,8 @@ def test_train_metric_keys_numbers_and_rates():
 
 
 def test_train_metric_errors():
-    with pytest.raises(ValueError, match="TrainMetric: lr has 3 param groups, expected 1 to 2"):
+    with pytest.raises(ValueError, match=r"TrainMetric: lr has 3 param groups, more than 2; pass "
+                                         r"TrainMetric\(max_param_groups=3\)"):
         TrainMetric(max_param_groups=2).accumulate(None, None, lr=[1.0, 2.0, 3.0])
     with pytest.raises(TypeError, match="TrainMetric: step must be an int, got float"):
         TrainMetric().accumulate(None, None, step=1.5)
@@ -331,3 +332,26 @@ def test_no_device_sync_on_cuda():
     assert_results_close({k: got[k] for k in ("acc/accuracy",)},
                          {"acc/accuracy": _ref_accuracy(labels.cpu(), logits.cpu())["accuracy"]})
     assert got["peak memory GiB"] > 0
+
+
+def test_train_metric_empty_lr_list_reports_no_lr():
+    # Twinkle's driver passes lr=[] when there is no optimizer (evaluation).
+    got = TrainMetric().accumulate(None, None, lr=[], step=2, gradient_accumulation_steps=1).calculate()
+    assert got["iters"] == 2 and not any(k.startswith("learning rate") for k in got)
+
+
+def test_accuracy_float_completion_mask_counts_nonzero():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 5, 7)
+    labels = logits.argmax(-1)
+    labels[0, 1] = (labels[0, 1] + 1) % 7
+    mask = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 0]])
+    as_int = Accuracy().accumulate({"labels": labels, "completion_mask": mask}, {"logits": logits}).calculate()
+    as_float = Accuracy().accumulate({"labels": labels, "completion_mask": mask.float()},
+                                     {"logits": logits}).calculate()
+    assert as_float == as_int and as_int["total_tokens"] == 7 and as_int["correct_tokens"] == 6
+
+
+def test_accuracy_list_outputs_without_labels_is_an_error():
+    with pytest.raises(ValueError, match="Accuracy: labels missing"):
+        Accuracy().accumulate(None, [{"logits": torch.randn(1, 3, 5)}])

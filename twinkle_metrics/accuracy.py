@@ -143,7 +143,10 @@ class Accuracy(Metric):
         self.ignore_index = ignore_index
 
     def update(self, inputs, outputs, **kwargs):
-        if inputs is None and isinstance(outputs, dict) and outputs.get("logits") is not None:
+        has_logits = (outputs.get("logits") is not None if isinstance(outputs, dict) else
+                      isinstance(outputs, (list, tuple)) and
+                      any(isinstance(o, dict) and o.get("logits") is not None for o in outputs))
+        if inputs is None and has_logits:
             raise ValueError(f"{_NAME}: labels missing: outputs have logits but inputs is None; pass the "
                              "InputFeature (or list of them) with labels")
         pairs = microbatches(_NAME, inputs, outputs, ("logits",))
@@ -164,9 +167,9 @@ class Accuracy(Metric):
             labels = right_align(_NAME, "labels", labels, target, f"logits {list(logits.shape)}")
             mask = feat.get("completion_mask")
             if mask is not None:
-                mask = torch.as_tensor(mask)
-                if mask.is_floating_point():
-                    raise TypeError(f"{_NAME}: completion_mask must be bool or integer, got {mask.dtype}")
+                mask = torch.as_tensor(mask)  # any dtype: nonzero marks a counted token (mask.bool())
+                if mask.is_complex():
+                    raise TypeError(f"{_NAME}: completion_mask must be bool, integer or float, got {mask.dtype}")
                 mask = mask.to(logits.device, non_blocking=True)
                 mask = right_align(_NAME, "completion_mask", mask, target, f"logits {list(logits.shape)}") != 0
             else:

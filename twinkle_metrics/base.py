@@ -88,10 +88,16 @@ class Metric:
         return self
 
     def to(self, device) -> "Metric":
-        """Move the states to ``device`` (an asynchronous copy)."""
+        """Move the states to ``device``.
+
+        Onto an accelerator the copy is asynchronous; back to the CPU it is a blocking
+        copy (an asynchronous device-to-host copy would hand back memory the device is
+        still writing).
+        """
         device = torch.device(device)
         if device != self._device:
-            self._states = {k: v.to(device, non_blocking=True) for k, v in self._states.items()}
+            blocking = device.type == "cpu"
+            self._states = {k: v.to(device, non_blocking=not blocking) for k, v in self._states.items()}
             self._device = device
         return self
 
@@ -191,10 +197,14 @@ class Metric:
         if not contributions.keys() <= specs.keys():
             unknown = sorted(set(contributions) - set(specs))
             raise KeyError(f"{type(self).__name__}.update returned unknown states {unknown}")
-        device = next((v.device for v in contributions.values() if isinstance(v, torch.Tensor)), None)
-        if device is not None and device != self._device:
-            self.to(device)
-            states = self._states
+        if self._device.type == "cpu":
+            # States follow the first accelerator tensor they see, and never go back to the
+            # CPU on their own: CPU contributions are copied to them (host to device) instead.
+            device = next((v.device for v in contributions.values()
+                           if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
+            if device is not None:
+                self.to(device)
+                states = self._states
         device = self._device
         groups: Dict[Any, tuple] = {}  # (op, tensors or numbers) -> (states, values)
         copies = []  # (state, new value) for "last" and callable local merges

@@ -60,15 +60,17 @@ class MetricCollection:
 
     def calculate(self, reset: bool = True) -> Dict[str, Any]:
         """Results of every metric, reduced together; the same on every rank."""
-        per_metric = sync_and_compute([m for _, m in self._items], reset=reset)
+        per_metric = sync_and_compute([m for _, m in self._items], reset=False)
         out: Dict[str, Any] = {}
         for (name, m), results in zip(self._items, per_metric):
             for key, value in results.items():
                 full = f"{name}/{key}" if name else key
-                if full in out:
+                if full in out:  # raised before any reset: the interval is not lost
                     raise ValueError(f"MetricCollection: key {full!r} comes from two metrics; pass "
                                      "the metrics as a dict {name: metric} to prefix their keys")
                 out[full] = value
+        if reset:
+            self.reset()
         return out
 
     def reset(self) -> "MetricCollection":

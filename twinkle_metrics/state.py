@@ -106,7 +106,9 @@ class State:
 def _as_tensor(value, like: torch.Tensor) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.device != like.device:
-            value = value.to(like.device, non_blocking=True)
+            # Host to device: asynchronous. Device to host only happens for a state that
+            # stays on the CPU by request, and must then be a blocking copy.
+            value = value.to(like.device, non_blocking=like.device.type != "cpu")
         return value.to(like.dtype)
     # A fill kernel on the state's device: no host-to-device copy of a Python number.
     return torch.full_like(like, value)

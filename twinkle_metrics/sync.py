@@ -68,8 +68,9 @@ def sync_and_compute(metrics: Sequence, reset: bool = True) -> List[Dict[str, An
         reduced = sync_states(group_metrics)
         for i, m, states in zip(idx, group_metrics, reduced):
             results[i] = m.compute(states)
-            if reset:
-                m.reset()
+    if reset:  # only once every metric computed: an error above keeps every interval intact
+        for m in metrics:
+            m.reset()
     return results
 
 

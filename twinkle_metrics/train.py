@@ -98,12 +98,12 @@ class TrainMetric(Metric):
                tokens=None, samples=None, flops_per_token=None, peak_flops=None, **kwargs):
         now = time.perf_counter()
         out = {"elapsed": now - self._start, "interval_time": now - self._interval_start}
-        if lr is not None:
-            lrs = list(lr) if isinstance(lr, (list, tuple)) else [lr]
+        lrs = [] if lr is None else list(lr) if isinstance(lr, (list, tuple)) else [lr]
+        if lrs:  # [] (no optimizer, e.g. during evaluation) reports no lr, as in Twinkle
             cap = self._specs["lr"].shape[0]
-            if not lrs or len(lrs) > cap:
-                raise ValueError(f"{_NAME}: lr has {len(lrs)} param groups, expected 1 to {cap}; pass "
-                                 f"TrainMetric(max_param_groups={max(len(lrs), 1)})")
+            if len(lrs) > cap:
+                raise ValueError(f"{_NAME}: lr has {len(lrs)} param groups, more than {cap}; pass "
+                                 f"TrainMetric(max_param_groups={len(lrs)})")
             values = [_number("lr", x) for x in lrs]
             out["lr"] = torch.tensor(values + [-math.inf] * (cap - len(values)), dtype=torch.float64)
             out["lr_groups"] = len(values)
