@@ -141,6 +141,10 @@ def main(argv=None):
     run_dir = os.path.abspath(make_run_dir(log_cfg.get("run_root", "runs"), args.run_dir))
 
     ds_config = load_config(config_path(cfg["deepspeed_config"]))
+    # DeepSpeed clips before the optimizer's pre-step hook runs, so a norm taken there would
+    # be the clipped one: we take clipping over (measure the true norm, then clip).
+    clip = float(t.get("clip_grad", ds_config.pop("gradient_clipping", 0.0)) or 0.0)
+    ds_config.pop("gradient_clipping", None)
     ds_config.update(train_micro_batch_size_per_gpu=t["micro_batch_size"],
                      gradient_accumulation_steps=t["num_microbatches"],
                      train_batch_size=t["micro_batch_size"] * t["num_microbatches"] * dp)
@@ -166,10 +170,20 @@ def main(argv=None):
     step_metrics, microbatch_metrics = split_feeds(cfg["metrics"], metrics)
     loss_fn.microbatch_metrics = microbatch_metrics
 
-    # DeepSpeed steps the optimizer inside train_batch: take the grad norm just before.
+    # DeepSpeed steps the optimizer inside train_batch, after its DP gradient reduction:
+    # measure the global norm just before the step, then clip (see `clip` above).
     norms = []
-    optimizer.register_step_pre_hook(lambda *a: norms.append(
-        global_grad_norm(module.parameters(), mesh.pp_group)))
+
+    def measure_and_clip(*_):
+        norm = global_grad_norm(module.parameters(), mesh.pp_group)
+        norms.append(norm)
+        if clip > 0:
+            scale = (clip / (norm + 1e-6)).clamp(max=1.0)
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale.to(p.grad.dtype))
+
+    optimizer.register_step_pre_hook(measure_and_clip)
 
     logging_rank = mesh.is_logging_rank
     interval = log_cfg.get("interval", 5)

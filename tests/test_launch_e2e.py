@@ -166,3 +166,24 @@ def test_single_process_without_launcher(tmp_path, script, extra):
     assert [r["step"] for r in rows] == [2]
     assert rows[0]["loss"] == pytest.approx(expected[2][0], rel=1e-9)
     assert math.isfinite(rows[0]["accuracy"])
+
+
+def _single_process_rows(tmp_path, name, extra):
+    run_dir = tmp_path / name
+    env = {k: v for k, v in _env().items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    _run([sys.executable, "launch/train_deepspeed.py", "--steps", "3", "--set", "parallel.pp=1",
+          "--set", "logging.interval=1", "--set", "logging.progress=false",
+          "--set", 'logging.sinks=["jsonl"]', "--run-dir", str(run_dir), *extra], env)
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_deepspeed_logs_the_grad_norm_before_clipping(tmp_path):
+    """Same init and data: step 1's logged norm must not depend on the clip threshold,
+    while clipping must still act (Adam's first update is scale-free, so step 3 differs)."""
+    loose = _single_process_rows(tmp_path, "loose", ["--set", "train.clip_grad=1000.0"])
+    tight = _single_process_rows(tmp_path, "tight", ["--set", "train.clip_grad=0.001"])
+    assert tight[0]["grad_norm"] == pytest.approx(loose[0]["grad_norm"], rel=1e-9)
+    assert tight[0]["grad_norm"] > 0.01
+    assert tight[2]["loss"] != pytest.approx(loose[2]["loss"], rel=1e-6)
