@@ -225,6 +225,28 @@ def test_embedding_gathers_over_data_group_with_empty_ranks(dist_pool):
         assert_results_close(got, whole, rel=1e-12)
 
 
+def case_embedding_under_cp():
+    """CP2 x DP4: CP ranks hold the same pooled rows; pairs must not be counted twice."""
+    mesh = DeviceMesh.from_sizes(cp_size=2, dp_size=4)
+    emb, labels = emb_batch(1)
+    bounds = [0, 4, 6, 6, 11]                    # dp rank 2 has no rows
+    lo, hi = bounds[mesh.dp_rank], bounds[mesh.dp_rank + 1]
+    m = EmbeddingMetric(mesh)
+    with forbid_device_waits():
+        if hi > lo:
+            m.accumulate({"labels": labels[lo:hi]}, {"embeddings": emb[lo:hi]})
+        else:
+            m.accumulate([], {})
+    return m.calculate()
+
+
+def test_embedding_under_cp_counts_each_pair_once(dist_pool):
+    emb, labels = emb_batch(1)
+    whole = EmbeddingMetric().accumulate({"labels": labels}, {"embeddings": emb}).calculate()
+    for got in dist_pool.run(case_embedding_under_cp):
+        assert_results_close(got, whole, rel=1e-12)
+
+
 def case_train_metric_over_world():
     mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2)
     m = TrainMetric(mesh, flops_per_token=10.0, peak_flops=1e6)

@@ -13,6 +13,7 @@ from ._checks import add, f64, int_tensor, scalar
 from ._host import host_max
 from .base import Metric
 from .microbatch import as_feature_list, microbatches
+from .rl_inputs import cp_lead
 from .state import State
 
 _NAME = "EmbeddingMetric"
@@ -58,7 +59,9 @@ class EmbeddingMetric(Metric):
        validity 0, so statistics are masked arithmetic and no rank branches on data;
        a batch without anchors contributes zeros everywhere, consistently.
 
-    Every rank of the data group must therefore call ``accumulate`` the same number
+    Under context parallelism the pooled embeddings are expected to be complete and
+    the same on every rank of a CP group; only CP rank 0's rows count, so pairs are not
+    duplicated. Every rank of the data group must call ``accumulate`` the same number
     of times (an empty list ``[]`` where it has nothing), as with Twinkle.
 
     Args:
@@ -193,7 +196,9 @@ class EmbeddingMetric(Metric):
             emb, nxt = rows
             anchor_vec = F.normalize(emb.to(torch.float64), dim=-1, eps=self.eps)
             pos_local = F.normalize(nxt.to(torch.float64), dim=-1, eps=self.eps)
-            valid = anchors.to(torch.float64)
+            # Pooled embeddings are whole-sequence values, the same on every rank of a CP
+            # group: only CP rank 0's rows count (as anchors and as in-batch negatives).
+            valid = anchors.to(torch.float64) * (1.0 if cp_lead(self) else 0.0)
         if size > 1:
             buf = torch.zeros(n_max, d_max + 1, dtype=torch.float64, device=comm_device(group))
             if n:
