@@ -1,0 +1,90 @@
+"""CUDA-only checks (skipped without a GPU): the ground truth for "accumulate never waits".
+
+``torch.cuda.set_sync_debug_mode("error")`` raises on any host-device synchronisation,
+so each metric's ``accumulate`` runs under it with the input forms users pass: tensors,
+Python lists of per-sequence values, Twinkle's ragged per-sequence log-probs, reward
+lists, separate DPO batches, entropy from logits, top-k KL records.
+"""
+import pytest
+import torch
+
+from tests.rlref import make_rl_batch, ragged
+from twinkle_metrics import (Accuracy, CISPOMetric, CompletionRewardMetric, DPOMetric, EmbeddingMetric,
+                             GRPOMetric, GSPOMetric, LossMetric, TrainMetric)
+from twinkle_metrics.testing import assert_results_close
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda(b):
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+
+
+def _calls():
+    b = _cuda(make_rl_batch(0))
+    lab, lp = b["labels"], b["logps"]
+    feats = [{"labels": lab[:5]}, {"labels": lab[5:]}]
+    return [
+        ("GRPO tensors", GRPOMetric(top_k_kl=4),
+         lambda m: m.accumulate({"labels": lab}, {"logps": lp}, old_logps=b["old"], advantages=b["adv"],
+                                ref_logps=b["ref"])),
+        ("GRPO list advantages, ragged old logps", GRPOMetric(),
+         lambda m: m.accumulate({"labels": lab}, {"logps": lp}, old_logps=ragged(b["old"], lab),
+                                advantages=b["adv"].tolist())),
+        ("GRPO microbatch lists", GSPOMetric(),
+         lambda m: m.accumulate(feats, {"logps": [lp[:5], lp[5:]]}, old_logps=[b["old"][:5], b["old"][5:]],
+                                advantages=[b["adv"][:5], b["adv"][5:]])),
+        ("CISPO entropy from logits", CISPOMetric(entropy_from_logits=True),
+         lambda m: m.accumulate({"labels": lab}, {"logps": lp, "logits": b["logits"]}, old_logps=b["old"],
+                                advantages=b["adv"])),
+        ("DPO interleaved with reference", DPOMetric(),
+         lambda m: m.accumulate({"labels": lab}, {"logps": lp}, ref_outputs={"logps": b["ref"]})),
+        ("DPO separate batches", DPOMetric(),
+         lambda m: m.accumulate(None, None, chosen=({"labels": lab[:6]}, {"logps": lp[:6]}),
+                                rejected=({"labels": lab[6:]}, {"logps": lp[6:]}))),
+        ("rewards from Python lists", CompletionRewardMetric(num_generations=4, max_completion_length=8),
+         lambda m: m.accumulate(rewards={"acc": [1.0, 0.0, 1.0, 1.0], "fmt": [0.5, 0.5, 0.5, 0.5]},
+                                completion_lengths=[3, 8, 5, 2], generate_time=0.5)),
+        ("Accuracy vocab-parallel (one rank)", Accuracy(vocab_parallel=True),
+         lambda m: m.accumulate({"labels": lab}, {"logits": b["logits"].float()})),
+        ("Loss Megatron reports", LossMetric(loss_reduction="sum"),
+         lambda m: m.accumulate(None, [{"lm loss": torch.tensor([3.0, 4.0], device="cuda")}],
+                                grad_norm=torch.tensor(1.5, device="cuda"))),
+        ("Embedding", EmbeddingMetric(),
+         lambda m: m.accumulate({"labels": torch.tensor([1, 0, 1, 0], device="cuda")},
+                                {"embeddings": torch.randn(4, 8, device="cuda"), "loss": 0.3})),
+        ("Train", TrainMetric(),
+         lambda m: m.accumulate(None, None, lr=[1e-3, 1e-4], step=4, gradient_accumulation_steps=2,
+                                tokens=torch.tensor(512, device="cuda"), samples=8)),
+    ]
+
+
+N_CALLS = 11  # len(_calls()); the calls build CUDA tensors, so not at collection time
+
+
+@pytest.mark.parametrize("index", range(N_CALLS))
+def test_accumulate_never_synchronises(index):
+    calls = _calls()
+    assert len(calls) == N_CALLS
+    label, metric, call = calls[index]
+    call(metric)  # warm-up: states move to the device, kernels load
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call(metric)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert metric.calculate(), label
+
+
+def test_cpu_contribution_after_cuda_states_is_not_lost():
+    """States stay on the device; a CPU value is copied to them, never the reverse."""
+    m = LossMetric(loss_reduction="sum")
+    m.accumulate(None, [{"lm loss": torch.tensor([5.0, 1.0], device="cuda")}])
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # queue work ahead of the next fold
+        a = a @ a / 4096
+    m.accumulate(None, [{"lm loss": torch.tensor([1.0, 1.0])}])      # CPU tensor
+    m.accumulate(None, [{"lm loss": torch.tensor([100.0, 1.0], device="cuda")}])
+    assert all(t.is_cuda for t in m.states.values())
+    assert_results_close(m.calculate(), {"loss": 106.0 / 3, "num_tokens": 3})
