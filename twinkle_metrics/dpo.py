@@ -7,7 +7,7 @@ import torch
 
 from .base import Metric
 from .microbatch import microbatches
-from .rl_inputs import as_tensor, common_length, cp_lead, cp_sum, float_tensor, token_mask
+from .rl_inputs import as_tensor, common_length, cp_lead, cp_sum, float_tensor, keep_bits, masked, token_mask
 from .state import State
 
 _NAME = "DPOMetric"
@@ -128,9 +128,13 @@ class DPOMetric(Metric):
                                      f"{list(ref.shape)}, expected [{lp.shape[0]}, >= {lp.shape[1]}]; "
                                      "run the reference model on the same batch")
                 cols.append(ref if ref.shape[1] == lp.shape[1] else ref[:, :lp.shape[1]])
-            # Masked with torch.where (NaN/-inf padding at masked positions is dropped; a 0/1
-            # multiplier, as Twinkle uses, would carry it into the sums), summed in float64.
-            sums = [torch.where(mask, c, 0.0).sum(-1, dtype=torch.float64) for c in cols]
+            # Masked bitwise (NaN/-inf padding at masked positions is dropped; a 0/1 multiplier,
+            # as Twinkle uses, would carry it into the sums), summed in float64.
+            cols = [c if c.is_floating_point() else c.to(torch.float64) for c in cols]
+            bits = {c.element_size(): None for c in cols}
+            for width in bits:
+                bits[width] = keep_bits(mask, next(c.dtype for c in cols if c.element_size() == width))
+            sums = [masked(c, bits[c.element_size()]).sum(-1, dtype=torch.float64) for c in cols]
             rows.append(torch.stack(sums, 1) if len(sums) > 1 else sums[0][:, None])
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 

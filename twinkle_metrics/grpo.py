@@ -10,8 +10,8 @@ from parallel import comm_device, group_rank, group_size
 
 from .base import Metric
 from .microbatch import microbatches
-from .rl_inputs import (_float, as_tensor, common_length, cp_sum, float_tensor, per_token, split_side_input,
-                        token_mask)
+from .rl_inputs import (_float, as_tensor, common_length, cp_sum, float_tensor, keep_bits, masked, per_token,
+                        split_side_input, token_mask)
 from .state import State
 
 # Columns of one top-k record row.
@@ -63,12 +63,14 @@ class GRPOMetric(Metric):
       indices.
 
     Side inputs (``old_logps``, ``advantages``, ``ref_logps``) may be one tensor
-    aligned to the concatenated batch (``[N, s]``, or ``[N]`` for one value per
-    sequence), a list with one entry per microbatch, or a list with one entry per
-    sequence holding only that sequence's valid-token values (Twinkle's ragged
-    form), which are scattered onto the mask positions in order.
+    aligned to the concatenated batch (``[N, s]``; for advantages also ``[N]`` or
+    ``[N, 1]``, one value per sequence), a list with one entry per microbatch, or a
+    list with one entry per sequence holding only that sequence's valid-token values
+    (Twinkle's ragged form), which are scattered onto the mask positions in order.
+    Log-probs are never broadcast over a sequence. With micro-batch size 1 both list
+    readings give the same result (see ``rl_inputs.split_side_input``).
 
-    Precision and cost: masking selects with ``torch.where`` in the input dtype, so
+    Precision and cost: masking selects bitwise in the input dtype, so
     NaN/-inf at masked positions (padding) is ignored (Twinkle multiplies by a 0/1
     mask, so such padding poisons its means); sums accumulate in
     float64; d and k3 = expm1(d) - d are float64, so float32 inputs give the same
@@ -190,7 +192,7 @@ class GRPOMetric(Metric):
         refs = split_side_input(name, "ref_logps", ref_logps, sizes)
 
         # Per-token values stay in the input dtype (float32 usually) where that is exact:
-        # masking (torch.where, so NaN/-inf padding at masked positions, common for prompt
+        # masking (a bitwise select, so NaN/-inf padding at masked positions, common for prompt
         # tokens, is dropped rather than multiplied into the sums) and sums (accumulated in
         # float64). Log-ratios and k3 = expm1(d) - d are float64: d = logp - old_logp is
         # exact there, and k3 ~ d^2/2 needs d's low bits.
@@ -200,8 +202,16 @@ class GRPOMetric(Metric):
         logit_jobs = []
         seq_start = 0
         for i, ((feat, o), lp, m) in enumerate(zip(pairs, lps, masks)):
+            cache = {}
+
+            def keep(x, mask):  # x with masked-out positions +0.0; one bit mask per (mask, width)
+                key = (id(mask), x.element_size())
+                if key not in cache:
+                    cache[key] = keep_bits(mask, x.dtype)
+                return masked(x, cache[key])
+
             n_tok = m.sum()
-            lpm = torch.where(m, lp, 0.0)
+            lpm = keep(lp, m)
             _add(acc, "n_tok", n_tok)
             _add(acc, "sum_new", lpm.sum(dtype=torch.float64))
             if "entropies" in o:
@@ -209,7 +219,7 @@ class GRPOMetric(Metric):
                 ent = ent.unsqueeze(0) if ent.dim() == 1 else ent
                 if ent.dim() == 2 and ent.shape == m.shape:
                     _add(acc, "n_ent", n_tok)
-                    _add(acc, "sum_ent", torch.where(m, ent, 0.0).sum(dtype=torch.float64))
+                    _add(acc, "sum_ent", keep(_floating(ent), m).sum(dtype=torch.float64))
                 else:
                     ent, em = common_length(name, "outputs['entropies']", ent, m)
                     _add(acc, "n_ent", em.sum())
@@ -229,7 +239,7 @@ class GRPOMetric(Metric):
                     _add(acc, "sum_adv", (adv[:, 0].to(torch.float64) * rows).sum())
                     lo, hi = _extremes(adv[:, 0], rows > 0)
                 else:
-                    adv = torch.where(has_adv, adv, 0.0)  # aligned values may be NaN where masked
+                    adv = keep(adv, has_adv)  # aligned values may be NaN where masked
                     _add(acc, "sum_adv", adv.sum(dtype=torch.float64))
                     lo, hi = _extremes(adv, has_adv)
                 _min(acc, "adv_min", lo)
@@ -242,8 +252,8 @@ class GRPOMetric(Metric):
                     lp64 = lpr = lpm.to(torch.float64)
                 else:
                     n_ref = has_ref.sum()
-                    lpr = torch.where(has_ref, lp, 0.0).to(torch.float64)
-                dr = torch.where(has_ref, ref, 0.0).to(torch.float64)
+                    lpr = keep(lp, has_ref).to(torch.float64)
+                dr = keep(ref, has_ref).to(torch.float64)
                 dr.sub_(lpr)  # 0 outside has_ref
                 sum_dr = dr.sum()
                 _add(acc, "n_ref", n_ref)
@@ -255,8 +265,8 @@ class GRPOMetric(Metric):
                     lpo = lp64 if lp64 is not None else lpm.to(torch.float64)
                 else:
                     n_old = has_old.sum()
-                    lpo = torch.where(has_old, lp, 0.0).to(torch.float64)
-                oldm = torch.where(has_old, old, 0.0)
+                    lpo = keep(lp, has_old).to(torch.float64)
+                oldm = keep(old, has_old)
                 d = lpo.clone() if lpo is lp64 else lpo
                 d.sub_(oldm)  # exact in float64; 0 outside has_old
                 sum_d = d.sum()
@@ -523,6 +533,10 @@ class CISPOMetric(GRPOMetric):
     per token, not gated by the advantage sign (CISPO clips the importance weight itself)."""
 
     clip_by_advantage_sign = False
+
+
+def _floating(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_floating_point() else x.to(torch.float64)
 
 
 def _extremes(x: torch.Tensor, has: torch.Tensor):

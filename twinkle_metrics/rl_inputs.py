@@ -36,6 +36,24 @@ def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tenso
     return mask.unsqueeze(0) if mask.dim() == 1 else mask
 
 
+_INT_OF_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def keep_bits(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` as integers as wide as ``dtype``: all bits set where True, 0 elsewhere."""
+    return mask.view(torch.uint8).to(_INT_OF_WIDTH[torch.finfo(dtype).bits // 8]).neg_()
+
+
+def masked(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``x`` where the mask of ``bits`` (from :func:`keep_bits`) is set, +0.0 elsewhere.
+
+    A bitwise AND of ``x``'s bits: exact, whatever ``x`` holds at masked positions
+    (NaN/-inf padding is common there, and a 0/1 multiplier turns it into NaN), and
+    as cheap as that multiply; ``torch.where`` with a bool mask is ~5x slower on CPU.
+    """
+    return (x.view(bits.dtype) & bits).view(x.dtype)
+
+
 def _ne(x: torch.Tensor, value) -> torch.Tensor:
     """``x != value`` as bool; written as uint8 and viewed (the bool kernel is ~2x slower on CPU)."""
     if x.dtype == torch.bool:
