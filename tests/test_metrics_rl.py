@@ -68,8 +68,9 @@ def test_reward_plain_list_nan_completions_and_group_ids():
     assert math.isclose(got["train/reward_reward_std"], statistics.stdev([1.0, 3.0]))
     assert got["train/completion_length"] == statistics.fmean(len(t) for t in texts)  # characters
     assert got["profiling/Time taken: generate"] == 2.0
-    assert "train/frac_reward_zero_std" in got  # NaN groups are not equal: 0 of 2
-    assert got["train/frac_reward_zero_std"] == 0.0
+    # TRL sums reward functions with nansum: the missing rewards of group 3 total 0 each,
+    # so that group has zero std (group 7: 1 and 3 does not)
+    assert got["train/frac_reward_zero_std"] == _trl_frac_zero_std({"r": [1.0, 3.0, float("nan"), None]}, 2) == 0.5
 
 
 def test_reward_group_ids_any_order_match_reference():
@@ -355,3 +356,162 @@ def test_grpo_errors_name_metric_and_field():
     with pytest.raises(ValueError, match="top_k_kl must be an int >= 0"):
         GRPOMetric(top_k_kl=-1)
     assert m.calculate() == {}
+
+
+# --------------------------------------------------------------------------- review fixes
+def _small_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lab = torch.randint(0, 9, (2, 6), generator=g)
+    lab[:, 0] = -100
+    lab[0, :3] = -100
+    lp = torch.randn(2, 6, generator=g, dtype=torch.float64) - 1
+    old = lp + 0.5 * torch.randn(2, 6, generator=g, dtype=torch.float64)
+    ref = lp + 0.3 * torch.randn(2, 6, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    return dict(labels=lab, logps=lp, old=old, ref=ref, adv=adv, pos=torch.arange(6).expand(2, 6))
+
+
+def test_grpo_advantages_b_by_1_mean_one_value_per_sequence():
+    b = _small_batch()
+    want = ref_grpo(b)
+    for adv in (b["adv"], b["adv"][:, None]):  # TRL's advantages.unsqueeze(1)
+        got = GRPOMetric().accumulate({"labels": b["labels"]}, {"logps": b["logps"]},
+                                      old_logps=b["old"], advantages=adv, ref_logps=b["ref"]).calculate()
+        assert_results_close(got, want, rel=1e-12)
+
+
+def test_grpo_one_sequence_microbatches_read_like_one_call():
+    # micro-batch size 1: per-microbatch and per-sequence lists coincide in length; both
+    # readings must give the one-call result, for advantages and for old/ref log-probs.
+    b = _small_batch(1)
+    lab, lp, old, adv = b["labels"], b["logps"], b["old"], b["adv"]
+    want = ref_grpo(b)
+    feats = [{"labels": lab[:1]}, {"labels": lab[1:]}]
+    outs = {"logps": [lp[:1], lp[1:]]}
+    rag_old, rag_ref = ragged(old, lab), ragged(b["ref"], lab)
+    forms = [
+        dict(advantages=[adv[:1], adv[1:]], old_logps=[old[:1], old[1:]], ref_logps=[b["ref"][:1], b["ref"][1:]]),
+        dict(advantages=[adv[:1, None], adv[1:, None]], old_logps=rag_old, ref_logps=rag_ref),
+        dict(advantages=[[float(adv[0])], [float(adv[1])]], old_logps=[r.tolist() for r in rag_old],
+             ref_logps=rag_ref),
+        dict(advantages=[float(a) for a in adv], old_logps=[[r] for r in rag_old], ref_logps=b["ref"]),
+        dict(advantages=adv, old_logps=old, ref_logps=rag_ref),
+    ]
+    for kw in forms:
+        m = GRPOMetric()
+        with forbid_device_waits():
+            m.accumulate(feats, outs, **kw)
+        assert_results_close(m.calculate(), want, rel=1e-12)
+    # a 1-element entry of old_logps is one token's value (the first valid token), not a
+    # value for every token of the sequence
+    one = [o[:1] for o in rag_old]
+    has = torch.zeros_like(lab, dtype=torch.bool)
+    for i in range(2):
+        has[i, int((lab[i] != -100).int().argmax())] = True
+    want1 = ref_grpo(b, old_mask=has)
+    got1 = GRPOMetric().accumulate(feats, outs, old_logps=one, advantages=adv).calculate()
+    for key in ("train/mean_old_logp", "train/approx_kl", "train/logp_diff_mean", "train/ratio_mean",
+                "train/clip_ratio", "train/token_kl_max", "train/mean_new_logp"):
+        assert math.isclose(got1[key], want1[key], rel_tol=1e-12), key
+
+
+def test_grpo_single_1d_sequence_takes_1d_side_inputs():
+    b = _small_batch(2)
+    one = {k: (v[1:] if torch.is_tensor(v) else v) for k, v in b.items()}
+    want = ref_grpo(one)
+    got = GRPOMetric().accumulate({"labels": b["labels"][1]}, {"logps": b["logps"][1]},
+                                  old_logps=b["old"][1], advantages=b["adv"][1], ref_logps=b["ref"][1]).calculate()
+    assert_results_close(got, want, rel=1e-12)
+
+
+def test_python_float_logps_stay_float64():
+    got = DPOMetric().accumulate(None, {"chosen_logps": [-3.3], "rejected_logps": [-1.1],
+                                        "ref_chosen_logps": [-2.2], "ref_rejected_logps": [0.0]}).calculate()
+    assert got["logps/chosen"] == -3.3 and got["logps/rejected"] == -1.1
+    assert math.isclose(got["rewards/chosen"], 0.1 * (-3.3 - -2.2), rel_tol=1e-15)
+    lps = [[-0.3, -1.1, -2.7], [-0.7, -0.1, -1.3]]
+    labels = [[1, 2, 3], [-100, 4, 5]]
+    got = GRPOMetric().accumulate({"labels": labels}, {"logps": lps}).calculate()
+    assert got["train/mean_new_logp"] == (-0.3 - 1.1 - 2.7 - 0.1 - 1.3) / 5
+    got = DPOMetric().accumulate({"labels": labels}, {"logps": lps}).calculate()
+    assert got["logps/chosen"] == -0.3 + -1.1 + -2.7 and got["logps/rejected"] == -0.1 + -1.3
+
+
+def test_bad_logps_name_metric_and_field():
+    b = _small_batch(3)
+    lab, lp = b["labels"], b["logps"]
+    for cls in (GRPOMetric, DPOMetric):
+        m = cls()
+        with pytest.raises(ValueError, match=rf"{cls.__name__}: outputs\['logps'\] has shape \[2, 6, 1\]"):
+            m.accumulate({"labels": lab}, {"logps": lp[..., None]})
+        with pytest.raises(TypeError, match=rf"{cls.__name__}: outputs\['logps'\] must be"):
+            m.accumulate({"labels": lab}, {"logps": "x"})
+        with pytest.raises(TypeError, match=rf"{cls.__name__}: outputs\['logps'\] must be"):
+            m.accumulate({"labels": lab}, {"logps": [[-1.0, -2.0], [-1.0]]})
+        assert m.calculate() == {}
+    with pytest.raises(ValueError, match=r"DPOMetric: chosen outputs\['logps'\] has shape \[2, 6, 1\]"):
+        DPOMetric().accumulate(chosen=({"labels": lab}, {"logps": lp[..., None]}),
+                               rejected=({"labels": lab}, {"logps": lp}))
+    with pytest.raises(ValueError, match=r"GRPOMetric: old_logps has shape \[2\]"):
+        GRPOMetric().accumulate({"labels": lab}, {"logps": lp}, old_logps=lp[:, 0])
+
+
+def test_masked_nan_and_inf_do_not_poison():
+    b = _small_batch(4)
+    lab = b["labels"]
+    want_g, want_d = ref_grpo(b), ref_dpo(b)
+    for pad in (math.nan, -math.inf):
+        p = {k: (torch.where(lab != -100, v, pad) if k in ("logps", "old", "ref") else v) for k, v in b.items()}
+        adv = torch.where(lab != -100, b["adv"][:, None], pad)
+        got = GRPOMetric().accumulate({"labels": lab}, {"logps": p["logps"], "entropies": p["logps"]},
+                                      old_logps=p["old"], advantages=adv, ref_logps=p["ref"]).calculate()
+        assert_results_close({k: v for k, v in got.items() if k != "train/entropy"}, want_g, rel=1e-12)
+        assert math.isclose(got["train/entropy"], want_g["train/mean_new_logp"], rel_tol=1e-12)
+        gs = GSPOMetric().accumulate({"labels": lab}, {"logps": p["logps"]}, old_logps=p["old"],
+                                     advantages=adv).calculate()
+        assert all(v == v for v in gs.values()), gs
+        got = DPOMetric().accumulate({"labels": lab}, {"logps": p["logps"]},
+                                     ref_outputs={"logps": p["ref"]}).calculate()
+        assert_results_close(got, want_d, rel=1e-12)
+
+
+def _trl_frac_zero_std(rewards, num_generations):
+    # TRL: nansum over reward functions, per-group sample std, isclose(std, 0)
+    total = [sum(0.0 if v is None or v != v else v for v in vals) for vals in zip(*rewards.values())]
+    groups = [total[i:i + num_generations] for i in range(0, len(total), num_generations)]
+    return sum(1 for g in groups if math.isclose(statistics.stdev(g), 0.0, abs_tol=1e-8)) / len(groups)
+
+
+def test_reward_frac_zero_std_follows_trl_nansum():
+    rewards = {"a": [1.0, None, 1.0, 1.0, 0.5, 0.5], "b": [1.0, 2.0, 0.0, 0.0, 0.1, 0.1 + 1e-12]}
+    want = _trl_frac_zero_std(rewards, 2)
+    m = CompletionRewardMetric(num_generations=2).accumulate(rewards=rewards)
+    assert m.calculate()["train/frac_reward_zero_std"] == want == 1.0
+    m = CompletionRewardMetric().accumulate(rewards=rewards, group_ids=[0, 0, 1, 1, 2, 2])
+    assert m.calculate()["train/frac_reward_zero_std"] == want
+
+
+def test_reward_string_group_ids_and_tensor_none_rewards():
+    m = CompletionRewardMetric()
+    with forbid_device_waits():
+        m.accumulate(rewards={"a": [1.0, 0.0, 2.0, 2.0]}, group_ids=["p1", "p2", "p3", "p3"])
+    assert m.calculate()["train/frac_reward_zero_std"] == 1.0
+    m.accumulate(rewards={"a": [1.0, 0.0, 2.0]}, group_ids=["u", "u", "v"])
+    assert m.calculate()["train/frac_reward_zero_std"] == 0.5
+    got = CompletionRewardMetric().accumulate(rewards={"a": [torch.tensor(1.0), None, 3.0]}).calculate()
+    assert got["train/a_reward"] == 2.0
+    with pytest.raises(TypeError, match=r"CompletionRewardMetric: group_ids"):
+        CompletionRewardMetric().accumulate(rewards={"a": [1.0, 0.0]}, group_ids=[[1], [2]])
+    with pytest.raises(TypeError, match=r"CompletionRewardMetric: rewards\['a'\]"):
+        CompletionRewardMetric().accumulate(rewards={"a": [torch.tensor(1.0), "x"]})
+
+
+def test_reward_state_dict_with_dynamic_names_loads_into_fresh_metric():
+    a = CompletionRewardMetric(num_generations=2)
+    a.accumulate(rewards={"z": [1.0, 2.0], "b": [0.5, 0.5]}, completion_lengths=[3, 4])
+    a.accumulate(rewards={"c": [4.0, 4.0]})
+    fresh = CompletionRewardMetric(num_generations=2).load_state_dict(a.state_dict())
+    assert fresh.reward_names == a.reward_names == ["b", "c", "z"]
+    assert fresh.calculate() == a.calculate()
+    with pytest.raises(ValueError, match="unexpected"):
+        CompletionRewardMetric(reward_names=["b"]).load_state_dict(a.state_dict())

@@ -7,7 +7,7 @@ import torch
 
 from .base import Metric
 from .microbatch import microbatches
-from .rl_inputs import as_tensor, common_length, cp_lead, cp_sum, token_mask
+from .rl_inputs import as_tensor, common_length, cp_lead, cp_sum, float_tensor, keep_bits, masked, token_mask
 from .state import State
 
 _NAME = "DPOMetric"
@@ -113,24 +113,28 @@ class DPOMetric(Metric):
             if any("logps" not in o for _, o in ref_pairs):
                 ref_pairs = None
         rows: List[torch.Tensor] = []
+        field = "outputs['logps']" if what == "outputs" else f"{what} outputs['logps']"
         for i, (feat, out) in enumerate(pairs):
-            lp = as_tensor(out["logps"])
+            lp = float_tensor(_NAME, field, out["logps"])
             lp = lp.unsqueeze(0) if lp.dim() == 1 else lp
             mask = token_mask(_NAME, feat, self.ignore_index, lp.device)
-            lp, mask = common_length(_NAME, f"{what} logps", lp, mask)
+            lp, mask = common_length(_NAME, field, lp, mask)
             cols = [lp]
             if ref_pairs is not None:
-                ref = as_tensor(ref_pairs[i][1]["logps"], lp.device)
+                ref = float_tensor(_NAME, f"reference logps for {what}", ref_pairs[i][1]["logps"], lp.device)
                 ref = ref.unsqueeze(0) if ref.dim() == 1 else ref
                 if ref.dim() != 2 or ref.shape[0] != lp.shape[0] or ref.shape[1] < lp.shape[1]:
                     raise ValueError(f"{_NAME}: reference logps for {what} have shape "
                                      f"{list(ref.shape)}, expected [{lp.shape[0]}, >= {lp.shape[1]}]; "
                                      "run the reference model on the same batch")
                 cols.append(ref if ref.shape[1] == lp.shape[1] else ref[:, :lp.shape[1]])
-            # Masked by a 0/1 multiplier in the input dtype (as Twinkle: masked values must be
-            # finite), summed in float64; bool -> uint8 -> float is the cheap conversion on CPU.
-            mf = mask.view(torch.uint8).to(torch.promote_types(lp.dtype, torch.float32))
-            sums = [(c * mf).sum(-1, dtype=torch.float64) for c in cols]
+            # Masked bitwise (NaN/-inf padding at masked positions is dropped; a 0/1 multiplier,
+            # as Twinkle uses, would carry it into the sums), summed in float64.
+            cols = [c if c.is_floating_point() else c.to(torch.float64) for c in cols]
+            bits = {c.element_size(): None for c in cols}
+            for width in bits:
+                bits[width] = keep_bits(mask, next(c.dtype for c in cols if c.element_size() == width))
+            sums = [masked(c, bits[c.element_size()]).sum(-1, dtype=torch.float64) for c in cols]
             rows.append(torch.stack(sums, 1) if len(sums) > 1 else sums[0][:, None])
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
@@ -146,9 +150,10 @@ class DPOMetric(Metric):
             v = outputs.get(key)
             if v is None:
                 continue
-            if isinstance(v, (list, tuple)):
-                v = torch.cat([as_tensor(x).reshape(-1) for x in v]) if v else torch.zeros(0)
-            cols[key] = as_tensor(v).reshape(-1).to(torch.float64)
+            field = f"outputs[{key!r}]"
+            if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+                v = torch.cat([float_tensor(_NAME, field, x).reshape(-1).to(torch.float64) for x in v])
+            cols[key] = float_tensor(_NAME, field, v).reshape(-1).to(torch.float64)
         if "rejected_logps" not in cols:
             raise ValueError(f"{_NAME}: outputs has 'chosen_logps' but no 'rejected_logps'; pass both")
         n = cols["chosen_logps"].shape[0]

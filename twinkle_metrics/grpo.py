@@ -10,7 +10,8 @@ from parallel import comm_device, group_rank, group_size
 
 from .base import Metric
 from .microbatch import microbatches
-from .rl_inputs import _float, as_tensor, common_length, cp_sum, per_token, split_side_input, token_mask
+from .rl_inputs import (_float, as_tensor, common_length, cp_sum, float_tensor, keep_bits, masked, per_token,
+                        split_side_input, token_mask)
 from .state import State
 
 # Columns of one top-k record row.
@@ -62,13 +63,16 @@ class GRPOMetric(Metric):
       indices.
 
     Side inputs (``old_logps``, ``advantages``, ``ref_logps``) may be one tensor
-    aligned to the concatenated batch (``[N, s]``, or ``[N]`` for one value per
-    sequence), a list with one entry per microbatch, or a list with one entry per
-    sequence holding only that sequence's valid-token values (Twinkle's ragged
-    form), which are scattered onto the mask positions in order.
+    aligned to the concatenated batch (``[N, s]``; for advantages also ``[N]`` or
+    ``[N, 1]``, one value per sequence), a list with one entry per microbatch, or a
+    list with one entry per sequence holding only that sequence's valid-token values
+    (Twinkle's ragged form), which are scattered onto the mask positions in order.
+    Log-probs are never broadcast over a sequence. With micro-batch size 1 both list
+    readings give the same result (see ``rl_inputs.split_side_input``).
 
-    Precision and cost: masking is a multiply by a 0/1 mask in the input dtype (as
-    Twinkle does), so values at masked positions must be finite; sums accumulate in
+    Precision and cost: masking selects bitwise in the input dtype, so
+    NaN/-inf at masked positions (padding) is ignored (Twinkle multiplies by a 0/1
+    mask, so such padding poisons its means); sums accumulate in
     float64; d and k3 = expm1(d) - d are float64, so float32 inputs give the same
     results as float64 arithmetic on the same values (k3 ~ d^2/2 would lose d's low
     bits in float32 at on-policy |d| ~ 1e-4). The states keep the extremes of d, not
@@ -175,11 +179,11 @@ class GRPOMetric(Metric):
                                  f"log-probs [batch, seq] (got fields {sorted(o)})")
         lps, masks, full_lens = [], [], []
         for feat, o in pairs:
-            lp = as_tensor(o["logps"])
+            lp = float_tensor(name, "outputs['logps']", o["logps"])
             lp = lp.unsqueeze(0) if lp.dim() == 1 else lp
             mask = token_mask(name, feat, self.ignore_index, lp.device)
             full_lens.append(mask.shape[1])
-            lp, mask = common_length(name, "logps", lp, mask)
+            lp, mask = common_length(name, "outputs['logps']", lp, mask)
             lps.append(lp.to(_float(lp.dtype)))
             masks.append(mask)
         sizes = [m.shape[0] for m in masks]
@@ -188,18 +192,26 @@ class GRPOMetric(Metric):
         refs = split_side_input(name, "ref_logps", ref_logps, sizes)
 
         # Per-token values stay in the input dtype (float32 usually) where that is exact:
-        # masking (a multiply by a 0/1 float mask, as Twinkle does, so masked values must be
-        # finite) and sums (accumulated in float64). Log-ratios and k3 = expm1(d) - d are
-        # float64: d = logp - old_logp is exact there, and k3 ~ d^2/2 needs d's low bits.
+        # masking (a bitwise select, so NaN/-inf padding at masked positions, common for prompt
+        # tokens, is dropped rather than multiplied into the sums) and sums (accumulated in
+        # float64). Log-ratios and k3 = expm1(d) - d are float64: d = logp - old_logp is
+        # exact there, and k3 ~ d^2/2 needs d's low bits.
         acc: Dict[str, Any] = {}
         seq_parts: List[torch.Tensor] = []
         candidates: List[torch.Tensor] = []
         logit_jobs = []
         seq_start = 0
         for i, ((feat, o), lp, m) in enumerate(zip(pairs, lps, masks)):
-            mf = _as_float(m, lp.dtype)
+            cache = {}
+
+            def keep(x, mask):  # x with masked-out positions +0.0; one bit mask per (mask, width)
+                key = (id(mask), x.element_size())
+                if key not in cache:
+                    cache[key] = keep_bits(mask, x.dtype)
+                return masked(x, cache[key])
+
             n_tok = m.sum()
-            lpm = lp * mf
+            lpm = keep(lp, m)
             _add(acc, "n_tok", n_tok)
             _add(acc, "sum_new", lpm.sum(dtype=torch.float64))
             if "entropies" in o:
@@ -207,11 +219,11 @@ class GRPOMetric(Metric):
                 ent = ent.unsqueeze(0) if ent.dim() == 1 else ent
                 if ent.dim() == 2 and ent.shape == m.shape:
                     _add(acc, "n_ent", n_tok)
-                    _add(acc, "sum_ent", (ent * mf).sum(dtype=torch.float64))
+                    _add(acc, "sum_ent", keep(_floating(ent), m).sum(dtype=torch.float64))
                 else:
-                    ent, em = common_length(name, "entropies", ent, m)
+                    ent, em = common_length(name, "outputs['entropies']", ent, m)
                     _add(acc, "n_ent", em.sum())
-                    _add(acc, "sum_ent", (ent * mf[:, :em.shape[1]]).sum(dtype=torch.float64))
+                    _add(acc, "sum_ent", torch.where(em, ent, 0.0).sum(dtype=torch.float64))
             elif self.entropy_from_logits and "logits" in o:
                 logit_jobs.append((i, o["logits"], m))
             if m.numel() == 0:
@@ -219,18 +231,16 @@ class GRPOMetric(Metric):
                 continue
             adv = has_adv = None
             if advs[i] is not None:
-                adv, has_adv = per_token(name, "advantages", advs[i], m, full_lens[i])
-                if has_adv is m:
-                    n_adv, amf = n_tok, mf
-                else:
-                    n_adv, amf = has_adv.sum(), _as_float(has_adv, adv.dtype)
+                adv, has_adv = per_token(name, "advantages", advs[i], m, full_lens[i], per_sequence=True)
+                n_adv = n_tok if has_adv is m else has_adv.sum()
                 _add(acc, "n_adv", n_adv)
-                if adv.shape[1] == 1:  # one value per sequence: per-row counts, no [b, s] work
-                    rows = amf.sum(1, dtype=torch.float64)
+                if adv.shape[1] == 1 and m.shape[1] != 1:  # one value per sequence: per-row counts
+                    rows = has_adv.sum(1, dtype=torch.float64)
                     _add(acc, "sum_adv", (adv[:, 0].to(torch.float64) * rows).sum())
                     lo, hi = _extremes(adv[:, 0], rows > 0)
                 else:
-                    _add(acc, "sum_adv", (adv * amf).sum(dtype=torch.float64))
+                    adv = keep(adv, has_adv)  # aligned values may be NaN where masked
+                    _add(acc, "sum_adv", adv.sum(dtype=torch.float64))
                     lo, hi = _extremes(adv, has_adv)
                 _min(acc, "adv_min", lo)
                 _max(acc, "adv_max", hi)
@@ -238,12 +248,12 @@ class GRPOMetric(Metric):
             if refs[i] is not None:
                 ref, has_ref = per_token(name, "ref_logps", refs[i], m, full_lens[i])
                 if has_ref is m:
-                    n_ref, rmf = n_tok, mf
+                    n_ref = n_tok
                     lp64 = lpr = lpm.to(torch.float64)
                 else:
-                    n_ref, rmf = has_ref.sum(), _as_float(has_ref, lp.dtype)
-                    lpr = (lp * rmf).to(torch.float64)
-                dr = (ref * rmf).to(torch.float64)
+                    n_ref = has_ref.sum()
+                    lpr = keep(lp, has_ref).to(torch.float64)
+                dr = keep(ref, has_ref).to(torch.float64)
                 dr.sub_(lpr)  # 0 outside has_ref
                 sum_dr = dr.sum()
                 _add(acc, "n_ref", n_ref)
@@ -251,12 +261,12 @@ class GRPOMetric(Metric):
             if olds[i] is not None:
                 old, has_old = per_token(name, "old_logps", olds[i], m, full_lens[i])
                 if has_old is m:
-                    n_old, omf = n_tok, mf
+                    n_old = n_tok
                     lpo = lp64 if lp64 is not None else lpm.to(torch.float64)
                 else:
-                    n_old, omf = has_old.sum(), _as_float(has_old, lp.dtype)
-                    lpo = (lp * omf).to(torch.float64)
-                oldm = old * omf
+                    n_old = has_old.sum()
+                    lpo = keep(lp, has_old).to(torch.float64)
+                oldm = keep(old, has_old)
                 d = lpo.clone() if lpo is lp64 else lpo
                 d.sub_(oldm)  # exact in float64; 0 outside has_old
                 sum_d = d.sum()
@@ -525,9 +535,8 @@ class CISPOMetric(GRPOMetric):
     clip_by_advantage_sign = False
 
 
-def _as_float(mask: torch.Tensor, dtype) -> torch.Tensor:
-    """A bool mask as a 0/1 multiplier; through uint8, ~4x cheaper than bool -> float on CPU."""
-    return mask.view(torch.uint8).to(dtype)
+def _floating(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_floating_point() else x.to(torch.float64)
 
 
 def _extremes(x: torch.Tensor, has: torch.Tensor):

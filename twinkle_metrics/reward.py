@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from numbers import Number
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Hashable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -12,6 +12,8 @@ from .state import State
 
 _NAME = "CompletionRewardMetric"
 _PREFIX = "reward/"
+#: a group's reward std counts as zero at or below this: TRL's isclose(std, 0) (atol 1e-8)
+_ZERO_STD = 1e-8
 
 
 def _chan(rows: torch.Tensor) -> torch.Tensor:
@@ -46,7 +48,9 @@ class CompletionRewardMetric(Metric):
     Keys: ``train/{name}_reward`` (mean), ``train/{name}_reward_std`` (sample std,
     Bessel; 0 for one value), ``train/completion_length`` (mean) with ``_min`` /
     ``_max``, ``train/completion_clipped_ratio`` (lengths >= ``max_completion_length``),
-    ``train/frac_reward_zero_std`` (prompt groups whose rewards are all equal),
+    ``train/frac_reward_zero_std`` (prompt groups whose total reward has sample std
+    <= 1e-8, TRL's ``isclose(std, 0)``; the total is the NaN-skipping sum over reward
+    functions, as TRL's ``nansum``; a group of one completion counts as zero std),
     ``profiling/Time taken: generate`` and ``profiling/Time taken: move_model_to_sampler``
     (mean seconds per call).
 
@@ -189,6 +193,17 @@ class CompletionRewardMetric(Metric):
             rewards = {"reward": rewards}  # a plain list / tensor of one reward function
         return {str(name): _as_1d(f"rewards[{name!r}]", v) for name, v in rewards.items()}
 
+    def load_state_dict(self, state_dict):
+        """Also restores reward states created on the fly (names absent from a fresh metric).
+
+        Without ``reward_names`` the saved reward names are created first (kept sorted,
+        the same order as the saving metric), so a checkpoint of a metric that met its
+        names during training loads into a new one.
+        """
+        if self._dynamic:
+            self._ensure_names(sorted(k[len(_PREFIX):] for k in state_dict if k.startswith(_PREFIX)))
+        return super().load_state_dict(state_dict)
+
     def _lengths(self, completion_lengths, completions) -> Optional[torch.Tensor]:
         if completion_lengths is not None:
             return _as_1d("completion_lengths", completion_lengths)
@@ -221,27 +236,30 @@ class CompletionRewardMetric(Metric):
                 raise ValueError(f"{_NAME}: zero_std_reward={self.zero_std_reward!r} is not among "
                                  f"the rewards of this call {sorted(per_name)}")
             total = per_name[self.zero_std_reward]
-        else:
-            total = torch.stack([v.to(torch.float64) for v in per_name.values()]).sum(0)
+        else:  # TRL: nansum over reward functions, so a missing reward counts as 0
+            total = torch.stack([v.to(torch.float64) for v in per_name.values()]).nansum(0)
         if group_ids is not None:
-            ids = group_ids if isinstance(group_ids, torch.Tensor) else torch.as_tensor(group_ids)
-            ids = ids.reshape(-1).to(total.device)
+            ids = _group_ids(group_ids).to(total.device)
             if ids.shape[0] != n:
                 raise ValueError(f"{_NAME}: group_ids has {ids.shape[0]} entries but there are {n} "
                                  "rewards; pass one group id per completion")
-            # O(n^2) pairwise test instead of torch.unique (which waits for the device).
+            # O(n^2) pairwise sums instead of torch.unique (which waits for the device).
             same = ids[:, None] == ids[None, :]
-            gmax = torch.where(same, total[None, :], -torch.inf).amax(1)
-            gmin = torch.where(same, total[None, :], torch.inf).amin(1)
+            samef = same.to(torch.float64)
+            count = samef.sum(1)
+            mean = torch.where(same, total[None, :], 0.0).sum(1) / count  # NaN members: NaN mean
+            dev = torch.where(same, total[None, :] - mean[:, None], 0.0)
+            std = ((dev * dev).sum(1) / (count - 1).clamp(min=1.0)).sqrt()
             earlier = torch.ones(n, n, dtype=torch.bool, device=total.device).tril(-1)
             first = (same & earlier).sum(1) == 0
-            return {"groups": first.sum(), "groups_zero_std": (first & (gmax == gmin)).sum()}
+            return {"groups": first.sum(), "groups_zero_std": (first & (std <= _ZERO_STD)).sum()}
         g = self.num_generations
         if n % g:
             raise ValueError(f"{_NAME}: {n} rewards are not a multiple of num_generations={g}; "
                              "pass whole prompt groups to each accumulate call, or group_ids")
         grouped = total.reshape(n // g, g)
-        return {"groups": n // g, "groups_zero_std": (grouped.amax(1) == grouped.amin(1)).sum()}
+        std = grouped.std(1) if g > 1 else torch.zeros(n // g, dtype=torch.float64, device=total.device)
+        return {"groups": n // g, "groups_zero_std": (std <= _ZERO_STD).sum()}
 
     # ---------------------------------------------------------------- compute
     def compute(self, s):
@@ -274,13 +292,44 @@ def _as_1d(field: str, value) -> torch.Tensor:
         return torch.tensor([float(value)], dtype=torch.float64)
     if isinstance(value, (list, tuple)):
         if any(isinstance(v, torch.Tensor) for v in value):
-            return torch.stack([torch.as_tensor(v).reshape(()).to(torch.float64) for v in value])
+            items = []
+            for i, v in enumerate(value):
+                if v is None:  # a reward function that returned None: missing, as NaN
+                    v = float("nan")
+                if not (isinstance(v, Number) or (isinstance(v, torch.Tensor) and v.numel() == 1)):
+                    raise TypeError(f"{_NAME}: {field}[{i}] is {type(v).__name__}; expected a number, "
+                                    "None or a one-element tensor per completion")
+                items.append(torch.as_tensor(v).reshape(()).to(torch.float64))
+            device = next(t.device for t in items if t.device.type != "cpu") if \
+                any(t.device.type != "cpu" for t in items) else None
+            return torch.stack([t.to(device, non_blocking=True) if device else t for t in items])
         try:
             return torch.tensor([float("nan") if v is None else v for v in value], dtype=torch.float64)
         except (TypeError, ValueError):
             pass
     raise TypeError(f"{_NAME}: {field} must be a number, a list of numbers or a tensor, got "
                     f"{type(value).__name__}")
+
+
+def _group_ids(group_ids) -> torch.Tensor:
+    """Group ids as an int64 tensor. Host ids of any hashable kind (verl's ``uid`` is a
+    uuid string) are numbered on the host in order of first appearance: host data, no
+    device wait. A tensor, or a list holding tensors, is used as it is."""
+    if isinstance(group_ids, torch.Tensor):
+        return group_ids.reshape(-1)
+    if isinstance(group_ids, (str, bytes)) or not isinstance(group_ids, Iterable):
+        raise TypeError(f"{_NAME}: group_ids must be a tensor or a sequence of hashable ids, got "
+                        f"{type(group_ids).__name__}")
+    group_ids = list(group_ids)
+    if any(isinstance(g, torch.Tensor) for g in group_ids):
+        return torch.stack([torch.as_tensor(g).reshape(()) for g in group_ids])
+    index: Dict[Any, int] = {}
+    for g in group_ids:
+        if not isinstance(g, Hashable):
+            raise TypeError(f"{_NAME}: group_ids holds a {type(g).__name__}, which is not hashable; pass "
+                            "one hashable id (int, str, ...) per completion, or a tensor")
+        index.setdefault(g, len(index))
+    return torch.tensor([index[g] for g in group_ids], dtype=torch.int64)
 
 
 def _moments(values: torch.Tensor) -> torch.Tensor:

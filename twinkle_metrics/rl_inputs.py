@@ -36,6 +36,24 @@ def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tenso
     return mask.unsqueeze(0) if mask.dim() == 1 else mask
 
 
+_INT_OF_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def keep_bits(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` as integers as wide as ``dtype``: all bits set where True, 0 elsewhere."""
+    return mask.view(torch.uint8).to(_INT_OF_WIDTH[torch.finfo(dtype).bits // 8]).neg_()
+
+
+def masked(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``x`` where the mask of ``bits`` (from :func:`keep_bits`) is set, +0.0 elsewhere.
+
+    A bitwise AND of ``x``'s bits: exact, whatever ``x`` holds at masked positions
+    (NaN/-inf padding is common there, and a 0/1 multiplier turns it into NaN), and
+    as cheap as that multiply; ``torch.where`` with a bool mask is ~5x slower on CPU.
+    """
+    return (x.view(bits.dtype) & bits).view(x.dtype)
+
+
 def _ne(x: torch.Tensor, value) -> torch.Tensor:
     """``x != value`` as bool; written as uint8 and viewed (the bool kernel is ~2x slower on CPU)."""
     if x.dtype == torch.bool:
@@ -44,44 +62,82 @@ def _ne(x: torch.Tensor, value) -> torch.Tensor:
     return torch.ne(x, value, out=out).view(torch.bool)
 
 
+def float_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
+    """``value`` as a tensor: tensors as they are, other numbers as float64.
+
+    Python floats are float64 already; ``torch.as_tensor`` would round them to
+    float32. Anything that is not a rectangular array of numbers is a ``TypeError``
+    naming ``metric`` and ``field``.
+    """
+    if isinstance(value, torch.Tensor):
+        return as_tensor(value, device)
+    try:
+        return torch.as_tensor(value, dtype=torch.float64, device=device)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{metric}: {field} must be a tensor or a rectangular (nested) list of numbers, "
+                        f"got {type(value).__name__} ({e}); pass a [batch, seq] tensor") from None
+
+
 def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
-              dtype=None) -> Tuple[torch.Tensor, torch.Tensor]:
+              dtype=None, per_sequence: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """One microbatch's per-token side input aligned to ``mask`` ([b, s]).
 
     Returns ``(values, has)``: ``values`` is ``[b, s]``, or ``[b, 1]`` (broadcasting
     to ``[b, s]``) for one value per sequence; ``has`` ([b, s] bool, a subset of
     ``mask``) marks masked tokens that received a value, and *is* ``mask`` (the same
     object) when every masked token did, so callers can skip re-masking.
-    Outside ``has`` a scattered value is 0. Values keep a floating tensor's dtype
-    (at least float32; ``dtype`` forces one); Python numbers become float64.
-    Accepted forms:
+    Outside ``has`` a scattered value is 0; an aligned value is returned as given
+    (callers mask with ``torch.where``, so NaN/-inf padding there is harmless).
+    Values keep a floating tensor's dtype (at least float32; ``dtype`` forces one);
+    Python numbers become float64.
+
+    ``per_sequence`` says what the field is: True for a value that may be one per
+    sequence (advantages), False for per-token log-probs, which are never broadcast
+    over a sequence. Accepted forms:
 
     * a ``[b, s]`` tensor aligned to the batch (``s`` = the mask length, or the
       untruncated length ``full_len``);
-    * a ``[b]`` tensor or a list of ``b`` numbers: one scalar per sequence;
+    * a ``[b, L]`` tensor with another ``L``: right-padded valid-token values;
+      for ``per_sequence`` fields ``[b, 1]`` (TRL's ``advantages.unsqueeze(1)``)
+      is one value per sequence instead;
+    * ``per_sequence`` only: a ``[b]`` tensor or a list of ``b`` numbers, one value
+      per sequence;
+    * for a one-sequence microbatch, a 1-D tensor is that sequence's row, like 1-D
+      log-probs: aligned when its length is ``s`` / ``full_len``, else its valid-token
+      values (one value for ``per_sequence`` fields);
     * a list of ``b`` 1-D tensors / lists: each sequence's values for its valid
       tokens only (Twinkle's ragged form), scattered onto its mask positions in
-      order; tokens beyond a short entry get no value;
-    * a ``[b, L]`` tensor with another ``L``: right-padded valid-token values.
+      order; tokens beyond a short entry get no value. For ``per_sequence`` fields an
+      entry of one element (or a number) is that sequence's one value.
     """
     b, s = mask.shape
     device = mask.device
     if isinstance(value, torch.Tensor):
         value = value.to(device=device, dtype=dtype or _float(value.dtype), non_blocking=True)
-        if value.dim() == 2 and value.shape[0] == b and value.shape[1] in (s, full_len):
-            return value[:, :s], mask
-        if value.dim() == 1 and value.shape[0] == b:
-            return value[:, None], mask
+        if value.dim() == 1:
+            if per_sequence and value.shape[0] == b:
+                return value[:, None], mask
+            if b == 1:
+                value = value[None]
         if value.dim() == 2 and value.shape[0] == b:
+            if value.shape[1] in (s, full_len):
+                return value[:, :s], mask
+            if per_sequence and value.shape[1] == 1:
+                return value, mask
             return _scatter_padded(value, None, mask)
+        forms = f"[{b}, {s}] (aligned), " + (f"[{b}] (one value per sequence), " if per_sequence else "")
         raise ValueError(f"{metric}: {field} has shape {list(value.shape)} but the microbatch has "
-                         f"{b} sequences of length {s}; pass [{b}, {s}] (aligned), [{b}] (one value "
-                         "per sequence) or a list with one 1-D tensor per sequence")
+                         f"{b} sequences of length {s}; pass {forms}or a list with one 1-D tensor "
+                         "of valid-token values per sequence")
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{metric}: {field} must be a tensor or a list, got {type(value).__name__}")
     if len(value) != b:
         raise ValueError(f"{metric}: {field} has {len(value)} per-sequence entries but the "
                          f"microbatch has {b} sequences; pass one entry per sequence")
+    if not per_sequence and any(_is_scalar(v) for v in value):
+        raise ValueError(f"{metric}: {field} holds per-token values but got one number for a sequence; "
+                         "pass a [batch, seq] tensor or one 1-D tensor / list of valid-token values "
+                         "per sequence")
     if all(isinstance(v, Number) for v in value):  # one host-to-device copy, not one per value
         return torch.tensor(value, dtype=dtype or torch.float64, device=device).reshape(b, 1), mask
     if all(_is_scalar(v) for v in value):
@@ -89,9 +145,10 @@ def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
         return torch.stack([v.to(_common(vals, dtype)).reshape(()) for v in vals])[:, None], mask
     rows: List[torch.Tensor] = []
     for i, v in enumerate(value):
-        t = as_tensor(v, device, None if isinstance(v, torch.Tensor) else (dtype or torch.float64))
-        if _is_scalar(v):
-            t = t.reshape(1).expand(s)
+        t = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else \
+            float_tensor(metric, f"{field}[{i}]", v, device)
+        if per_sequence and t.dim() <= 1 and t.numel() == 1:
+            t = t.reshape(1).expand(s)  # the sequence's one value, on each of its tokens
         elif t.dim() != 1:
             raise ValueError(f"{metric}: {field}[{i}] has shape {list(t.shape)}; expected a 1-D "
                              "tensor of that sequence's valid-token values")
@@ -164,16 +221,28 @@ def _is_scalar(v) -> bool:
 def split_side_input(metric: str, field: str, value, sizes: Sequence[int]) -> List[Any]:
     """Split a side input (``old_logps``, ``advantages``, ...) into one entry per microbatch.
 
-    ``value`` may be one tensor aligned to the concatenated batch (dim 0 = all
-    sequences), a list with one entry per microbatch (each a ``[b, s]`` tensor or a
-    per-sequence list), or a list with one entry per sequence (1-D tensors / numbers,
-    Twinkle's ragged form). 2-D entries mean "per microbatch", 1-D / scalar entries
-    mean "per sequence" when both readings fit.
+    ``value`` may be:
+
+    * one tensor aligned to the concatenated batch (dim 0 = all sequences); with a
+      single sequence a 1-D tensor is that sequence's row, like 1-D log-probs;
+    * a list with one entry per microbatch: a ``[b, s]`` tensor, a ``[b]`` tensor
+      (per-sequence fields) or a per-sequence list for that microbatch;
+    * a list with one entry per sequence: its valid-token values (1-D tensor or
+      list of numbers, Twinkle's ragged form) or one number.
+
+    The reading never depends on microbatch sizes in a way that changes results:
+    an entry for a one-sequence microbatch that is not a 2-D tensor or a list of
+    per-sequence entries is that sequence's value, whichever reading applies. So a
+    1-D entry is always a sequence's valid-token values (for per-sequence fields
+    like advantages a one-element entry is the sequence's value), and when every
+    microbatch holds one sequence (micro-batch size 1) the two readings agree.
     """
     n_micro, total = len(sizes), sum(sizes)
     if value is None:
         return [None] * n_micro
     if isinstance(value, torch.Tensor):
+        if total == 1 and value.dim() <= 1:  # one sequence: its 1-D row (like 1-D logps) or value
+            return [value.reshape(1, -1) if value.dim() == 1 and value.shape[0] != 1 else value.reshape(1)]
         if value.dim() == 0 or value.shape[0] != total:
             raise ValueError(f"{metric}: {field} has shape {list(value.shape)} but the batch holds "
                              f"{total} sequences ({list(sizes)} per microbatch); pass a tensor with "
@@ -184,7 +253,7 @@ def split_side_input(metric: str, field: str, value, sizes: Sequence[int]) -> Li
     per_micro_like = all(v is None or isinstance(v, (list, tuple)) or
                          (isinstance(v, torch.Tensor) and v.dim() >= 2) for v in value)
     if len(value) == n_micro and (per_micro_like or len(value) != total):
-        return list(value)
+        return [_sequence_entry(v) if n == 1 else v for v, n in zip(value, sizes)]
     if len(value) == total:
         out, start = [], 0
         for n in sizes:
@@ -193,6 +262,21 @@ def split_side_input(metric: str, field: str, value, sizes: Sequence[int]) -> Li
         return out
     raise ValueError(f"{metric}: {field} has {len(value)} entries; expected one per microbatch "
                      f"({n_micro}) or one per sequence ({total})")
+
+
+def _sequence_entry(v):
+    """A one-sequence microbatch's entry as that microbatch's value.
+
+    2-D tensors and lists of per-sequence entries are microbatch values already;
+    anything else (a number, a 1-D tensor, a list of numbers) is the sequence's own
+    value, so it is wrapped as a one-sequence list: the same result as reading the
+    whole list per sequence.
+    """
+    if v is None or (isinstance(v, torch.Tensor) and v.dim() >= 2):
+        return v
+    if isinstance(v, (list, tuple)) and not all(_is_scalar(x) for x in v):
+        return v
+    return [v]
 
 
 def cp_sum(t: torch.Tensor, group) -> torch.Tensor:
@@ -223,10 +307,12 @@ def cp_lead(metric) -> bool:
 
 
 def common_length(metric: str, field: str, values: torch.Tensor, mask: torch.Tensor):
-    """Truncate ``values`` ([b, s', ...]) and ``mask`` ([b, s]) to a common length (Twinkle
-    trims off-by-one differences from packing/SP the same way); the batch dims must agree."""
-    if values.dim() < 2 or values.shape[0] != mask.shape[0]:
-        raise ValueError(f"{metric}: outputs[{field!r}] has shape {list(values.shape)} but the "
+    """Truncate ``values`` ([b, s']) and ``mask`` ([b, s]) to a common length (Twinkle
+    trims off-by-one differences from packing/SP the same way); ``values`` must be 2-D
+    with the mask's batch size. ``field`` names the input in errors, e.g.
+    ``"outputs['logps']"``."""
+    if values.dim() != 2 or values.shape[0] != mask.shape[0]:
+        raise ValueError(f"{metric}: {field} has shape {list(values.shape)} but the "
                          f"labels/mask are {list(mask.shape)}; pass [batch, seq] aligned to the labels")
     n = min(values.shape[1], mask.shape[1])
     if values.shape[1] == n == mask.shape[1]:
