@@ -66,7 +66,8 @@ def local_inputs(mesh, seed):
         reports.append({"lm loss": torch.stack([(token_loss[r][:, cols] * mask).sum(),
                                                 mask.sum().double()])})
     emb, elab = emb_batch(seed)
-    lo, hi = EMB_SHARDS[mesh.data_size][mesh.data_rank]
+    # Pooled embeddings are per sequence: the ranks of a CP group hold the same rows.
+    lo, hi = EMB_SHARDS[mesh.dp_size][mesh.dp_rank]
     return feats, outs, reports, emb[lo:hi], elab[lo:hi]
 
 
@@ -98,7 +99,7 @@ def _run_all(mesh, seed):
             loss.accumulate(None, reports[1:])
             embm.accumulate({"labels": elab}, {"embeddings": emb})
             # A batch without anchors (rows on some ranks only) is skipped alike on every rank.
-            z = 3 if mesh.data_rank == 0 else 0
+            z = 3 if mesh.dp_rank == 0 else 0
             embm.accumulate({"labels": torch.zeros(z, dtype=torch.long)}, {"embeddings": torch.randn(z, 6)})
         else:   # what a non-last stage gets from the schedule
             acc.accumulate([], {})

@@ -515,3 +515,17 @@ def test_reward_state_dict_with_dynamic_names_loads_into_fresh_metric():
     assert fresh.calculate() == a.calculate()
     with pytest.raises(ValueError, match="unexpected"):
         CompletionRewardMetric(reward_names=["b"]).load_state_dict(a.state_dict())
+
+
+def test_top_k_larger_than_the_batch():
+    """top_k_kl above the number of tokens: the records are all the tokens there are."""
+    b = make_rl_batch(21, n_seq=2, seq_len=3)
+    b["labels"][0] = torch.tensor([3, 4, -100])  # a batch with fewer than 16 valid tokens
+    want = ref_grpo(b, top_k=16)
+    m = GRPOMetric(top_k_kl=16)
+    with forbid_device_waits():
+        m.accumulate({"labels": b["labels"], "position_ids": b["pos"]}, {"logps": b["logps"]},
+                     old_logps=b["old"], advantages=b["adv"], ref_logps=b["ref"])
+    got = m.calculate()
+    assert_results_close(got, want, rel=1e-9)
+    assert 0 < len(got["_high_kl_records"]) <= 5

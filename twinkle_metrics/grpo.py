@@ -20,9 +20,16 @@ _INT_FIELDS = ("gsi", "pos", "token_id")
 
 
 def _topk_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` rows with the largest first column (the k3 value); -inf rows are empty."""
+    """The ``k`` rows with the largest first column (the k3 value); -inf rows are empty.
+
+    Always ``k`` rows: fewer candidates (a short batch) are padded with empty rows,
+    so the fixed-shape state never sees another shape.
+    """
     flat = rows.reshape(-1, rows.shape[-1])
-    idx = torch.topk(flat[:, 0], min(k, flat.shape[0])).indices
+    if flat.shape[0] < k:
+        pad = flat.new_full((k - flat.shape[0], flat.shape[1]), -math.inf)
+        flat = torch.cat([flat, pad])
+    idx = torch.topk(flat[:, 0], k).indices
     return flat[idx]
 
 

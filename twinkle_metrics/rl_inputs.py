@@ -21,7 +21,19 @@ def as_tensor(value, device=None, dtype=None) -> torch.Tensor:
         if device is not None and value.device != torch.device(device):
             value = value.to(device, non_blocking=True)
         return value if dtype is None else value.to(dtype)
-    return torch.as_tensor(value, dtype=dtype, device=device)
+    return from_host(torch.as_tensor(value, dtype=dtype), device)
+
+
+def from_host(t: torch.Tensor, device=None) -> torch.Tensor:
+    """A tensor built from host data, moved to ``device`` without waiting.
+
+    ``torch.tensor(data, device=cuda)`` copies and then synchronises the stream;
+    building on the host and copying with ``non_blocking=True`` does not (the source
+    is pageable memory, staged by the copy before it returns).
+    """
+    if device is None or torch.device(device).type == "cpu":
+        return t
+    return t.to(device, non_blocking=True)
 
 
 def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tensor:
@@ -72,7 +84,7 @@ def float_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return as_tensor(value, device)
     try:
-        return torch.as_tensor(value, dtype=torch.float64, device=device)
+        return from_host(torch.as_tensor(value, dtype=torch.float64), device)
     except (TypeError, ValueError, RuntimeError) as e:
         raise TypeError(f"{metric}: {field} must be a tensor or a rectangular (nested) list of numbers, "
                         f"got {type(value).__name__} ({e}); pass a [batch, seq] tensor") from None
@@ -139,7 +151,7 @@ def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
                          "pass a [batch, seq] tensor or one 1-D tensor / list of valid-token values "
                          "per sequence")
     if all(isinstance(v, Number) for v in value):  # one host-to-device copy, not one per value
-        return torch.tensor(value, dtype=dtype or torch.float64, device=device).reshape(b, 1), mask
+        return from_host(torch.tensor(value, dtype=dtype or torch.float64), device).reshape(b, 1), mask
     if all(_is_scalar(v) for v in value):
         vals = [as_tensor(v, device, dtype or torch.float64) for v in value]
         return torch.stack([v.to(_common(vals, dtype)).reshape(()) for v in vals])[:, None], mask
@@ -205,7 +217,7 @@ def _scatter_rows(flat: torch.Tensor, lengths: List[int], mask: torch.Tensor):
     for n in lengths:
         starts.append(total)
         total += n
-    meta = torch.tensor([starts, lengths], device=mask.device)
+    meta = from_host(torch.tensor([starts, lengths]), mask.device)
     rank = _ranks(mask)
     has = mask & (rank < meta[1][:, None])
     # in place where possible: every [b, s] int64/float64 temporary is a large allocation
