@@ -21,16 +21,23 @@ def _cuda(b):
 
 
 def _calls():
+    """(label, metric, call); every input is built here, outside the sync-checked window."""
     b = _cuda(make_rl_batch(0))
     lab, lp = b["labels"], b["logps"]
     feats = [{"labels": lab[:5]}, {"labels": lab[5:]}]
+    ragged_old, adv_list = ragged(b["old"], lab), b["adv"].tolist()
+    report = [{"lm loss": torch.tensor([3.0, 4.0], device="cuda")}]
+    grad_norm = torch.tensor(1.5, device="cuda")
+    emb_labels, emb = torch.tensor([1, 0, 1, 0], device="cuda"), torch.randn(4, 8, device="cuda")
+    tokens = torch.tensor(512, device="cuda")
+    logits32 = b["logits"].float()
+    torch.cuda.synchronize()
     return [
         ("GRPO tensors", GRPOMetric(top_k_kl=4),
          lambda m: m.accumulate({"labels": lab}, {"logps": lp}, old_logps=b["old"], advantages=b["adv"],
                                 ref_logps=b["ref"])),
         ("GRPO list advantages, ragged old logps", GRPOMetric(),
-         lambda m: m.accumulate({"labels": lab}, {"logps": lp}, old_logps=ragged(b["old"], lab),
-                                advantages=b["adv"].tolist())),
+         lambda m: m.accumulate({"labels": lab}, {"logps": lp}, old_logps=ragged_old, advantages=adv_list)),
         ("GRPO microbatch lists", GSPOMetric(),
          lambda m: m.accumulate(feats, {"logps": [lp[:5], lp[5:]]}, old_logps=[b["old"][:5], b["old"][5:]],
                                 advantages=[b["adv"][:5], b["adv"][5:]])),
@@ -46,16 +53,14 @@ def _calls():
          lambda m: m.accumulate(rewards={"acc": [1.0, 0.0, 1.0, 1.0], "fmt": [0.5, 0.5, 0.5, 0.5]},
                                 completion_lengths=[3, 8, 5, 2], generate_time=0.5)),
         ("Accuracy vocab-parallel (one rank)", Accuracy(vocab_parallel=True),
-         lambda m: m.accumulate({"labels": lab}, {"logits": b["logits"].float()})),
+         lambda m: m.accumulate({"labels": lab}, {"logits": logits32})),
         ("Loss Megatron reports", LossMetric(loss_reduction="sum"),
-         lambda m: m.accumulate(None, [{"lm loss": torch.tensor([3.0, 4.0], device="cuda")}],
-                                grad_norm=torch.tensor(1.5, device="cuda"))),
+         lambda m: m.accumulate(None, report, grad_norm=grad_norm)),
         ("Embedding", EmbeddingMetric(),
-         lambda m: m.accumulate({"labels": torch.tensor([1, 0, 1, 0], device="cuda")},
-                                {"embeddings": torch.randn(4, 8, device="cuda"), "loss": 0.3})),
+         lambda m: m.accumulate({"labels": emb_labels}, {"embeddings": emb, "loss": 0.3})),
         ("Train", TrainMetric(),
          lambda m: m.accumulate(None, None, lr=[1e-3, 1e-4], step=4, gradient_accumulation_steps=2,
-                                tokens=torch.tensor(512, device="cuda"), samples=8)),
+                                tokens=tokens, samples=8)),
     ]
 
 

@@ -84,17 +84,20 @@ def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
     mesh = lead.resolve_mesh()
     data_group = lead.data_group()
     share_group, is_source = mesh.result_group, mesh.is_result_source
-    device = comm_device(data_group if data_group is not None else share_group)
+    comm = data_group if data_group is not None else share_group
+    # Pack where the states are (one cat, int64 promoting to float64 in it), then move the
+    # one buffer to the collectives' device: never a copy per state.
+    device = comm_device(comm) if comm is not None else lead._device
+    pack = lead._device
     plan = _merge_plan(metrics, device)
     schema, schema_text = plan.schema
 
-    # One cat (int64 states promote to float64 in it) instead of a cast kernel per state.
-    flat = [torch.tensor([schema, float(is_source), 0.0], dtype=torch.float64, device=device)]
+    flat = [torch.tensor([schema, float(is_source), 0.0], dtype=torch.float64).to(pack, non_blocking=True)]
     for m in metrics:
         for name in m._specs:
             t = m._states[name].detach().reshape(-1)
-            flat.append(t if t.device == device else t.to(device))
-    buf = torch.cat(flat)
+            flat.append(t if t.device == pack else t.to(pack))
+    buf = torch.cat(flat).to(device)
     used = buf.numel()
     buf = torch.nn.functional.pad(buf, (0, _bucket(used) - used))
 
