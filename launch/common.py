@@ -154,3 +154,16 @@ def parse_args(argv, description: str, default_config: str, allow_unknown: bool 
                    help="each rank writes run_dir/debug/rank{R}.jsonl (loss reports, results)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None)  # deepspeed launcher
     return p.parse_known_args(argv)[0] if allow_unknown else p.parse_args(argv)
+
+
+def finish_run(tag: str, steps: int, start: float, run_dir: str, sinks, enabled: bool,
+               title: Optional[str] = None) -> None:
+    """The logging rank's last words: the PNG of the curves (``plot`` sink) and the run dir."""
+    if not enabled:
+        return
+    jsonl = os.path.join(run_dir, "metrics.jsonl")
+    if "plot" in sinks and os.path.exists(jsonl):
+        from twinkle_metrics.plot import plot
+
+        print(f"[{tag}] plot: {plot(jsonl, title=title)}", flush=True)
+    print(f"[{tag}] {steps} steps in {time.time() - start:.1f} s; run dir: {run_dir}", flush=True)

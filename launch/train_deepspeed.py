@@ -226,13 +226,7 @@ def main(argv=None):
     progress.close()
     logger.close()
     debug.close()
-    if logging_rank:
-        if "plot" in sinks and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            from twinkle_metrics.plot import plot
-
-            print(f"[train_deepspeed] plot: {plot(os.path.join(run_dir, 'metrics.jsonl'))}", flush=True)
-        print(f"[train_deepspeed] {t['steps']} steps in {time.time() - start:.1f} s; run dir: {run_dir}",
-              flush=True)
+    common.finish_run("train_deepspeed", t["steps"], start, run_dir, sinks, logging_rank)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -259,15 +259,8 @@ def run(args, cfg, env, ps, tensor_parallel, get_forward_backward_func, on_cpu, 
     progress.close()
     logger.close()
     debug.close()
-    elapsed = time.time() - start
-    if logging_rank:
-        if "plot" in sinks and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            from twinkle_metrics.plot import plot
-
-            png = plot(os.path.join(run_dir, "metrics.jsonl"),
-                       title=f"Megatron demo, {mesh.describe()}")
-            print(f"[train_megatron] plot: {png}", flush=True)
-        print(f"[train_megatron] {t['steps']} steps in {elapsed:.1f} s; run dir: {run_dir}", flush=True)
+    common.finish_run("train_megatron", t["steps"], start, run_dir, sinks, logging_rank,
+                      title=f"Megatron demo, {mesh.describe()}")
     dist.barrier()
 
 

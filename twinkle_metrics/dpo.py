@@ -7,7 +7,7 @@ import torch
 
 from .base import Metric
 from .microbatch import microbatches
-from .rl_inputs import as_tensor, common_length, cp_lead, cp_sum, float_tensor, keep_bits, masked, token_mask
+from .rl_inputs import common_length, cp_lead, cp_sum, float_tensor, keep_bits, masked, token_mask
 from .state import State
 
 _NAME = "DPOMetric"
