@@ -37,7 +37,9 @@ class DPOMetric(Metric):
       ref_rejected={'logps': ...})``, row i of each forming pair i;
     * sequence log-probs already summed (TRL's concatenated forward):
       ``accumulate(None, {'chosen_logps': [n], 'rejected_logps': [n],
-      'ref_chosen_logps': [n], 'ref_rejected_logps': [n]})``.
+      'ref_chosen_logps': [n], 'ref_rejected_logps': [n]})``. These must be
+      whole-sequence sums: under CP they are not summed again, and only CP rank 0's
+      count.
 
     Under context parallelism each rank holds only some tokens of every sequence,
     so ``accumulate`` sums the per-sequence partial log-probs over the CP group
