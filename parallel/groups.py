@@ -52,6 +52,14 @@ def normalize(group: ProcessGroup) -> ProcessGroup:
     return None if group_size(group) <= 1 else group
 
 
+def is_cpu_group(group: ProcessGroup) -> bool:
+    """Whether collectives on ``group`` run on host tensors (gloo, mpi)."""
+    if group is None or not dist_ready():
+        return False
+    backend = str(dist.get_backend(group)).lower()
+    return "gloo" in backend or "mpi" in backend
+
+
 def comm_device(group: ProcessGroup) -> torch.device:
     """The device a collective on ``group`` needs its tensors on."""
     if group is None or not dist_ready():

@@ -68,7 +68,7 @@ class DeviceMesh:
                 self._groups["mp"] = self._groups["pp"]
             elif self.pp_size == 1:
                 self._groups["mp"] = self._groups["tp"]
-        if self._groups["dp_cp_cpu"] is None and _is_cpu_group(self._groups["dp_cp"]):
+        if self._groups["dp_cp_cpu"] is None and G.is_cpu_group(self._groups["dp_cp"]):
             self._groups["dp_cp_cpu"] = self._groups["dp_cp"]
         self.layout = layout
         self.vpp_size = int(vpp_size or 1)
@@ -406,7 +406,7 @@ def _create_groups(layout: Layout, backend) -> Dict[str, G.ProcessGroup]:
             if me in ranks:
                 mine = group
         out[name] = mine
-    if not _is_cpu_group(dist.group.WORLD):
+    if not G.is_cpu_group(dist.group.WORLD):
         mine = None
         for ranks in layout.all_groups("dp-cp"):
             if len(ranks) > 1:
@@ -414,13 +414,6 @@ def _create_groups(layout: Layout, backend) -> Dict[str, G.ProcessGroup]:
                 mine = group if me in ranks else mine
         out["dp_cp_cpu"] = mine
     return out
-
-
-def _is_cpu_group(group) -> bool:
-    if group is None or not G.dist_ready():
-        return False
-    backend = str(dist.get_backend(group)).lower()
-    return "gloo" in backend or "mpi" in backend
 
 
 def _megatron_gloo_data_group(ps):

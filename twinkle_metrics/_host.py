@@ -16,6 +16,8 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
+from parallel.groups import is_cpu_group
+
 _state = threading.local()
 
 
@@ -31,11 +33,6 @@ def host_reads():
         yield
     finally:
         _state.depth -= 1
-
-
-def is_cpu_group(group) -> bool:
-    backend = str(dist.get_backend(group)).lower()
-    return "gloo" in backend or "mpi" in backend
 
 
 _warned = set()

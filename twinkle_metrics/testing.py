@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 import torch
 
@@ -31,32 +31,43 @@ _TORCH_FUNCS = ("nonzero", "masked_select", "unique", "argwhere", "any", "all")
 
 
 @contextlib.contextmanager
-def forbid_device_waits():
-    """Make every host-device synchronising Python call raise ``DeviceWaitError``."""
-    saved = []
+def intercept_device_waits(on_wait: Callable[[str], None]):
+    """Call ``on_wait(label)`` before every Python-level call that waits for the device.
 
-    def guard(owner, name, original):
-        def raiser(*args, **kwargs):
-            if host_reads_active():  # a CPU tensor of host-known values: no device involved
+    ``label`` names the call (``item``, ``bool``, ``nonzero``, ``bool_mask_index``, ...).
+    Calls made inside an intercepted call (``bool(t)`` calling ``.item()``) are not
+    reported again. ``on_wait`` may raise to forbid the call.
+    """
+    saved = []
+    depth = [0]
+
+    def report(label):
+        if depth[0] == 0:
+            on_wait(label)
+
+    def wrap(owner, name, original, label):
+        def wrapped(*args, **kwargs):
+            report(label)
+            depth[0] += 1
+            try:
                 return original(*args, **kwargs)
-            raise DeviceWaitError(f"{name}() waits for the device; use masked arithmetic on tensors")
+            finally:
+                depth[0] -= 1
         saved.append((owner, name, original))
-        setattr(owner, name, raiser)
+        setattr(owner, name, wrapped)
 
     orig_getitem = torch.Tensor.__getitem__
 
     def getitem(self, index):
         parts = index if isinstance(index, tuple) else (index,)
-        for p in parts:
-            if isinstance(p, torch.Tensor) and p.dtype == torch.bool:
-                raise DeviceWaitError("boolean-mask indexing has a data-dependent shape and waits "
-                                      "for the device; use torch.where / masked arithmetic")
+        if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+            report("bool_mask_index")
         return orig_getitem(self, index)
 
     for name in _TENSOR_METHODS:
-        guard(torch.Tensor, name, getattr(torch.Tensor, name))
+        wrap(torch.Tensor, name, getattr(torch.Tensor, name), name.strip("_"))
     for name in _TORCH_FUNCS:
-        guard(torch, name, getattr(torch, name))
+        wrap(torch, name, getattr(torch, name), name)
     saved.append((torch.Tensor, "__getitem__", orig_getitem))
     torch.Tensor.__getitem__ = getitem
     try:
@@ -64,6 +75,21 @@ def forbid_device_waits():
     finally:
         for owner, name, original in reversed(saved):
             setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def forbid_device_waits():
+    """Make every host-device synchronising Python call raise ``DeviceWaitError``."""
+    def forbid(label):
+        if host_reads_active():  # a CPU tensor of host-known values: no device involved
+            return
+        if label == "bool_mask_index":
+            raise DeviceWaitError("boolean-mask indexing has a data-dependent shape and waits "
+                                  "for the device; use torch.where / masked arithmetic")
+        raise DeviceWaitError(f"{label}() waits for the device; use masked arithmetic on tensors")
+
+    with intercept_device_waits(forbid):
+        yield
 
 
 def assert_results_close(got: Dict[str, Any], want: Dict[str, Any], rel: float = 1e-9,
