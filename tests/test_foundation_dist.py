@@ -7,6 +7,7 @@ import torch.distributed as dist
 from parallel import DeviceMesh, Layout
 from tests.refmetric import TokenStats, make_batch, shard_for_rank
 from twinkle_metrics import MetricCollection, MetricSyncError
+from twinkle_metrics.testing import CollectiveCounter
 
 pytestmark = pytest.mark.xdist_group("dist")
 
@@ -115,28 +116,6 @@ def test_sharded_equals_whole(dist_pool, sizes):
         assert got["max"] == whole["max"] and got["min"] == whole["min"]
 
 
-class _Counter:
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "broadcast",
-             "barrier", "reduce_scatter_tensor", "gather", "scatter", "reduce", "all_to_all",
-             "broadcast_object_list")
-
-    def __enter__(self):
-        self.count, self._saved = 0, {}
-        for name in self.NAMES:
-            fn = getattr(dist, name)
-            self._saved[name] = fn
-
-            def wrapped(*a, _fn=fn, **k):
-                self.count += 1
-                return _fn(*a, **k)
-            setattr(dist, name, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-
-
 def case_collective_count(sizes, n_metrics):
     mesh = DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
     labels, values = make_batch(3)
@@ -144,12 +123,12 @@ def case_collective_count(sizes, n_metrics):
     if mesh.is_last_stage:
         feats, outs = shard_for_rank(labels, values, mesh.dp_size, mesh.dp_rank, mesh.cp_size, mesh.cp_rank)
         coll.accumulate(feats, {"values": outs})
-    with _Counter() as c:
+    with CollectiveCounter() as c:
         res = coll.calculate()
     single = TokenStats(mesh)
-    with _Counter() as c1:
+    with CollectiveCounter() as c1:
         single.calculate()
-    return c.count, c1.count, res
+    return c.total, c1.total, res
 
 
 @pytest.mark.parametrize("sizes,limit", [(dict(tp=2, pp=2, dp=2), 2), (dict(dp=8), 1),

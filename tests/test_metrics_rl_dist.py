@@ -10,10 +10,9 @@ import torch.distributed as dist
 from parallel import DeviceMesh
 from tests.refmetric import cp_slice, dp_shards
 from tests.rlref import make_rl_batch, ragged, ref_entropy
-from tests.test_foundation_dist import _Counter
 from twinkle_metrics import (CISPOMetric, CompletionRewardMetric, DPOMetric, GRPOMetric, GSPOMetric,
                              MetricCollection, MetricSyncError)
-from twinkle_metrics.testing import assert_results_close, forbid_device_waits
+from twinkle_metrics.testing import CollectiveCounter, assert_results_close, forbid_device_waits
 
 pytestmark = pytest.mark.xdist_group("dist")
 
@@ -93,9 +92,9 @@ def case_sharded_equals_whole(source, sizes):
             pairs = dp_shards(N_SEQ // 2, mesh.dp_size)[mesh.dp_rank]
             dpo_rows = range(2 * pairs.start, 2 * pairs.stop)
             cols = cp_slice(SEQ_LEN, mesh.cp_size, mesh.cp_rank)
-            with _Counter() as c:
+            with CollectiveCounter() as c:
                 _accumulate(coll, b, rows, cols, dpo_rows, 2.0, guard=forbid_device_waits)
-            counts = c.count
+            counts = c.total
         else:
             for m in coll:
                 m.accumulate([], {})  # what a non-last stage gets from the schedule
@@ -135,10 +134,10 @@ def case_entropy_vocab_parallel(chunking):
         start = sum(vocab_split[:mesh.tp_rank])
         logits = b["logits"].float()[rows][:, :, start:start + vocab_split[mesh.tp_rank]]
         m = GRPOMetric(mesh, entropy_from_logits=True, vocab_parallel=True, temperature=0.8, **chunking)
-        with _Counter() as c, forbid_device_waits():
+        with CollectiveCounter() as c, forbid_device_waits():
             m.accumulate([{"labels": b["labels"][rows[:2]]}, {"labels": b["labels"][rows[2:]]}],
                          {"logps": b["logps"][rows], "logits": logits})
-        return m.calculate()["train/entropy"], c.count
+        return m.calculate()["train/entropy"], c.total
     finally:
         ps.destroy_model_parallel()
 
