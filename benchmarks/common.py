@@ -12,7 +12,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from parallel.groups import free_port  # noqa: E402
 from twinkle_metrics import testing  # noqa: E402
 
 
@@ -103,12 +103,6 @@ CollectiveCounter = testing.CollectiveCounter
 
 
 # ------------------------------------------------------------------ rank launcher
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank, world, port, fn, args, results):
     os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -131,7 +125,7 @@ def run_ranks(world: int, fn: Callable, *args, timeout: float = 600) -> List[Any
     """Run ``fn(*args)`` on ``world`` fresh gloo ranks; return the results in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results), daemon=True)
              for r in range(world)]
     for p in procs:

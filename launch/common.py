@@ -16,6 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run as `python launch/x.py` from anywhere
     sys.path.insert(0, REPO)
 
+from parallel.groups import free_port  # noqa: E402
+
 
 @dataclass
 class Env:
@@ -52,18 +54,10 @@ def init_torch_distributed(env: Env, backend: Optional[str] = None) -> None:
         torch.cuda.set_device(env.local_rank)
     if not env.distributed:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_run_dir(base: str, run_dir: Optional[str] = None) -> str:

@@ -123,9 +123,7 @@ def main(argv=None):
     env = read_env(args.local_rank)
     if not env.distributed:  # DeepSpeed wants a rendezvous even for one process
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        from common import _free_port
-
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(common.free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule

@@ -10,18 +10,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from datetime import timedelta
 
+from parallel.groups import free_port
+
 WORLD = 8
 COLLECTIVE_TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, tasks, results):
@@ -55,7 +50,7 @@ class DistPool:
 
     def _start(self):
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results),
