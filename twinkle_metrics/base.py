@@ -6,6 +6,8 @@ A metric is a few ``State`` declarations plus two methods:
   inputs into contributions, on the device, without waiting for it. It must not
   touch the states: ``accumulate`` folds the whole dict in only after ``update``
   returned, so a call that raises on bad input loses nothing accumulated before.
+  It runs under ``torch.no_grad()`` and every folded value is detached, so a metric
+  never holds the caller's autograd graph.
 * ``compute(s) -> {key: number}`` turns the globally reduced states (plain Python
   numbers, lists for shaped states) into results.
 
@@ -14,13 +16,23 @@ collectives (see ``twinkle_metrics.sync``).
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Mapping, Optional
+import difflib
+import inspect
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 import torch
 
 from parallel import DeviceMesh, dist_ready, group_size
 
 from .state import State, _as_tensor
+
+#: Keyword arguments of ``accumulate`` that some metric's ``update`` names. A trainer
+#: passes one shared kwargs dict to every metric (Twinkle's convention), so a keyword
+#: one metric uses is accepted by all; one that no metric knows is a mistake.
+_KNOWN_KWARGS: Set[str] = set()
+_PLAIN = (bool, int, float, str, type(None))
+#: key of the schema fingerprint in a metric's ``state_dict()``
+FINGERPRINT_KEY = "__fingerprint__"
 
 
 class Metric:
@@ -34,6 +46,12 @@ class Metric:
     """
 
     _class_states: ClassVar[Dict[str, State]] = {}
+    #: keyword arguments this metric reads from ``**kwargs`` without naming them in
+    #: ``update``'s signature (named ones are found automatically)
+    accepted_kwargs: ClassVar[Sequence[str]] = ()
+    #: constructor arguments that do not change what a state means (left out of the
+    #: schema fingerprint), e.g. chunk sizes
+    fingerprint_exclude: ClassVar[Sequence[str]] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -43,6 +61,11 @@ class Metric:
                 if isinstance(value, State):
                     found[name] = value
         cls._class_states = found
+        _KNOWN_KWARGS.update(cls.accepted_kwargs)
+        if "update" in vars(cls):
+            params = list(inspect.signature(cls.update).parameters.values())[1:]
+            _KNOWN_KWARGS.update(p.name for p in params[2:]
+                                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
     def __init__(self, device_mesh: Optional[DeviceMesh] = None, process_group=None, **kwargs):
         if kwargs:
@@ -56,20 +79,34 @@ class Metric:
         self._specs: Dict[str, State] = dict(self._class_states)
         self._device = torch.device("cpu")
         self._states: Dict[str, torch.Tensor] = {}
+        self._agreed: List[Any] = []
         self.reset()
 
     # ------------------------------------------------------------------ states
     def add_state(self, name: str, state: State) -> None:
         """Add a state at run time (for metrics whose states depend on arguments).
 
-        Every rank must add the same states in the same order; ``calculate()``
-        checks this and raises on every rank if not.
+        States added in the constructor are part of the metric's schema. A metric
+        that adds states later (one per reward name, say) implements
+        ``dynamic_state(name)`` so that ranks which never saw a name can create it
+        when another rank has it (see ``twinkle_metrics.sync``).
         """
         if name in self._specs:
             raise ValueError(f"{type(self).__name__}: state {name!r} already exists")
         state.name = name
         self._specs[name] = state
         self._states[name] = state.new(self._device)
+
+    def dynamic_state(self, name: str) -> Optional[State]:
+        """The declaration of a state created on the fly under ``name``, or None when
+        this metric creates no state of that name. Pure: must not change the metric."""
+        return None
+
+    def _adopt(self, names: Sequence[str]) -> None:
+        """Create the states ``names`` (known to be valid dynamic states)."""
+        for name in names:
+            if name not in self._specs:
+                self.add_state(name, self.dynamic_state(name))
 
     def __getattr__(self, name):
         states = self.__dict__.get("_states")
@@ -101,16 +138,71 @@ class Metric:
             self._device = device
         return self
 
+    # ------------------------------------------------------------------ schema
+    def fingerprint(self) -> str:
+        """What ranks (and a checkpoint) must agree on for the states to mean the same.
+
+        The class, and every constructor argument kept as a plain attribute of the
+        same name (``loss_reduction``, ``beta``, ``epsilon``, ``vocab_parallel``, ...)
+        except those in ``fingerprint_exclude``. Checked across ranks by
+        ``calculate()`` and against a checkpoint by ``load_state_dict``.
+        """
+        cls = type(self)
+        parts = [f"{cls.__module__}.{cls.__qualname__}"]
+        skip = set(self.fingerprint_exclude) | {"self", "device_mesh", "process_group"}
+        for name, p in inspect.signature(cls.__init__).parameters.items():
+            if name in skip or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                continue
+            if isinstance(getattr(cls, name, None), property) or name not in self.__dict__:
+                continue
+            value = self.__dict__[name]
+            if isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value):
+                value = tuple(value)
+            elif not isinstance(value, _PLAIN):
+                continue  # groups, callables: not part of what a state means
+            parts.append(f"{name}={value!r}")
+        return f"{parts[0]}({', '.join(parts[1:])})"
+
+    def exchange_groups(self) -> List[Any]:
+        """Process groups this metric communicates over inside ``accumulate``, in the
+        order its ``update`` agrees on them (see ``twinkle_metrics.exchange``)."""
+        return []
+
     # ------------------------------------------------------------------ verbs
     def accumulate(self, inputs=None, outputs=None, **kwargs) -> "Metric":
         """Fold one batch (or a list of pipeline microbatches) into the states.
 
-        Never waits for the device. Validates everything before changing any state.
+        Never waits for the device and never keeps the autograd graph. All or
+        nothing: a call that raises changes no state.
         """
-        contributions = self.update(inputs, outputs, **kwargs)
-        if contributions:
-            self._fold(contributions)
+        self._commit(self._stage(inputs, outputs, kwargs))
         return self
+
+    def _stage(self, inputs, outputs, kwargs) -> Optional["_Staged"]:
+        """Run ``update`` and prepare its fold; change nothing. On an error, join the
+        agreements of the groups this metric would have communicated over, so that
+        every rank raises together (``exchange.join_failed``)."""
+        self._agreed = []
+        try:
+            _check_kwargs(self, kwargs)
+            with torch.no_grad():
+                contributions = self.update(inputs, outputs, **kwargs)
+                return self._plan_fold(contributions) if contributions else None
+        except BaseException as exc:
+            if self.exchange_groups():
+                from .exchange import join_failed
+
+                join_failed(self, exc)
+            raise
+
+    def _commit(self, staged: Optional["_Staged"]) -> None:
+        if staged is None:
+            return
+        staged.apply()
+        self._after_commit(staged.contributions)
+
+    def _after_commit(self, contributions: Mapping[str, Any]) -> None:
+        """Host bookkeeping of a call, run only once its contributions are folded in."""
 
     def update(self, inputs, outputs, **kwargs) -> Optional[Mapping[str, Any]]:
         """Return ``{state name: contribution}`` for one call; must not mutate states."""
@@ -126,7 +218,8 @@ class Metric:
         Runs on every rank on identical rows. Override only for merges that need
         several states at once (e.g. global indices from per-rank counts).
         """
-        return {name: self._specs[name].merge(r) for name, r in rows.items()}
+        specs = self._specs
+        return {name: (specs.get(name) or self.dynamic_state(name)).merge(r) for name, r in rows.items()}
 
     def calculate(self, reset: bool = True) -> Dict[str, Any]:
         """Reduce over the data group and return plain numbers, the same on every rank.
@@ -165,63 +258,131 @@ class Metric:
         return [r for rank_results in out for r in (rank_results or [])]
 
     # ------------------------------------------------------------- checkpoint
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        """The local (unreduced) states, so a resumed run keeps what it accumulated."""
-        return {name: t.detach().clone() for name, t in self._states.items()}
+    def state_dict(self) -> Dict[str, Any]:
+        """The local (unreduced) states, so a resumed run keeps what it accumulated,
+        and the metric's fingerprint (checked by ``load_state_dict``)."""
+        out: Dict[str, Any] = {name: t.detach().clone() for name, t in self._states.items()}
+        out[FINGERPRINT_KEY] = self.fingerprint()
+        return out
 
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> "Metric":
-        missing = set(self._specs) - set(state_dict)
-        extra = set(state_dict) - set(self._specs)
-        if missing or extra:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: missing states {sorted(missing)}, "
-                             f"unexpected {sorted(extra)}")
-        for name, spec in self._specs.items():
-            value = torch.as_tensor(state_dict[name])
-            if tuple(value.shape) != spec.shape:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: state {name!r} has shape "
-                                 f"{list(value.shape)}, expected {list(spec.shape)}")
-            self._states[name] = value.to(device=self._device, dtype=spec.dtype).clone()
+    def load_state_dict(self, state_dict: Union[Mapping[str, Any], Sequence[Mapping[str, Any]]]) -> "Metric":
+        """Restore saved states; all or nothing.
+
+        Given a list of state dicts (those of several ranks of an earlier run), their
+        states are merged with each state's own reduction, exactly as ``calculate()``
+        would merge those ranks: this is how a run resumes at a smaller data-parallel
+        size. Split the saved dicts of each old data group so that every old rank's
+        dict is loaded by exactly one new rank of the same TP/PP position (e.g. old
+        DP ranks 2k and 2k+1 into new DP rank k); to grow the data-parallel size, load
+        each old dict into one new rank and nothing (a fresh metric) into the others.
+        """
+        self._commit_load(self._stage_load(state_dict))
         return self
 
+    def _stage_load(self, state_dict) -> tuple:
+        """Validate and convert ``state_dict``; change nothing. Returns (new dynamic
+        names, {name: tensor})."""
+        name = type(self).__name__
+        dicts = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
+        if not dicts or not all(isinstance(d, Mapping) for d in dicts):
+            raise TypeError(f"{name}.load_state_dict: expected a state dict or a non-empty list of "
+                            f"them, got {type(state_dict).__name__}")
+        mine = self.fingerprint()
+        for i, d in enumerate(dicts):
+            theirs = d.get(FINGERPRINT_KEY)
+            if theirs is not None and theirs != mine:
+                where = f"state dict {i}" if len(dicts) > 1 else "the state dict"
+                raise ValueError(f"{name}.load_state_dict: {where} was saved by {theirs} but this "
+                                 f"metric is {mine}; build the metric with the same class and "
+                                 "arguments as the run that saved it")
+        names = set().union(*(set(d) - {FINGERPRINT_KEY} for d in dicts))
+        specs = dict(self._specs)
+        new = []
+        for key in sorted(names - set(specs)):
+            spec = self.dynamic_state(key)
+            if spec is not None:
+                specs[key] = spec
+                new.append(key)
+        extra = sorted(names - set(specs))
+        missing = sorted({k for d in dicts for k in specs if k not in d and self.dynamic_state(k) is None})
+        if missing or extra:
+            raise ValueError(f"{name}.load_state_dict: missing states {missing}, unexpected {extra}; "
+                             "load a state dict saved by the same metric")
+        rows: Dict[str, torch.Tensor] = {}
+        for key, spec in specs.items():
+            values = []
+            for d in dicts:
+                if key not in d:
+                    values.append(spec.new("cpu"))  # a name created on the fly elsewhere: identity
+                    continue
+                value = torch.as_tensor(d[key]).detach()
+                if tuple(value.shape) != spec.shape:
+                    raise ValueError(f"{name}.load_state_dict: state {key!r} has shape "
+                                     f"{list(value.shape)}, expected {list(spec.shape)}")
+                values.append(value.to(device="cpu", dtype=spec.dtype))
+            rows[key] = torch.stack(values)
+        if len(dicts) == 1:
+            merged = {k: r[0] for k, r in rows.items()}
+        else:
+            merged = self.merge(rows)
+        loaded = {k: merged[k].to(device=self._device, dtype=specs[k].dtype).clone() for k in specs}
+        return new, loaded
+
+    def _commit_load(self, staged: tuple) -> None:
+        new, loaded = staged
+        self._adopt(new)
+        self._states = {k: loaded[k] for k in self._specs}
+
     # --------------------------------------------------------------- internal
-    def _fold(self, contributions: Mapping[str, Any]) -> None:
-        """Fold ``{state: contribution}`` into the states: all or nothing.
+    def _plan_fold(self, contributions: Mapping[str, Any]) -> "_Staged":
+        """Validate and stage ``{state: contribution}``; nothing changes until ``apply()``.
 
         Stage first (names, devices, dtypes, shapes, results of callable folds), so
-        that nothing below the staging loop can raise; then one multi-tensor op per
-        reduction (``torch._foreach_add_/_maximum_/_minimum_``, one for tensors and
-        one for Python numbers) instead of one op per state: ~5x less host time for
-        the RL metrics' ~20 states, and one multi-tensor kernel on CUDA.
+        that nothing in ``apply`` can raise; then one multi-tensor op per reduction
+        (``torch._foreach_add_/_maximum_/_minimum_``, one for tensors and one for
+        Python numbers) instead of one op per state: ~5x less host time for the RL
+        metrics' ~20 states, and one multi-tensor kernel on CUDA.
         """
         specs, states = self._specs, self._states
-        if not contributions.keys() <= specs.keys():
-            unknown = sorted(set(contributions) - set(specs))
-            raise KeyError(f"{type(self).__name__}.update returned unknown states {unknown}")
-        if self._device.type == "cpu":
+        new_specs = {}
+        for name in contributions.keys() - specs.keys():
+            spec = self.dynamic_state(name)
+            if spec is None:
+                raise KeyError(f"{type(self).__name__}.update returned unknown state {name!r}")
+            new_specs[name] = spec
+        device = self._device
+        move = None
+        if device.type == "cpu":
             # States follow the first accelerator tensor they see, and never go back to the
             # CPU on their own: CPU contributions are copied to them (host to device) instead.
-            device = next((v.device for v in contributions.values()
-                           if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
-            if device is not None:
-                self.to(device)
-                states = self._states
-        device = self._device
+            move = next((v.device for v in contributions.values()
+                         if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
+            if move is not None:
+                device = move
+        install = None  # the states apply() swaps in: moved copies and new states
+        if move is not None or new_specs:
+            install = {k: (v.to(move, non_blocking=True) if move is not None else v) for k, v in states.items()}
+            install.update({k: spec.new(device) for k, spec in new_specs.items()})
+            states = install
+            specs = {**specs, **new_specs}
         groups: Dict[Any, tuple] = {}  # (op, tensors or numbers) -> (states, values)
         copies = []  # (state, new value) for "last" and callable local merges
         for name, value in contributions.items():
             state, spec = states[name], specs[name]
+            if type(value) is torch.Tensor and value.requires_grad:
+                value = value.detach()
             op = spec.local or spec.reduce
             if op in _FOREACH:
                 if (type(value) is torch.Tensor and value.dtype is state.dtype
                         and value.shape == state.shape and value.device == device):
                     group = groups.setdefault((op, 0), ([], []))  # the common case, checked cheaply
-                    group[0].append(state)
+                    group[0].append(name)
                     group[1].append(value)
                     continue
                 number = _plain_number(value, state.dtype)
                 if number is not None:  # a scalar argument: no fill kernel, no copy
                     group = groups.setdefault((op, 1), ([], []))
-                    group[0].append(state)
+                    group[0].append(name)
                     group[1].append(number)
                     continue
             value = _as_tensor(value, state)
@@ -229,25 +390,58 @@ class Metric:
                 raise ValueError(f"{type(self).__name__}: contribution to state {name!r} has shape "
                                  f"{list(value.shape)}, expected {list(state.shape)}")
             if callable(op):
-                value = _as_tensor(op(state, value), state)  # pure: computed before any change
+                value = _as_tensor(op(state, value), state).detach()  # pure: before any change
                 if not _broadcasts_to(value.shape, state.shape):
                     raise ValueError(f"{type(self).__name__}: local merge of state {name!r} returned "
                                      f"shape {list(value.shape)}, expected {list(state.shape)}")
-                copies.append((state, value))
+                copies.append((name, value))
             elif op == "last":
-                copies.append((state, value))
+                copies.append((name, value))
             else:
                 group = groups.setdefault((op, 0), ([], []))
-                group[0].append(state)
+                group[0].append(name)
                 group[1].append(value)
-        # Nothing changes until every value is valid; nothing below can fail.
-        for (op, _), (targets, values) in groups.items():
-            _FOREACH[op](targets, values)
-        for state, value in copies:
-            state.copy_(value)
+        return _Staged(self, contributions, groups, copies, install, device, new_specs)
 
     def __repr__(self):
         return f"{type(self).__name__}(states={list(self._specs)})"
+
+
+class _Staged:
+    """One validated call of a metric, ready to fold in; ``apply`` cannot fail."""
+
+    __slots__ = ("metric", "contributions", "groups", "copies", "install", "device", "new_specs")
+
+    def __init__(self, metric, contributions, groups, copies, install, device, new_specs):
+        self.metric, self.contributions = metric, contributions
+        self.groups, self.copies = groups, copies
+        self.install, self.device, self.new_specs = install, device, new_specs
+
+    def apply(self) -> None:
+        m = self.metric
+        if self.install is not None:  # states follow the first accelerator tensor; new states
+            for name, spec in self.new_specs.items():
+                spec.name = name
+                m._specs[name] = spec
+            m._states, m._device = self.install, self.device
+        states = m._states
+        with torch.no_grad():
+            for (op, _), (names, values) in self.groups.items():
+                _FOREACH[op]([states[n] for n in names], values)
+            for name, value in self.copies:
+                states[name].copy_(value)
+
+
+def _check_kwargs(metric: Metric, kwargs: Mapping[str, Any]) -> None:
+    unknown = [k for k in kwargs if k not in _KNOWN_KWARGS]
+    if not unknown:
+        return
+    key = unknown[0]
+    close = difflib.get_close_matches(key, sorted(_KNOWN_KWARGS), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise TypeError(f"{type(metric).__name__}.accumulate: unexpected keyword argument {key!r}{hint} "
+                    "(no metric of twinkle-metrics takes it; keywords one metric takes are "
+                    "accepted by all, so a shared kwargs dict works)")
 
 
 _FOREACH = {"sum": torch._foreach_add_, "max": torch._foreach_maximum_, "min": torch._foreach_minimum_}

@@ -53,9 +53,29 @@ class MetricCollection:
         raise KeyError(f"MetricCollection: no metric named {key!r}; have {[n for n, _ in self._items]}")
 
     def accumulate(self, inputs=None, outputs=None, **kwargs) -> "MetricCollection":
-        """Pass the same call to every metric (each takes the keyword arguments it knows)."""
-        for _, m in self._items:
-            m.accumulate(inputs, outputs, **kwargs)
+        """Pass the same call to every metric (each takes the keyword arguments it knows).
+
+        All or nothing: every metric stages its part first and only when all
+        succeeded are they folded in, so input one metric rejects leaves every metric
+        unchanged (a retry cannot count the batch twice). When a metric fails, the
+        metrics after it still join the exchanges they would have made inside
+        ``accumulate``, so every rank raises together (``twinkle_metrics.exchange``).
+        """
+        metrics = [m for _, m in self._items]
+        staged = []
+        for i, m in enumerate(metrics):
+            try:
+                staged.append(m._stage(inputs, outputs, kwargs))
+            except BaseException as exc:
+                later = [n for n in metrics[i + 1:] if n.exchange_groups()]
+                if later:
+                    from .exchange import join_failed
+
+                    for n in later:
+                        join_failed(n, exc, fresh=True)
+                raise
+        for m, s in zip(metrics, staged):
+            m._commit(s)
         return self
 
     def calculate(self, reset: bool = True) -> Dict[str, Any]:
@@ -82,9 +102,16 @@ class MetricCollection:
         return {f"{i}:{name}": m.state_dict() for i, (name, m) in enumerate(self._items)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> "MetricCollection":
+        """Restore every metric; all or nothing. A list of collection state dicts
+        (several ranks of an earlier run) is merged per metric, as
+        ``Metric.load_state_dict`` does."""
+        dicts = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
         keys = [f"{i}:{name}" for i, (name, _) in enumerate(self._items)]
-        if sorted(keys) != sorted(state_dict):
-            raise ValueError(f"MetricCollection.load_state_dict: expected keys {keys}, got {sorted(state_dict)}")
-        for key, (_, m) in zip(keys, self._items):
-            m.load_state_dict(state_dict[key])
+        for d in dicts:
+            if not isinstance(d, Mapping) or sorted(keys) != sorted(d):
+                got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
+                raise ValueError(f"MetricCollection.load_state_dict: expected keys {keys}, got {got}")
+        staged = [m._stage_load([d[key] for d in dicts]) for key, (_, m) in zip(keys, self._items)]
+        for (_, m), s in zip(self._items, staged):
+            m._commit_load(s)
         return self

@@ -118,32 +118,24 @@ class CompletionRewardMetric(Metric):
 
     # ----------------------------------------------------------------- states
     def _ensure_names(self, names) -> None:
-        new = [n for n in names if _PREFIX + n not in self._specs]
-        if not new:
-            return
-        for name in new:
+        for name in names:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"{_NAME}: reward names must be non-empty strings, got {name!r}")
-            self.add_state(_PREFIX + name, _moments_state())
-        # Keep reward states sorted by name so ranks that met the names in another order agree.
-        fixed = [k for k in self._specs if not k.startswith(_PREFIX)]
-        order = fixed + sorted(k for k in self._specs if k.startswith(_PREFIX))
-        self._specs = {k: self._specs[k] for k in order}
-        self._states = {k: self._states[k] for k in order}
+            if _PREFIX + name not in self._specs:
+                self.add_state(_PREFIX + name, _moments_state())
+
+    def dynamic_state(self, name: str):
+        """A reward name's (count, mean, M2) state, created when a name is first seen
+        (here or, at ``calculate()``, on another rank)."""
+        if self._dynamic and name.startswith(_PREFIX) and len(name) > len(_PREFIX):
+            return _moments_state()
+        return None
 
     @property
     def reward_names(self):
-        return [k[len(_PREFIX):] for k in self._specs if k.startswith(_PREFIX)]
+        return sorted(k[len(_PREFIX):] for k in self._specs if k.startswith(_PREFIX))
 
     # ----------------------------------------------------------------- update
-    def accumulate(self, inputs=None, outputs=None, **kwargs) -> "CompletionRewardMetric":
-        contributions = self.update(inputs, outputs, **kwargs)
-        # New names get states only after the whole call validated.
-        self._ensure_names(sorted(k[len(_PREFIX):] for k in contributions if k.startswith(_PREFIX)))
-        if contributions:
-            self._fold(contributions)
-        return self
-
     def update(self, inputs=None, outputs=None, *, rewards=None, completion_lengths=None,
                completions=None, generate_time=None, generation_time=None,
                weight_sync_time=None, group_ids=None, **kwargs) -> Dict[str, Any]:
@@ -192,17 +184,6 @@ class CompletionRewardMetric(Metric):
         if not isinstance(rewards, Mapping):
             rewards = {"reward": rewards}  # a plain list / tensor of one reward function
         return {str(name): _as_1d(f"rewards[{name!r}]", v) for name, v in rewards.items()}
-
-    def load_state_dict(self, state_dict):
-        """Also restores reward states created on the fly (names absent from a fresh metric).
-
-        Without ``reward_names`` the saved reward names are created first (kept sorted,
-        the same order as the saving metric), so a checkpoint of a metric that met its
-        names during training loads into a new one.
-        """
-        if self._dynamic:
-            self._ensure_names(sorted(k[len(_PREFIX):] for k in state_dict if k.startswith(_PREFIX)))
-        return super().load_state_dict(state_dict)
 
     def _lengths(self, completion_lengths, completions) -> Optional[torch.Tensor]:
         if completion_lengths is not None:

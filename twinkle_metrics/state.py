@@ -30,6 +30,10 @@ class State:
         default: the value after ``reset()``; the identity of ``reduce`` when omitted.
         local: how ``accumulate`` folds a new value in: the reduce op by default,
             ``"last"`` to overwrite, or a callable ``(old, new) -> merged``.
+        per_rank: the value is a reading of this rank (a wall clock, a memory
+            counter) that TP replicas need not agree on. Every other state must be
+            the same on the TP ranks of a pipeline stage (they see the same tokens);
+            ``calculate()`` checks that and raises on every rank if not.
     """
 
     reduce: Reduce = "sum"
@@ -37,6 +41,7 @@ class State:
     shape: Tuple[int, ...] = ()
     default: Optional[float] = None
     local: Union[str, Callable, None] = None
+    per_rank: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -71,6 +76,12 @@ class State:
             return 0
         big = torch.iinfo(torch.int64).max if self.dtype == torch.int64 else math.inf
         return -big if self.reduce == "max" else big
+
+    @property
+    def signature(self) -> str:
+        """What ranks must agree on for this state: reduction, dtype, shape."""
+        red = self.reduce if isinstance(self.reduce, str) else getattr(self.reduce, "__name__", "fn")
+        return f"{red}:{str(self.dtype).replace('torch.', '')}:{list(self.shape)}"
 
     @property
     def numel(self) -> int:

@@ -1,52 +1,159 @@
-"""Fused, generic sync of every state of every metric: at most two collectives.
+"""Fused, generic sync of every state of every metric: two collectives in steady state.
+
+Data phase, every ``calculate()``:
 
 1. One ``all_gather`` over the data group (DP x CP) of one packed float64 buffer
-   holding every state of every metric, plus a header (schema hash, is-last-stage,
-   error flag). Each rank then merges the rows locally with each state's declared
-   reduction, so sum, max, min and custom merges (top-k) all ride in one collective.
-2. Under tensor or pipeline parallelism, one ``all_gather`` over TP x PP (the
-   mesh's ``mp`` group) of the merged buffer; every rank keeps the row of the
-   result source (last stage, TP rank 0), so all stages and TP replicas return the
-   same numbers, wall-clock readings included. Non-last stages (which hold
-   nothing) take part with the same buffer shape, so nothing can hang.
+   holding every state of every metric (int64 states bit-cast, so they travel and
+   merge exactly), behind a small header. Each rank merges the rows locally with
+   each state's declared reduction, so sum, max, min and custom merges (top-k, Chan's
+   moments) all ride in one collective.
+2. Under tensor or pipeline parallelism, one ``all_gather`` over TP x PP (the mesh's
+   ``mp`` group) of the merged buffer. Every rank keeps the row of the result source
+   (last stage, TP rank 0), so all stages and TP replicas return the same numbers;
+   the rows of TP replicas of one stage must agree on every state not declared
+   ``per_rank`` (a forgotten ``vocab_parallel=True`` shows up here), else every rank
+   raises.
 
-Integers travel as float64: exact up to 2**53. The buffer length is padded to a
-power of two so that ranks whose metric sets differ slightly still agree on the
-collective's size and reach the schema check, which then raises on every rank.
+Then one device-to-host copy of what was gathered; every decision is taken on
+those numbers, which are the same on every rank, so every rank decides alike.
+
+Plans. Which states the buffer holds, and where, is a *plan* agreed by every rank of
+the mesh; the buffer length of a pair of groups (data group, TP x PP) only grows and
+is the same on every rank, so no difference between ranks (other metrics, states
+created on the fly, another order) can reach a size-mismatched collective. A plan is
+negotiated (two small exchanges over each group: lengths, then bytes) at the first
+``calculate()`` of a pair of groups and again only when a rank flags, in the header
+of the regular buffer, that it holds states or metrics no agreed plan covers: then
+every rank learns it from the same gathered numbers, negotiates, and syncs again.
+The negotiation takes the union of the states of every rank (a state created on the
+fly on some ranks only, such as a reward name seen on the last pipeline stage, is
+created on the others; ranks without it contribute its identity) and raises
+``MetricSyncError`` on every rank when ranks hold different metrics or arguments
+(their fingerprints differ) or declare a state differently.
+
+Why every rank agrees: a data group's merged row is the same on all its ranks, and
+the TP x PP group of any rank holds one rank of every data group, so what one rank
+learns after the second collective (a flag, an error, a disagreement) every rank
+learns.
+
+Collectives per ``calculate()``: 1 (pure DP) or 2 (TP or PP) in steady state; the
+first one of a pair of groups adds 2 per group for the negotiation, and a change in
+the set of states adds one negotiation and one more data phase.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, List, Sequence, Tuple
+import json
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_ranks
 
-_HEADER = 3  # schema hash, is result source, error flag
+_HEADER = 5  # plan hash, needs a new plan, is result source, pipeline rank, reserved
+_H_PLAN, _H_NEED, _H_SOURCE, _H_PP = 0, 1, 2, 3
+#: TP replicas agree when their states are this close (they compute from the same tokens)
+_TP_RTOL, _TP_ATOL = 1e-6, 1e-9
 
 
 class MetricSyncError(RuntimeError):
-    """Ranks disagree on which metrics/states they hold; raised on every rank."""
+    """Ranks hold different metrics or states, or disagree where they must agree;
+    raised on every rank."""
 
 
-def _schema(metrics: Sequence) -> Tuple[float, str]:
-    parts = []
-    for m in metrics:
-        for name, spec in m._specs.items():
-            red = spec.reduce if isinstance(spec.reduce, str) else getattr(spec.reduce, "__name__", "fn")
-            parts.append(f"{type(m).__qualname__}.{name}:{red}:{spec.shape}:{spec.dtype}")
-    text = "|".join(parts)
-    digest = hashlib.blake2b(text.encode(), digest_size=6).digest()
-    return float(int.from_bytes(digest, "little")), text  # 48 bits: exact in float64
+# --------------------------------------------------------------------------- plans
+class _Plan:
+    """Where every state of every metric sits in the packed buffer."""
+
+    def __init__(self, metrics: Sequence, names: Sequence[Sequence[str]]):
+        from .base import Metric
+
+        self.entries: List[List[Tuple[str, Any, int]]] = []   # per metric: (name, spec, offset)
+        self.owner: List[Tuple[int, str]] = []                 # per column: (metric, state)
+        cols: Dict[Tuple[str, bool], List[int]] = {}
+        check: Dict[bool, List[int]] = {False: [], True: []}
+        self.custom: List[int] = []  # metrics merged by their own merge()
+        offset = 0
+        text = []
+        for i, (m, metric_names) in enumerate(zip(metrics, names)):
+            plain = type(m).merge is Metric.merge
+            entries, mine = [], {}
+            for name in metric_names:
+                spec = _spec(m, name)
+                plain = plain and isinstance(spec.reduce, str)
+                entries.append((name, spec, offset))
+                text.append(f"{i}.{name}:{spec.signature}")
+                span = range(offset, offset + spec.numel)
+                self.owner += [(i, name)] * spec.numel
+                is_int = spec.dtype == torch.int64
+                mine.setdefault((spec.reduce, is_int), []).extend(span)
+                if not spec.per_rank:
+                    check[is_int].extend(span)
+                offset += spec.numel
+            if plain:  # merged column by column, with every plain metric's columns
+                for k, span in mine.items():
+                    cols.setdefault(k, []).extend(span)
+            else:      # merged by the metric's own merge()
+                self.custom.append(i)
+            self.entries.append(entries)
+        self.length = offset
+        self._cols = {k: v for k, v in cols.items() if v}
+        self._check = check
+        self._by_device: Dict[str, tuple] = {}
+        configs = [m.fingerprint() for m in metrics]
+        digest = hashlib.blake2b("|".join(configs + text).encode(), digest_size=6).digest()
+        self.hash = float(int.from_bytes(digest, "little"))  # 48 bits: exact in float64
+
+    def columns(self, device) -> Dict[Tuple[str, bool], torch.Tensor]:
+        key = str(device)
+        if key not in self._by_device:
+            self._by_device[key] = {k: torch.tensor(v, dtype=torch.long, device=device)
+                                    for k, v in self._cols.items()}
+        return self._by_device[key]
+
+    def check_columns(self, is_int: bool) -> torch.Tensor:
+        return torch.tensor(self._check[is_int], dtype=torch.long) + _HEADER
+
+    def covers(self, metrics: Sequence) -> bool:
+        """Whether every state the metrics hold has a place in this plan (states the
+        plan has and a metric lacks are created first, when the metric can)."""
+        for m, entries in zip(metrics, self.entries):
+            planned = {name for name, _, _ in entries}
+            if not set(m._specs) <= planned:
+                return False
+            missing = [n for n in planned if n not in m._specs]
+            if missing:
+                if any(m.dynamic_state(n) is None for n in missing):
+                    return False
+                m._adopt(sorted(missing))
+        return True
 
 
-def _bucket(n: int) -> int:
-    size = 16
-    while size < n:
-        size *= 2
-    return size
+def _spec(metric, name: str):
+    spec = metric._specs.get(name)
+    return spec if spec is not None else metric.dynamic_state(name)
+
+
+class _Channel:
+    """What the ranks agreed on for one pair of groups: plans and the buffer width."""
+
+    def __init__(self, groups):
+        self.groups = groups          # kept alive, so that the ids in the key stay theirs
+        self.plans: Dict[Tuple[str, ...], _Plan] = {}
+        self.width = 0
+
+
+_CHANNELS: Dict[Tuple[int, int], _Channel] = {}
+_LOCAL_PLANS: Dict[Tuple, _Plan] = {}
+
+
+def _channel(data_group, share_group) -> _Channel:
+    key = (id(data_group), id(share_group))
+    ch = _CHANNELS.get(key)
+    if ch is None:
+        ch = _CHANNELS[key] = _Channel((data_group, share_group))
+    return ch
 
 
 def _groups_key(metric) -> Tuple:
@@ -54,10 +161,11 @@ def _groups_key(metric) -> Tuple:
     return (id(metric.data_group()), id(mesh.result_group))
 
 
+# ---------------------------------------------------------------------- entry points
 def sync_and_compute(metrics: Sequence, reset: bool = True) -> List[Dict[str, Any]]:
     """Reduce the states of ``metrics`` globally and return each one's results.
 
-    Metrics that share the same data and PP groups sync together in one pass.
+    Metrics that share the same data and TP x PP groups sync together in one pass.
     """
     buckets: Dict[Tuple, List[int]] = {}
     for i, m in enumerate(metrics):
@@ -77,134 +185,195 @@ def sync_and_compute(metrics: Sequence, reset: bool = True) -> List[Dict[str, An
 def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
     """Globally reduced states of each metric as plain Python numbers (lists if shaped).
 
-    All ``metrics`` must share one data group and one PP group. Does not change the
-    metrics' local states.
+    All ``metrics`` must share one data group and one TP x PP group. Collective over
+    the mesh. Does not change the metrics' local states (it may create states that
+    other ranks created on the fly, holding their identity).
     """
     lead = metrics[0]
     mesh = lead.resolve_mesh()
+    check = getattr(mesh, "check_live", None)
+    if check is not None:
+        check("calculate()")
     data_group = lead.data_group()
-    share_group, is_source = mesh.result_group, mesh.is_result_source
+    share_group = mesh.result_group
+    if data_group is None and share_group is None:
+        plan = _local_plan(metrics)
+        buf = _pack(plan, metrics, plan.length, lead._device, lead._device, need=False,
+                    is_source=True, pp_rank=0)
+        return _unpack(buf.cpu(), plan, metrics)
+
+    ch = _channel(data_group, share_group)
+    configs = tuple(m.fingerprint() for m in metrics)
+    for _ in range(2):
+        plan = ch.plans.get(configs)
+        if plan is None and not ch.plans:  # nothing agreed on these groups yet, on any rank
+            plan = _negotiate(metrics, ch, data_group, share_group, mesh)
+        need = plan is None or not plan.covers(metrics)
+        host = _data_phase(metrics, plan, need, ch.width, data_group, share_group, mesh)
+        if host is not None:
+            return host
+        _negotiate(metrics, ch, data_group, share_group, mesh)
+    raise MetricSyncError("calculate(): ranks still disagree on the metrics' states after a "
+                          "negotiation; a state was added during calculate()")
+
+
+def _local_plan(metrics) -> _Plan:
+    key = tuple((m.fingerprint(), tuple(m._specs)) for m in metrics)
+    plan = _LOCAL_PLANS.get(key)
+    if plan is None:
+        if len(_LOCAL_PLANS) > 64:  # a process builds few metric sets; bound it anyway
+            _LOCAL_PLANS.clear()
+        plan = _LOCAL_PLANS[key] = _Plan(metrics, [sorted(m._specs) for m in metrics])
+    return plan
+
+
+# ------------------------------------------------------------------------ data phase
+def _data_phase(metrics, plan: Optional[_Plan], need: bool, width: int, data_group, share_group,
+                mesh) -> Optional[List[Dict[str, Any]]]:
+    """Pack, gather, merge, share; None when some rank asked for a new plan."""
+    lead = metrics[0]
     comm = data_group if data_group is not None else share_group
-    # Pack where the states are (one cat, int64 promoting to float64 in it), then move the
-    # one buffer to the collectives' device: never a copy per state.
-    device = comm_device(comm) if comm is not None else lead._device
-    pack = lead._device
-    plan = _merge_plan(metrics, device)
-    schema, schema_text = plan.schema
-
-    flat = [torch.tensor([schema, float(is_source), 0.0], dtype=torch.float64).to(pack, non_blocking=True)]
-    for m in metrics:
-        for name in m._specs:
-            t = m._states[name].detach().reshape(-1)
-            flat.append(t if t.device == pack else t.to(pack))
-    buf = torch.cat(flat).to(device)
-    used = buf.numel()
-    buf = torch.nn.functional.pad(buf, (0, _bucket(used) - used))
-
-    rows = all_gather_rows(buf, data_group)                     # collective 1
-    error = ""
-    if rows.shape[0] > 1 and not bool((rows[:, 0] == schema).all()):
-        by_hash: Dict[float, List[int]] = {}
-        for r, h in zip(group_ranks(data_group), rows[:, 0].tolist()):
-            by_hash.setdefault(h, []).append(r)
-        sides = " vs ".join(f"ranks {v}" for v in by_hash.values())
-        error = (f"the data group's ranks hold different sets of metrics/states ({sides}); build "
-                 f"the same metrics, in the same order, with the same arguments on every rank "
-                 f"(rank {group_ranks(None)[0]} has: {schema_text[:300]})")
-
-    # Plain sum/max/min states of every metric merge in one reduction per op (the
-    # columns are planned once per set of metrics); metrics with their own merge()
-    # or a callable reduce get their rows as before.
-    vec = rows[0].clone()
-    vec[:_HEADER] = torch.tensor([schema, float(is_source), float(bool(error))], dtype=torch.float64,
-                                 device=device)
-    for op, cols in plan.columns.items():
-        sel = rows.index_select(1, cols)
-        vec[cols] = sel.sum(0) if op == "sum" else (sel.amax(0) if op == "max" else sel.amin(0))
-    for i, offset in plan.custom:
-        m = metrics[i]
-        per_state, start = {}, offset
-        for name, spec in m._specs.items():
-            per_state[name] = rows[:, offset:offset + spec.numel].reshape(rows.shape[0], *spec.shape)
-            offset += spec.numel
-        out = m.merge(per_state)
-        vec[start:offset] = torch.cat([out[name].to(torch.float64).reshape(-1) for name in m._specs])
-
+    device = comm_device(comm)
+    is_source, pp_rank = mesh.is_result_source, mesh.pp_rank
+    buf = _pack(plan, metrics, width, lead._device, device, need=need or plan is None,
+                is_source=is_source, pp_rank=pp_rank)
+    rows = all_gather_rows(buf, data_group)                      # collective 1
+    vec = _merge(plan, metrics, rows) if plan is not None and not need else rows[0].clone()
+    vec[_H_NEED] = torch.maximum(rows[:, _H_NEED].amax(),
+                                 (rows[:, _H_PLAN] != rows[0, _H_PLAN]).any().to(torch.float64))
+    vec[_H_SOURCE] = float(is_source)
+    vec[_H_PP] = float(pp_rank)
+    if share_group is None:
+        host = vec.unsqueeze(0).cpu()                            # the one device-to-host copy
+    else:
+        host = all_gather_rows(vec, share_group).cpu()           # collective 2, then the copy
+    if bool((host[:, _H_NEED] != 0).any()):
+        return None
     if share_group is not None:
-        stage_rows = all_gather_rows(vec, share_group)          # collective 2
-        source = (stage_rows[:, 1] == 1.0).nonzero().flatten().tolist()
-        hashes_agree = bool((stage_rows[:, 0] == schema).all())
-        if not error and (not hashes_agree or len(source) != 1):
-            error = ("pipeline stages or TP ranks hold different metrics/states (or no single "
-                     "last stage); build the same metrics on every rank and call calculate() "
-                     "on all of them")
-        if not error and bool((stage_rows[:, 2] != 0).any()):
-            error = "another pipeline stage or TP rank found ranks holding different metrics/states"
-        if not error:
-            vec = stage_rows[source[0]]
-    if error:
-        hints = dict.fromkeys(h for h in (getattr(m, "_sync_hint", None) for m in metrics) if h)
-        raise MetricSyncError(f"calculate(): {error}" + "".join(f"; hint: {h}" for h in hints))
-
-    return unpack(vec.tolist()[_HEADER:], metrics)  # the one device-to-host copy
+        source = (host[:, _H_SOURCE] == 1.0).nonzero().flatten().tolist()
+        if len(source) != 1:
+            raise MetricSyncError(
+                f"calculate(): {len(source)} ranks of the TP x PP group "
+                f"{group_ranks(share_group)} claim to hold the results (last pipeline stage, TP "
+                "rank 0); expected exactly one: check the mesh's pipeline and TP groups")
+        _check_tp_agreement(plan, metrics, host, share_group)
+        vec_host = host[source[0]]
+    else:
+        vec_host = host[0]
+    return _unpack(vec_host, plan, metrics)
 
 
-def unpack(values: Sequence[float], metrics: Sequence) -> List[Dict[str, Any]]:
-    """Split a flat list of state values (metric order, state order) into plain Python
-    states per metric: ints for int64 states, nested lists for shaped states."""
-    out: List[Dict[str, Any]] = []
-    offset = 0
-    for m in metrics:
-        states = {}
-        for name, spec in m._specs.items():
-            chunk = list(values[offset:offset + spec.numel])
-            offset += spec.numel
+def _pack(plan: Optional[_Plan], metrics, width: int, pack, device, *, need: bool, is_source: bool,
+          pp_rank: int) -> torch.Tensor:
+    """The header plus every planned state, float64 (int64 bit-cast), padded to ``width``.
+
+    Packs where the states are (one cat), then moves the one buffer to the
+    collectives' device: never a copy per state.
+    """
+    head = [plan.hash if plan is not None else 0.0, float(need), float(is_source), float(pp_rank), 0.0]
+    flat = [torch.tensor(head, dtype=torch.float64).to(pack, non_blocking=True)]
+    used = 0
+    if plan is not None and not need:
+        for m, entries in zip(metrics, plan.entries):
+            for name, spec, _ in entries:
+                t = m._states.get(name)
+                if t is None:
+                    t = spec.new(pack)
+                t = t.detach().reshape(-1)
+                if t.dtype == torch.int64:
+                    t = t.view(torch.float64)
+                flat.append(t if t.device == pack else t.to(pack))
+        used = plan.length
+    buf = torch.cat(flat).to(device)
+    return torch.nn.functional.pad(buf, (0, width - used)) if width > used else buf
+
+
+def _merge(plan: _Plan, metrics, rows: torch.Tensor) -> torch.Tensor:
+    """Merge ``[ranks, header + width]`` rows into one row, state by state."""
+    vec = rows[0].clone()
+    if rows.shape[0] == 1:
+        return vec
+    for (op, is_int), cols in plan.columns(rows.device).items():
+        cols = cols + _HEADER
+        sel = rows.index_select(1, cols)
+        if is_int:
+            sel = sel.view(torch.int64)
+        red = sel.sum(0) if op == "sum" else (sel.amax(0) if op == "max" else sel.amin(0))
+        vec[cols] = red.view(torch.float64) if is_int else red
+    for i in plan.custom:
+        m, entries = metrics[i], plan.entries[i]
+        per_state = {}
+        for name, spec, offset in entries:
+            r = rows[:, _HEADER + offset:_HEADER + offset + spec.numel]
             if spec.dtype == torch.int64:
-                chunk = [int(v) if v == v and abs(v) != float("inf") else v for v in chunk]
+                r = r.view(torch.int64)
+            per_state[name] = r.reshape(rows.shape[0], *spec.shape)
+        out = m.merge(per_state)
+        for name, spec, offset in entries:
+            v = out[name].to(spec.dtype).reshape(-1).contiguous()
+            vec[_HEADER + offset:_HEADER + offset + spec.numel] = (
+                v.view(torch.float64) if spec.dtype == torch.int64 else v)
+    return vec
+
+
+def _check_tp_agreement(plan: _Plan, metrics, host: torch.Tensor, share_group) -> None:
+    """Rows of one pipeline stage (TP replicas) must agree on every state not
+    declared ``per_rank``; raise on every rank naming the first disagreement."""
+    stages: Dict[float, List[int]] = {}
+    for r, pp in enumerate(host[:, _H_PP].tolist()):
+        stages.setdefault(pp, []).append(r)
+    fcols, icols = plan.check_columns(False), plan.check_columns(True)
+    ints = host.view(torch.int64)
+    ranks = group_ranks(share_group)
+    for members in stages.values():
+        first = members[0]
+        for r in members[1:]:
+            bad = (~torch.isclose(host[r, fcols], host[first, fcols], rtol=_TP_RTOL, atol=_TP_ATOL,
+                                  equal_nan=True)).nonzero().flatten().tolist()
+            col = int(fcols[bad[0]]) if bad else None
+            bad_i = (ints[r, icols] != ints[first, icols]).nonzero().flatten().tolist()
+            if bad_i and (col is None or int(icols[bad_i[0]]) < col):
+                col = int(icols[bad_i[0]])
+            if col is None:
+                continue
+            i, name = plan.owner[col - _HEADER]
+            m = metrics[i]
+            view = ints if m._specs[name].dtype == torch.int64 else host
+            a, b = view[first, col].item(), view[r, col].item()
+            hint = getattr(m, "tp_mismatch_hint", None)
+            hint = hint() if callable(hint) else hint
+            raise MetricSyncError(
+                f"calculate(): ranks {ranks[first]} and {ranks[r]} are TP replicas of one pipeline "
+                f"stage but disagree on {type(m).__name__}.{name} ({a} vs {b}); TP replicas see the "
+                "same tokens and must reduce to the same numbers"
+                + (f"; {hint}" if hint else "; check that inputs are not split over the TP group"))
+
+
+def _unpack(vec: torch.Tensor, plan: _Plan, metrics) -> List[Dict[str, Any]]:
+    """Plain Python states per metric from a host row (header included): ints for
+    int64 states (bit-exact), floats for float64, nested lists for shaped states."""
+    floats = vec[_HEADER:].tolist()
+    ints = vec[_HEADER:].view(torch.int64).tolist()
+    out: List[Dict[str, Any]] = []
+    for entries in plan.entries:
+        states = {}
+        for name, spec, offset in entries:
+            src = ints if spec.dtype == torch.int64 else floats
+            chunk = src[offset:offset + spec.numel]
             states[name] = chunk[0] if spec.shape == () else _unflatten(chunk, spec.shape)
         out.append(states)
     return out
 
 
-class _MergePlan:
-    def __init__(self, schema, columns: Dict[str, torch.Tensor], custom: List[Tuple[int, int]]):
-        self.schema = schema        # (hash, text) of _schema(metrics)
-        self.columns = columns      # op -> column indices of states merged by that op
-        self.custom = custom        # (metric index, first column) merged by the metric
-
-
-_PLANS: Dict[Tuple, _MergePlan] = {}
-
-
-def _merge_plan(metrics: Sequence, device) -> _MergePlan:
-    from .base import Metric
-
-    # Everything _schema() and the plan depend on, so both can be cached under it.
-    key = (str(device),) + tuple(
-        (type(m), tuple((n, s.reduce if isinstance(s.reduce, str) else getattr(s.reduce, "__name__", "fn"),
-                         callable(s.reduce), s.shape, s.dtype) for n, s in m._specs.items()))
-        for m in metrics)
-    plan = _PLANS.get(key)
-    if plan is not None:
-        return plan
-    cols: Dict[str, List[int]] = {"sum": [], "max": [], "min": []}
-    custom: List[Tuple[int, int]] = []
-    offset = _HEADER
-    for i, m in enumerate(metrics):
-        plain = type(m).merge is Metric.merge and all(isinstance(s.reduce, str) for s in m._specs.values())
-        if not plain:
-            custom.append((i, offset))
-        for spec in m._specs.values():
-            if plain:
-                cols[spec.reduce].extend(range(offset, offset + spec.numel))
-            offset += spec.numel
-    plan = _MergePlan(_schema(metrics),
-                      {op: torch.tensor(c, dtype=torch.long, device=device) for op, c in cols.items() if c},
-                      custom)
-    if len(_PLANS) > 64:  # a process builds few metric sets; bound it anyway
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+def plain_states(states: Dict[str, torch.Tensor], specs: Dict[str, Any]) -> Dict[str, Any]:
+    """Local tensors as the plain numbers ``compute`` takes (what ``calculate()`` gives
+    it after the sync): ints for int64 states, floats, nested lists for shaped ones."""
+    out = {}
+    for name, spec in specs.items():
+        t = states[name].detach().cpu().to(spec.dtype).reshape(-1)
+        chunk = t.tolist()
+        out[name] = chunk[0] if spec.shape == () else _unflatten(chunk, spec.shape)
+    return out
 
 
 def _unflatten(values: List[Any], shape: Tuple[int, ...]):
@@ -212,3 +381,101 @@ def _unflatten(values: List[Any], shape: Tuple[int, ...]):
         return list(values)
     step = len(values) // shape[0]
     return [_unflatten(values[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+# ----------------------------------------------------------------------- negotiation
+def _negotiate(metrics, ch: _Channel, data_group, share_group, mesh) -> _Plan:
+    """Agree with every rank on the plan of ``metrics``; collective over both groups.
+
+    Each rank describes its metrics (fingerprints) and states (name, signature,
+    whether it was created on the fly); the descriptions are united over the data
+    group, then the unions over TP x PP, which makes them global. Every rank then
+    decides on the same union: raise everywhere, or adopt the same plan.
+    """
+    me = group_ranks(None)[0]
+    desc = {"ranks": [me], "configs": {json.dumps([m.fingerprint() for m in metrics]): [me]},
+            "states": {}}
+    for i, m in enumerate(metrics):
+        for name, spec in m._specs.items():
+            dynamic = m.dynamic_state(name) is not None
+            desc["states"][f"{i}/{name}"] = {"sig": {spec.signature: [me]}, "dyn": dynamic}
+    summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(desc).encode(), data_group,
+                                                                mesh)])
+    if share_group is not None:
+        summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(summary).encode(),
+                                                                    share_group, mesh)])
+    everyone = sorted(summary["ranks"])
+    if len(summary["configs"]) > 1:
+        sides = []
+        for text, ranks in summary["configs"].items():
+            sides.append(f"ranks {_ranges(ranks)} hold [{', '.join(json.loads(text))}]")
+        raise MetricSyncError("calculate(): ranks hold different metrics or arguments ("
+                              + "; ".join(sides)[:1500] + "); build the same metrics, in the same "
+                              "order, with the same arguments on every rank" + _hints(metrics))
+    names: List[List[str]] = [[] for _ in metrics]
+    for key in sorted(summary["states"], key=lambda k: (int(k.split("/", 1)[0]), k.split("/", 1)[1])):
+        entry = summary["states"][key]
+        i, name = int(key.split("/", 1)[0]), key.split("/", 1)[1]
+        holders = sorted({r for rs in entry["sig"].values() for r in rs})
+        if len(entry["sig"]) > 1:
+            sides = "; ".join(f"ranks {_ranges(rs)}: {sig}" for sig, rs in entry["sig"].items())
+            raise MetricSyncError(f"calculate(): ranks declare state {type(metrics[i]).__name__}.{name} "
+                                  f"differently ({sides}); every rank must declare it alike")
+        if len(holders) < len(everyone) and not entry["dyn"]:
+            raise MetricSyncError(
+                f"calculate(): state {type(metrics[i]).__name__}.{name} exists on ranks "
+                f"{_ranges(holders)} only, and the metric cannot create it on the others; add it on "
+                "every rank (add_state in the constructor), or implement dynamic_state()"
+                + _hints(metrics))
+        names[i].append(name)
+    for m, metric_names in zip(metrics, names):
+        m._adopt([n for n in metric_names if n not in m._specs])
+    plan = _Plan(metrics, names)
+    ch.plans[tuple(m.fingerprint() for m in metrics)] = plan
+    ch.width = max(ch.width, plan.length)
+    return plan
+
+
+def _unite(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"ranks": [], "configs": {}, "states": {}}
+    for p in parts:
+        out["ranks"] = sorted(set(out["ranks"]) | set(p["ranks"]))
+        for text, ranks in p["configs"].items():
+            out["configs"][text] = sorted(set(out["configs"].get(text, [])) | set(ranks))
+        for key, entry in p["states"].items():
+            mine = out["states"].setdefault(key, {"sig": {}, "dyn": False})
+            mine["dyn"] = mine["dyn"] or entry["dyn"]
+            for sig, ranks in entry["sig"].items():
+                mine["sig"][sig] = sorted(set(mine["sig"].get(sig, [])) | set(ranks))
+    return out
+
+
+def _all_gather_bytes(data: bytes, group, mesh) -> List[bytes]:
+    """Every rank's ``data`` over ``group``: two collectives (lengths, then bytes)."""
+    if group is None:
+        return [data]
+    device = comm_device(group)
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = all_gather_rows(n, group).flatten().tolist()
+    width = max(sizes)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    rows = all_gather_rows(buf.to(device), group).cpu()
+    return [bytes(rows[i, :s].tolist()) for i, s in enumerate(sizes)]
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return "[" + ", ".join(out) + "]"
+
+
+def _hints(metrics) -> str:
+    hints = dict.fromkeys(h for h in (getattr(m, "_sync_hint", None) for m in metrics) if h)
+    return "".join(f"; hint: {h}" for h in hints)

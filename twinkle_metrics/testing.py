@@ -135,18 +135,19 @@ def merged_results(shards: Sequence) -> Dict[str, Any]:
         parts = [MyMetric().accumulate(i, o) for i, o in shards_of(batch)]
         assert_results_close(merged_results(parts), whole)
     """
-    from .sync import unpack
+    import copy
+
+    from .sync import plain_states
 
     lead = shards[0]
     types = {type(m) for m in shards}
-    if len(types) != 1 or any(list(m._specs) != list(lead._specs) for m in shards):
-        raise ValueError(f"merged_results: shards must be the same metric with the same states, "
-                         f"got {sorted(t.__name__ for t in types)}")
-    rows = {name: torch.stack([m._states[name].detach().cpu().to(torch.float64) for m in shards])
-            for name in lead._specs}
-    merged = lead.merge(rows)
-    flat = torch.cat([merged[name].to(torch.float64).reshape(-1) for name in lead._specs])
-    return lead.compute(unpack(flat.tolist(), [lead])[0])
+    if len(types) != 1:
+        raise ValueError(f"merged_results: shards must be the same metric, got "
+                         f"{sorted(t.__name__ for t in types)}")
+    merged = copy.copy(lead)  # a shallow copy holding the merge: the shards stay as they are
+    merged._specs, merged._states = dict(lead._specs), dict(lead._states)
+    merged.load_state_dict([m.state_dict() for m in shards])
+    return merged.compute(plain_states(merged._states, merged._specs))
 
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",

@@ -61,10 +61,11 @@ class TrainMetric(Metric):
     step = State("max", torch.int64, local="last")
     grad_accum = State("max", torch.int64, local="last")
     interval_steps = State("max", torch.int64, local="last")
-    elapsed = State("max", local="last")
-    interval_time = State("max", local="last")
+    # Clock and memory readings differ between ranks, TP replicas included.
+    elapsed = State("max", local="last", per_rank=True)
+    interval_time = State("max", local="last", per_rank=True)
     peak_flops = State("max", local="last")
-    peak_memory = State("max", local="max")
+    peak_memory = State("max", local="max", per_rank=True)
 
     def __init__(self, device_mesh=None, process_group=None, *, counts: str = "global",
                  flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
@@ -129,10 +130,13 @@ class TrainMetric(Metric):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             # An allocator counter on the host: no device wait.
             out["peak_memory"] = torch.cuda.max_memory_allocated() / 2**30
-        # Host bookkeeping only after every check passed (a failed call changes nothing).
-        if step is not None:
-            self._seen_step = step
         return out
+
+    def _after_commit(self, contributions):
+        # Host bookkeeping only once the call is folded in (a failed call, or one a
+        # MetricCollection rejects because another metric failed, changes nothing).
+        if "step" in contributions:
+            self._seen_step = contributions["step"]
 
     def compute(self, s):
         out = {}
