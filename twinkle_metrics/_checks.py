@@ -75,3 +75,27 @@ def f64(value) -> Any:
 
 def add(total: Optional[Any], value: Any) -> Any:
     return value if total is None else total + value
+
+
+NAN_POLICIES = ("propagate", "skip")
+
+
+def nan_policy(metric: str, value) -> str:
+    """Check a ``nan_policy`` constructor argument.
+
+    ``"propagate"``: a non-finite value flows into every result it feeds (NaN/inf shows,
+    as Megatron's loss does); ``"skip"``: the entry holding it is dropped from every sum,
+    mean, min and max. Both count the non-finite entries.
+    """
+    if not isinstance(value, str) or value not in NAN_POLICIES:
+        raise ValueError(f"{metric}: nan_policy must be one of {list(NAN_POLICIES)}, got {value!r}; "
+                         "pass nan_policy='propagate' (NaN/inf shows in the results) or 'skip' "
+                         "(non-finite entries are dropped and counted)")
+    return value
+
+
+def nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """``~isfinite(x)`` as bool; integer tensors are always finite."""
+    if not (x.is_floating_point() or x.is_complex()):
+        return torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    return ~torch.isfinite(x)

@@ -5,16 +5,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ._checks import nan_policy as check_nan_policy, nonfinite
 from .base import Metric
 from .microbatch import microbatches
 from .rl_inputs import common_length, cp_lead, cp_sum, float_tensor, keep_bits, masked, token_mask
 from .state import State
 
 _NAME = "DPOMetric"
-
-
-_LINEAR_KEYS = ("chosen", "rejected", "ref_chosen", "ref_rejected", "reward_chosen", "reward_rejected",
-                "margin")
 
 
 class DPOMetric(Metric):
@@ -49,9 +46,22 @@ class DPOMetric(Metric):
     statistics divide by the pairs that had reference log-probs (Twinkle divides
     by all pairs).
 
+    An empty batch (no sequences, or an empty microbatch list) adds nothing. Per-token
+    ``logps`` need ``inputs`` (labels or completion_mask give the token mask); only the
+    pre-summed form works without them.
+
+    Non-finite values (``nan_policy``): a pair counts as non-finite when one of its
+    sequence log-probs (chosen, rejected, and their references when given; sums over
+    the masked tokens, completed over CP) is NaN/inf; NaN/-inf padding at masked
+    positions does not count. ``'propagate'`` (default): the value flows into every
+    key it feeds, ``rewards/accuracies`` included (NaN, not a comparison that is
+    silently False). ``'skip'``: the pair is dropped from every statistic. Both report
+    ``logps/nonfinite_pairs`` when > 0.
+
     Args:
         beta: DPO's beta, scaling the implicit rewards.
         ignore_index: label value of tokens that do not count.
+        nan_policy: ``'propagate'`` or ``'skip'`` (see above).
     """
 
     pairs = State("sum", torch.int64)
@@ -64,12 +74,14 @@ class DPOMetric(Metric):
     reward_rejected = State("sum")
     margin = State("sum")
     correct = State("sum", torch.int64)
+    n_bad = State("sum", torch.int64)  # non-finite pairs
 
     def __init__(self, device_mesh=None, process_group=None, *, beta: float = 0.1,
-                 ignore_index: int = -100):
+                 ignore_index: int = -100, nan_policy: str = "propagate"):
         super().__init__(device_mesh, process_group)
         self.beta = float(beta)
         self.ignore_index = ignore_index
+        self.nan_policy = check_nan_policy(_NAME, nan_policy)
 
     def update(self, inputs=None, outputs=None, *, ref_outputs=None, chosen=None, rejected=None,
                ref_chosen=None, ref_rejected=None, **kwargs) -> Dict[str, Any]:
@@ -77,6 +89,10 @@ class DPOMetric(Metric):
             if chosen is None or rejected is None:
                 raise ValueError(f"{_NAME}: got only one of chosen=/rejected=; pass both as "
                                  "(inputs, outputs) pairs")
+            if inputs is not None or outputs is not None or ref_outputs is not None:
+                raise ValueError(f"{_NAME}: got chosen=/rejected= and also inputs/outputs/ref_outputs, "
+                                 "which would be ignored; pass either separate batches (chosen=, "
+                                 "rejected=, ref_chosen=, ref_rejected=) or one interleaved batch")
             c = self._seq_logps("chosen", *_pair("chosen", chosen), ref_chosen)
             r = self._seq_logps("rejected", *_pair("rejected", rejected), ref_rejected)
             if c is None or r is None:
@@ -87,7 +103,14 @@ class DPOMetric(Metric):
                                  "matching pairs, with reference log-probs for both or neither")
             sums = self._complete(torch.cat([c, r]))
             x = torch.cat([sums[:c.shape[0]], sums[c.shape[0]:]], 1)
-        elif isinstance(outputs, dict) and outputs.get("chosen_logps") is not None:
+        elif ref_chosen is not None or ref_rejected is not None:
+            raise ValueError(f"{_NAME}: got ref_chosen=/ref_rejected= without chosen=/rejected=, so they "
+                             "would be ignored; pass chosen= and rejected= too, or ref_outputs= with an "
+                             "interleaved batch")
+        elif isinstance(outputs, dict) and (outputs.get("chosen_logps") is not None
+                                            or outputs.get("rejected_logps") is not None):
+            if outputs.get("chosen_logps") is None:
+                raise ValueError(f"{_NAME}: outputs has 'rejected_logps' but no 'chosen_logps'; pass both")
             x = torch.cat(self._presummed(outputs), 1)
         else:
             sums = self._seq_logps("outputs", inputs, outputs, ref_outputs)
@@ -98,7 +121,8 @@ class DPOMetric(Metric):
                                  "[chosen, rejected, ...] batches need an even count (or pass "
                                  "chosen=/rejected= separately)")
             sums = self._complete(sums)
-            x = sums.reshape(sums.shape[0] // 2, -1)  # rows [c, r] interleaved: one row per pair
+            # rows [c, r] interleaved: one row per pair (explicit width: an empty batch is [0, w])
+            x = sums.reshape(sums.shape[0] // 2, 2 * sums.shape[1])
         if not cp_lead(self):
             return {}  # the other CP ranks hold the same completed sums: count pairs once
         return self._stats(x)
@@ -106,16 +130,32 @@ class DPOMetric(Metric):
     # ----------------------------------------------------------------- pieces
     def _seq_logps(self, what: str, inputs, outputs, ref_outputs) -> Optional[torch.Tensor]:
         """``[n, 1]`` (policy) or ``[n, 2]`` (policy, ref) masked token sums of this rank."""
+        field = "outputs['logps']" if what == "outputs" else f"{what} outputs['logps']"
+        if inputs is None and _has_logps(outputs):
+            where = "inputs" if what == "outputs" else f"the inputs of {what}="
+            raise ValueError(f"{_NAME}: {field} given but {where} is None; per-token log-probs need the "
+                             "token mask: pass the InputFeature (or list of them) with labels or "
+                             "completion_mask, or pass per-pair sequence sums as outputs={'chosen_logps': "
+                             "[n], 'rejected_logps': [n]}, which need no inputs")
+        if outputs is None:
+            return None  # nothing to add, as with an empty microbatch list
         pairs = microbatches(_NAME, inputs, outputs, ("logps",))
-        if not pairs or any("logps" not in o for _, o in pairs):
+        if not pairs:
             return None
+        for i, (_, o) in enumerate(pairs):
+            if "logps" not in o:
+                raise ValueError(f"{_NAME}: {what} of microbatch {i} have no 'logps'; pass per-token "
+                                 "log-probs [batch, seq] (or per-pair sums as 'chosen_logps'/"
+                                 f"'rejected_logps'); got fields {sorted(_fields(outputs, i))}")
         ref_pairs = None
         if ref_outputs is not None:
             ref_pairs = microbatches(_NAME, inputs, ref_outputs, ("logps",))
-            if any("logps" not in o for _, o in ref_pairs):
-                ref_pairs = None
+            for i, (_, o) in enumerate(ref_pairs):
+                if "logps" not in o:
+                    raise ValueError(f"{_NAME}: reference outputs for {what} of microbatch {i} have no "
+                                     "'logps'; pass {'logps': [batch, seq]} from the reference model, or "
+                                     "no reference outputs at all")
         rows: List[torch.Tensor] = []
-        field = "outputs['logps']" if what == "outputs" else f"{what} outputs['logps']"
         for i, (feat, out) in enumerate(pairs):
             lp = float_tensor(_NAME, field, out["logps"])
             lp = lp.unsqueeze(0) if lp.dim() == 1 else lp
@@ -175,33 +215,31 @@ class DPOMetric(Metric):
     def _stats(self, x: torch.Tensor) -> Dict[str, Any]:
         """Contributions of ``x`` = [pairs, (chosen, [ref_chosen], rejected, [ref_rejected])]."""
         n = x.shape[0]
+        bad = nonfinite(x).sum(1, dtype=torch.int64) > 0  # a pair with a NaN/inf sequence log-prob
+        out: Dict[str, Any] = {"n_bad": bad.sum()}
+        if self.nan_policy == "skip":
+            x = torch.where(bad[:, None], 0.0, x)
+            n = n - out["n_bad"]
         if x.shape[1] == 2:
             chosen, rejected = x.sum(0).unbind()
-            return {"pairs": n, "chosen": chosen, "rejected": rejected}
-        # Every sum is linear in the four per-pair columns: one matmul, one reduction.
-        per_pair = x @ self._linear(x)
-        sums = per_pair.sum(0).unbind()
-        out: Dict[str, Any] = dict(zip(_LINEAR_KEYS, sums))
-        out.update(pairs=n, ref_pairs=n, correct=(per_pair[:, 4] > per_pair[:, 5]).sum())
+            out.update(pairs=n, chosen=chosen, rejected=rejected)
+            return out
+        # Every statistic but the accuracy is linear in the four column sums. Formed from
+        # the sums directly, not by a matrix product: 0 * inf would turn a non-finite
+        # reference into NaN in the policy's own keys.
+        c, rc, r, rr = x.sum(0).unbind()
+        b = self.beta
+        out.update(pairs=n, ref_pairs=n, chosen=c, rejected=r, ref_chosen=rc, ref_rejected=rr,
+                   reward_chosen=b * (c - rc), reward_rejected=b * (r - rr), margin=b * ((c - rc) - (r - rr)))
+        won = b * (x[:, 0] - x[:, 1]) > b * (x[:, 2] - x[:, 3])
+        out["correct"] = (won & ~bad).sum() if self.nan_policy == "skip" else won.sum()
         return out
 
-    def _linear(self, like: torch.Tensor) -> torch.Tensor:
-        """[4, 7]: (chosen, ref_chosen, rejected, ref_rejected) -> the _LINEAR_KEYS columns."""
-        key, w = self.__dict__.get("_w", (None, None))
-        if key != (self.beta, like.device):
-            b = self.beta
-            # Filled on the device (fill kernels), not copied from host memory: no sync on CUDA.
-            w = torch.zeros(4, 7, dtype=torch.float64, device=like.device)
-            for (i, j), v in {(0, 0): 1, (0, 4): b, (0, 6): b, (1, 2): 1, (1, 4): -b, (1, 6): -b,
-                              (2, 1): 1, (2, 5): b, (2, 6): -b, (3, 3): 1, (3, 5): -b, (3, 6): b}.items():
-                w[i, j] = v
-            self._w = ((b, like.device), w)
-        return w
-
     def compute(self, s):
+        out: Dict[str, Any] = {"logps/nonfinite_pairs": int(s["n_bad"])} if s["n_bad"] else {}
         if not s["pairs"]:
-            return {}
-        out = {"logps/chosen": s["chosen"] / s["pairs"], "logps/rejected": s["rejected"] / s["pairs"]}
+            return out
+        out.update({"logps/chosen": s["chosen"] / s["pairs"], "logps/rejected": s["rejected"] / s["pairs"]})
         n = s["ref_pairs"]
         if n:
             out.update({
@@ -210,9 +248,23 @@ class DPOMetric(Metric):
                 "rewards/chosen": s["reward_chosen"] / n,
                 "rewards/rejected": s["reward_rejected"] / n,
                 "rewards/margins": s["margin"] / n,
-                "rewards/accuracies": s["correct"] / n,
+                # margin * 0 is 0, or NaN when a pair was non-finite ('propagate'): a NaN
+                # comparison is False and would give a finite, wrong fraction
+                "rewards/accuracies": s["correct"] / n + s["margin"] * 0.0,
             })
         return out
+
+
+def _has_logps(outputs) -> bool:
+    items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    return any(isinstance(o, dict) and o.get("logps") is not None for o in items)
+
+
+def _fields(outputs, i) -> List[str]:
+    if isinstance(outputs, (list, tuple)):
+        o = outputs[i] if i < len(outputs) else None
+        return [str(k) for k in o] if isinstance(o, dict) else []
+    return [str(k) for k in outputs] if isinstance(outputs, dict) else []
 
 
 def _pair(name: str, value):

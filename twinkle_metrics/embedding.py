@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_rank, group_size
 
-from ._checks import add, f64, int_tensor, scalar
+from ._checks import add, f64, int_tensor, nan_policy as check_nan_policy, nonfinite, scalar
 from ._host import host_max
 from .base import Metric
 from .microbatch import as_feature_list, microbatches
@@ -64,10 +64,19 @@ class EmbeddingMetric(Metric):
     duplicated. Every rank of the data group must call ``accumulate`` the same number
     of times (an empty list ``[]`` where it has nothing), as with Twinkle.
 
+    Non-finite values (``nan_policy``): an embedding row that feeds a statistic (an
+    anchor, or the positive of one) and holds a NaN/inf counts as non-finite; other
+    rows (non-anchors, padding) are ignored and not counted. ``'propagate'``
+    (default): NaN flows into every key the row feeds (``pos_sim*``, ``neg_sim``,
+    ``margin``, and ``in_batch_accuracy``, which is NaN rather than a silently False
+    comparison). ``'skip'``: every pair that uses the row is dropped (as anchor,
+    positive and in-batch negative). Both report ``nonfinite_rows`` when > 0.
+
     Args:
         size_group: a CPU (gloo) process group over the data-group ranks for the
             row-count exchange; defaults to the mesh's ``cpu_data_group``.
         eps: lower bound of the norm in the cosine.
+        nan_policy: ``'propagate'`` or ``'skip'`` (see above).
     """
 
     pos_sum = State("sum")
@@ -82,12 +91,14 @@ class EmbeddingMetric(Metric):
     loss_total = State("sum")
     loss_count = State("sum", torch.int64)
     grad_norm = State("max", local="last")
+    n_bad = State("sum", torch.int64)  # non-finite rows
 
     def __init__(self, device_mesh=None, process_group=None, *, size_group=None, eps: float = 1e-8,
-                 **kwargs):
+                 nan_policy: str = "propagate", **kwargs):
         super().__init__(device_mesh, process_group, **kwargs)
         self.size_group = size_group
         self.eps = eps
+        self.nan_policy = check_nan_policy(_NAME, nan_policy)
 
     def update(self, inputs, outputs, *, grad_norm=None, **kwargs):
         emb, labels, losses = self._rows(inputs, outputs)
@@ -198,7 +209,20 @@ class EmbeddingMetric(Metric):
             pos_local = F.normalize(nxt.to(torch.float64), dim=-1, eps=self.eps)
             # Pooled embeddings are whole-sequence values, the same on every rank of a CP
             # group: only CP rank 0's rows count (as anchors and as in-batch negatives).
-            valid = anchors.to(torch.float64) * (1.0 if cp_lead(self) else 0.0)
+            lead = cp_lead(self)
+            valid = anchors.to(torch.float64) * (1.0 if lead else 0.0)
+            # Rows that feed a statistic: anchors and their positives (row i + 1 of an anchor).
+            row_bad = nonfinite(emb).sum(-1, dtype=torch.int64) > 0
+            used = anchors | torch.roll(anchors, 1)
+            bad_rows = (used & row_bad).sum() * (1 if lead else 0)
+            if self.nan_policy == "skip":
+                pair_bad = row_bad | (nonfinite(nxt).sum(-1, dtype=torch.int64) > 0)
+                valid = torch.where(pair_bad, 0.0, valid)
+            # Rows that do not count are zeroed, so their values (NaN padding, dropped rows)
+            # never reach a product with a 0 weight (NaN * 0 is NaN).
+            keep = valid[:, None] > 0
+            anchor_vec = torch.where(keep, anchor_vec, 0.0)
+            pos_local = torch.where(keep, pos_local, 0.0)
         if size > 1:
             buf = torch.zeros(n_max, d_max + 1, dtype=torch.float64, device=comm_device(group))
             if n:
@@ -221,6 +245,7 @@ class EmbeddingMetric(Metric):
         has_neg = (neg_count > 0) & (valid > 0)
         is_anchor = valid > 0
         return {
+            "n_bad": bad_rows,
             "pos_sum": (pos * valid).sum(),
             "pos_min": torch.where(is_anchor, pos, torch.inf).amin(),
             "pos_max": torch.where(is_anchor, pos, -torch.inf).amax(),
@@ -235,8 +260,10 @@ class EmbeddingMetric(Metric):
     def compute(self, s):
         out = {}
         if s["pos_count"]:
+            # 0, or NaN when a NaN row fed the comparisons ('propagate'; NaN > x is False)
+            poison = (s["pos_sum"] + s["neg_sum"] + s["margin_sum"]) * 0.0
             out.update(pos_sim=s["pos_sum"] / s["pos_count"], pos_sim_min=s["pos_min"],
-                       pos_sim_max=s["pos_max"], in_batch_accuracy=s["top1_correct"] / s["pos_count"])
+                       pos_sim_max=s["pos_max"], in_batch_accuracy=s["top1_correct"] / s["pos_count"] + poison)
         if s["neg_count"]:
             out["neg_sim"] = s["neg_sum"] / s["neg_count"]
         if s["margin_count"]:
@@ -245,6 +272,8 @@ class EmbeddingMetric(Metric):
             out["loss"] = s["loss_total"] / s["loss_count"]
         if s["grad_norm"] != -float("inf"):
             out["grad_norm"] = s["grad_norm"]
+        if s["n_bad"]:
+            out["nonfinite_rows"] = int(s["n_bad"])
         return out
 
 

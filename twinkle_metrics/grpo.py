@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from parallel import comm_device, group_rank, group_size
 
+from ._checks import nan_policy as check_nan_policy, nonfinite
 from .base import Metric
 from .microbatch import microbatches
 from .rl_inputs import (_float, as_tensor, common_length, cp_sum, float_tensor, keep_bits, masked, per_token,
@@ -69,6 +71,10 @@ class GRPOMetric(Metric):
       else its index in the local row. Twinkle keeps per-rank records with local
       indices.
 
+    ``inputs`` are required whenever ``outputs`` hold log-probs (labels or
+    ``completion_mask`` give the token mask); ``outputs=None`` or an empty
+    microbatch list adds nothing.
+
     Side inputs (``old_logps``, ``advantages``, ``ref_logps``) may be one tensor
     aligned to the concatenated batch (``[N, s]``; for advantages also ``[N]`` or
     ``[N, 1]``, one value per sequence), a list with one entry per microbatch, or a
@@ -86,6 +92,17 @@ class GRPOMetric(Metric):
     of r and k3: exp is monotone and k3 is convex with its minimum at d = 0, so
     ``ratio_min/max`` = exp(d extremes) and ``token_kl_max`` = the larger k3 of the two.
 
+    Non-finite values (``nan_policy``): a token counts as non-finite when, at a
+    token that counts (masked-in, and for side inputs a token that has a value), its
+    logp, old logp, ref logp, advantage or entropy is NaN/inf; NaN/-inf padding at
+    masked positions is ignored and not counted. ``'propagate'`` (default): the value
+    flows into every key it feeds (means, min/max, and the clip ratios, which become
+    NaN rather than silently missing a NaN comparison). ``'skip'``: the token is
+    dropped from every sum, mean, min and max (exactly the statistics of the same data
+    without it; a GSPO sequence keeps its other tokens). Both report the count as
+    ``train/nonfinite_tokens`` when > 0 (summed over the data group, like the token
+    counts). ``_high_kl_records`` never hold a NaN k3 token.
+
     Temperature: log-probs are taken as given (they already carry the sampling
     temperature). Twinkle multiplies them by T, which is wrong
     (T * log softmax(z / T) != log softmax(z)); here T only scales logits when the
@@ -101,6 +118,7 @@ class GRPOMetric(Metric):
         vocab_parallel: the logits are vocab-sharded over the mesh's TP group.
         entropy_chunk_size: at most this many tokens per entropy chunk (None: the
             byte budget alone decides).
+        nan_policy: ``'propagate'`` or ``'skip'`` (see above).
         entropy_chunk_bytes: size of one float32 (float64 for float64 logits)
             working buffer of the entropy computation; two are live at once.
             None: 1/64 of the call's logits, at least 1 MiB. Never less than one
@@ -127,6 +145,8 @@ class GRPOMetric(Metric):
     adv_max = State("max")
     n_ref = State("sum", torch.int64)
     sum_ref_kl = State("sum")
+    n_bad = State("sum", torch.int64)  # non-finite tokens
+    clip_nan = State("sum")  # 0, or NaN when a clip-gated token held NaN/inf ('propagate')
 
     #: clip statistics per sequence (GSPO) instead of per token
     sequence_level_clip = False
@@ -134,9 +154,11 @@ class GRPOMetric(Metric):
     def __init__(self, device_mesh=None, process_group=None, *, ignore_index: int = -100,
                  temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
                  top_k_kl: int = 0, entropy_from_logits: bool = False, vocab_parallel: bool = False,
-                 entropy_chunk_size: Optional[int] = None, entropy_chunk_bytes: Optional[int] = None):
+                 entropy_chunk_size: Optional[int] = None, entropy_chunk_bytes: Optional[int] = None,
+                 nan_policy: str = "propagate"):
         super().__init__(device_mesh, process_group)
         name = type(self).__name__
+        self.nan_policy = check_nan_policy(name, nan_policy)
         if temperature <= 0:
             raise ValueError(f"{name}: temperature must be > 0, got {temperature}")
         if not isinstance(top_k_kl, int) or top_k_kl < 0:
@@ -173,10 +195,21 @@ class GRPOMetric(Metric):
     def update(self, inputs, outputs, *, old_logps=None, advantages=None, ref_logps=None,
                ref_outputs=None, **kwargs) -> Dict[str, Any]:
         name = type(self).__name__
+        if ref_outputs is not None:
+            if ref_logps is not None:
+                raise ValueError(f"{name}: got both ref_logps= and ref_outputs=; pass one")
+            if not isinstance(ref_outputs, Mapping) or ref_outputs.get("logps") is None:
+                got = sorted(map(str, ref_outputs)) if isinstance(ref_outputs, Mapping) else \
+                    type(ref_outputs).__name__
+                raise ValueError(f"{name}: ref_outputs must be a dict with 'logps' (the reference model's "
+                                 f"per-token log-probs), got {got}; or pass ref_logps= directly")
+            ref_logps = ref_outputs["logps"]
         if outputs is None:
             return {}
-        if ref_logps is None and isinstance(ref_outputs, dict):
-            ref_logps = ref_outputs.get("logps")
+        if inputs is None and _has_logps(outputs):
+            raise ValueError(f"{name}: outputs['logps'] given but inputs is None; per-token log-probs need "
+                             "the token mask: pass the InputFeature (or list of them) with labels or "
+                             "completion_mask")
         pairs = microbatches(name, inputs, outputs, ("logps", "entropies", "logits"))
         if not pairs:
             return {}
@@ -206,8 +239,14 @@ class GRPOMetric(Metric):
         acc: Dict[str, Any] = {}
         seq_parts: List[torch.Tensor] = []
         candidates: List[torch.Tensor] = []
-        logit_jobs = []
         seq_start = 0
+        skip = self.nan_policy == "skip"
+        # Entropy from logits before the sums (its collectives run once per call, as before):
+        # a token whose entropy is NaN/inf is a non-finite token like any other.
+        logit_jobs = [(i, o["logits"], m) for i, ((_, o), m) in enumerate(zip(pairs, masks))
+                      if "entropies" not in o and self.entropy_from_logits and "logits" in o]
+        logit_ents = dict(zip([job[0] for job in logit_jobs],
+                              self._entropy_from_logits(name, logit_jobs))) if logit_jobs else {}
         for i, ((feat, o), lp, m) in enumerate(zip(pairs, lps, masks)):
             cache = {}
 
@@ -217,33 +256,65 @@ class GRPOMetric(Metric):
                     cache[key] = keep_bits(mask, x.dtype)
                 return masked(x, cache[key])
 
-            n_tok = m.sum()
-            lpm = keep(lp, m)
-            _add(acc, "n_tok", n_tok)
-            _add(acc, "sum_new", lpm.sum(dtype=torch.float64))
+            ent = em = None  # entropies and the tokens that have one
             if "entropies" in o:
                 ent = as_tensor(o["entropies"], lp.device)
                 ent = ent.unsqueeze(0) if ent.dim() == 1 else ent
                 if ent.dim() == 2 and ent.shape == m.shape:
-                    _add(acc, "n_ent", n_tok)
-                    _add(acc, "sum_ent", keep(_floating(ent), m).sum(dtype=torch.float64))
+                    em = m
                 else:
                     ent, em = common_length(name, "outputs['entropies']", ent, m)
+                ent = _floating(ent)
+            elif i in logit_ents:
+                ent, em = logit_ents[i], m
+            adv = has_adv = ref = has_ref = old = has_old = None
+            if m.numel():
+                if advs[i] is not None:
+                    adv, has_adv = per_token(name, "advantages", advs[i], m, full_lens[i], per_sequence=True)
+                if refs[i] is not None:
+                    ref, has_ref = per_token(name, "ref_logps", refs[i], m, full_lens[i])
+                if olds[i] is not None:
+                    old, has_old = per_token(name, "old_logps", olds[i], m, full_lens[i])
+            # Tokens that count and hold a NaN/inf in any input (padding at masked positions
+            # is not counted: every term is gated by the tokens the value belongs to).
+            bad = nonfinite(lp) & m
+            for x, has in ((adv, has_adv), (ref, has_ref), (old, has_old), (ent, em)):
+                if x is not None:
+                    b = nonfinite(x) & has
+                    bad |= b if b.shape == bad.shape else _pad_cols(b, bad.shape[1])
+            _add(acc, "n_bad", bad.sum())
+            if skip:  # drop those tokens from every mask; zero their values (no NaN * 0 below)
+                ok, m0 = ~bad, m
+                m = m & ok
+
+                def drop(has):
+                    return has if has is None else m if has is m0 else has & ok[:, :has.shape[1]]
+
+                has_adv, has_ref, has_old, em = drop(has_adv), drop(has_ref), drop(has_old), drop(em)
+                lp, adv, ref, old, ent = (x if x is None else x.nan_to_num(0.0, 0.0, 0.0)
+                                          for x in (lp, adv, ref, old, ent))
+
+            n_tok = m.sum()
+            lpm = keep(lp, m)
+            _add(acc, "n_tok", n_tok)
+            _add(acc, "sum_new", lpm.sum(dtype=torch.float64))
+            if ent is not None:
+                if em is m:
+                    _add(acc, "n_ent", n_tok)
+                    _add(acc, "sum_ent", keep(ent, m).sum(dtype=torch.float64))
+                else:
                     _add(acc, "n_ent", em.sum())
                     _add(acc, "sum_ent", torch.where(em, ent, 0.0).sum(dtype=torch.float64))
-            elif self.entropy_from_logits and "logits" in o:
-                logit_jobs.append((i, o["logits"], m))
             if m.numel() == 0:
                 seq_start += m.shape[0]
                 continue
-            adv = has_adv = None
-            if advs[i] is not None:
-                adv, has_adv = per_token(name, "advantages", advs[i], m, full_lens[i], per_sequence=True)
+            if adv is not None:
                 n_adv = n_tok if has_adv is m else has_adv.sum()
                 _add(acc, "n_adv", n_adv)
                 if adv.shape[1] == 1 and m.shape[1] != 1:  # one value per sequence: per-row counts
                     rows = has_adv.sum(1, dtype=torch.float64)
-                    _add(acc, "sum_adv", (adv[:, 0].to(torch.float64) * rows).sum())
+                    # where: the value of a row without tokens (maybe NaN) must not count
+                    _add(acc, "sum_adv", torch.where(rows > 0, adv[:, 0].to(torch.float64) * rows, 0.0).sum())
                     lo, hi = _extremes(adv[:, 0], rows > 0)
                 else:
                     adv = keep(adv, has_adv)  # aligned values may be NaN where masked
@@ -252,8 +323,7 @@ class GRPOMetric(Metric):
                 _min(acc, "adv_min", lo)
                 _max(acc, "adv_max", hi)
             lp64 = None
-            if refs[i] is not None:
-                ref, has_ref = per_token(name, "ref_logps", refs[i], m, full_lens[i])
+            if ref is not None:
                 if has_ref is m:
                     n_ref = n_tok
                     lp64 = lpr = lpm.to(torch.float64)
@@ -265,8 +335,7 @@ class GRPOMetric(Metric):
                 sum_dr = dr.sum()
                 _add(acc, "n_ref", n_ref)
                 _add(acc, "sum_ref_kl", dr.expm1_().sum() - sum_dr)
-            if olds[i] is not None:
-                old, has_old = per_token(name, "old_logps", olds[i], m, full_lens[i])
+            if old is not None:
                 if has_old is m:
                     n_old = n_tok
                     lpo = lp64 if lp64 is not None else lpm.to(torch.float64)
@@ -287,10 +356,14 @@ class GRPOMetric(Metric):
                 _max(acc, "logr_max", hi)
                 if adv is not None:
                     gate = has_old if has_adv is m else has_old & has_adv
+                    if not skip:
+                        # Under 'propagate' a NaN/inf d or A must not vanish in a comparison
+                        # (NaN < x is False): 0, or NaN when a gated token holds one.
+                        _add(acc, "clip_nan", torch.where(gate, d * 0.0 + adv * 0.0, 0.0).sum())
                     if self.sequence_level_clip:
                         g = gate.to(torch.float64)
                         seq_parts.append(torch.stack([(d * g).sum(1), g.sum(1),
-                                                      (adv.to(torch.float64) * g).sum(1)], 1))
+                                                      torch.where(gate, adv.to(torch.float64), 0.0).sum(1)], 1))
                     else:
                         extra = None if self._zero_unclipped else has_old
                         if has_adv is not m:
@@ -308,10 +381,6 @@ class GRPOMetric(Metric):
                     candidates.append(self._candidates(feat, m, lp, old, d, em, has_old, seq_start))
             seq_start += m.shape[0]
 
-        if logit_jobs:
-            for (i, _, m), ent in zip(logit_jobs, self._entropy_from_logits(name, logit_jobs)):
-                _add(acc, "n_ent", m.sum())
-                _add(acc, "sum_ent", torch.where(m, ent, 0.0).sum())
         if self.sequence_level_clip and seq_parts:
             acc.update(self._sequence_clip(torch.cat(seq_parts)))
         if self.top_k_kl:
@@ -475,11 +544,11 @@ class GRPOMetric(Metric):
 
     # ---------------------------------------------------------------- compute
     def compute(self, s):
+        out: Dict[str, Any] = {"train/nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
         if not s["n_tok"]:
-            return {}
+            return out
         mean_new = s["sum_new"] / s["n_tok"]
-        out: Dict[str, Any] = {"train/policy_confidence": math.exp(mean_new),
-                               "train/mean_new_logp": mean_new}
+        out.update({"train/policy_confidence": _exp(mean_new), "train/mean_new_logp": mean_new})
         n = s["n_old"]
         if n:
             out.update({
@@ -495,9 +564,10 @@ class GRPOMetric(Metric):
         if s["n_ent"]:
             out["train/entropy"] = s["sum_ent"] / s["n_ent"]
         if s["clip_n"]:
-            out["train/clip_ratio_low"] = s["clip_low"] / s["clip_n"]
-            out["train/clip_ratio_high"] = s["clip_high"] / s["clip_n"]
-            out["train/clip_ratio"] = (s["clip_low"] + s["clip_high"]) / s["clip_n"]
+            poison = s["clip_nan"]  # 0.0, or NaN under 'propagate' when a gated token was non-finite
+            out["train/clip_ratio_low"] = s["clip_low"] / s["clip_n"] + poison
+            out["train/clip_ratio_high"] = s["clip_high"] / s["clip_n"] + poison
+            out["train/clip_ratio"] = (s["clip_low"] + s["clip_high"]) / s["clip_n"] + poison
         if s["n_adv"]:
             out["train/advantage_mean"] = s["sum_adv"] / s["n_adv"]
             out["train/advantage_min"] = s["adv_min"]
@@ -542,8 +612,18 @@ class CISPOMetric(GRPOMetric):
     clip_by_advantage_sign = False
 
 
+def _has_logps(outputs) -> bool:
+    items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    return any(isinstance(o, Mapping) and o.get("logps") is not None for o in items)
+
+
 def _floating(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_floating_point() else x.to(torch.float64)
+
+
+def _pad_cols(x: torch.Tensor, s: int) -> torch.Tensor:
+    """``x`` ([b, n] bool, n <= s) padded with False to [b, s]."""
+    return torch.cat([x, x.new_zeros(x.shape[0], s - x.shape[1])], 1)
 
 
 def _extremes(x: torch.Tensor, has: torch.Tensor):

@@ -1,11 +1,13 @@
 """``LossMetric``: token-weighted (or per-call mean) loss and the grad norm."""
 from __future__ import annotations
 
+import difflib
+import math
 from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from ._checks import add, f64, int_tensor, scalar
+from ._checks import add, f64, int_tensor, nan_policy as check_nan_policy, nonfinite, scalar
 from .base import Metric
 from .microbatch import as_feature_list
 from .state import State
@@ -42,54 +44,82 @@ class LossMetric(Metric):
 
     Keys: ``loss``; ``num_tokens`` (total tokens, when any were counted);
     ``grad_norm`` (the max over ranks of the last value passed; omitted when never
-    passed). Values are plain numbers (Twinkle returns strings).
+    passed); ``loss_nonfinite`` (only when > 0: loss entries whose loss or token count
+    was NaN/inf). Values are plain numbers (Twinkle returns strings).
+
+    Non-finite values (``nan_policy``): ``'propagate'`` (default) lets a NaN/inf loss
+    or token count show as NaN/inf in ``loss`` (and ``num_tokens`` for a count), as
+    Megatron's own loss does; a non-finite count never yields a finite loss (x / inf
+    is reported as NaN, and a Megatron pair with a NaN count is not dropped as
+    "no tokens"). ``'skip'`` drops the whole entry (its loss and its count). Both
+    count the entries in ``loss_nonfinite``.
 
     Args:
         loss_reduction: ``'mean'`` (Twinkle's default) or ``'sum'``.
         loss_key: key of Megatron's report dicts.
         ignore_index: label value of tokens without a target.
+        nan_policy: ``'propagate'`` or ``'skip'`` (see above).
     """
 
     loss_total = State("sum")
     entries = State("sum", torch.int64)
     num_tokens = State("sum")
     grad_norm = State("max", local="last")
+    nonfinite = State("sum", torch.int64)
 
     def __init__(self, device_mesh=None, process_group=None, *, loss_reduction: str = "mean",
-                 loss_key: str = "lm loss", ignore_index: int = -100, **kwargs):
+                 loss_key: str = "lm loss", ignore_index: int = -100, nan_policy: str = "propagate",
+                 **kwargs):
         super().__init__(device_mesh, process_group, **kwargs)
         self.loss_reduction = _check_reduction(loss_reduction)
         self.loss_key = loss_key
         self.ignore_index = ignore_index
+        self.nan_policy = check_nan_policy(_NAME, nan_policy)
 
     def update(self, inputs, outputs, *, loss_reduction: Optional[str] = None, grad_norm=None, **kwargs):
         reduction = _check_reduction(loss_reduction or self.loss_reduction)
+        skip = self.nan_policy == "skip"
         out = {}
         if grad_norm is not None:
             out["grad_norm"] = f64(scalar(_NAME, "grad_norm", grad_norm))
-        loss_total = entries = tokens = None
-        for loss, n, feats, where, is_pair in self._entries(inputs, outputs):
-            if reduction == "sum":
-                if n is None:
+        loss_total = entries = tokens = bad_total = None
+        for loss, n, feats, where, is_pair in self._entries(inputs, outputs, reduction):
+            if reduction == "sum" or not is_pair:
+                if reduction == "sum" and n is None:
                     n = self._count_tokens(feats, where)
-                loss_total = add(loss_total, f64(loss))
-                tokens = add(tokens, f64(n))
-                entries = add(entries, 1)
-            elif is_pair:
-                n = f64(n)
-                has = n > 0
-                loss_total = add(loss_total, torch.where(has, f64(loss) / torch.where(has, n, 1.0), 0.0))
-                entries = add(entries, has.to(torch.int64))
-            else:
-                loss_total = add(loss_total, f64(loss))
-                entries = add(entries, 1)
+                loss = f64(loss)
+                n = None if reduction == "mean" else f64(n)
+                n_bad = _bad(n)
+                bad = _or(_bad(loss), n_bad)
+                if skip:
+                    loss, one = _sel(bad, 0.0, loss), _sel(bad, 0, 1, torch.int64)
+                    n = None if n is None else _sel(bad, 0.0, n)
+                else:
+                    # sum / inf would be a finite 0: a non-finite count makes the loss NaN
+                    loss, one = (loss if n is None else _sel(n_bad, math.nan, loss)), 1
+                loss_total = add(loss_total, loss)
+                entries = add(entries, one)
+                if n is not None:
+                    tokens = add(tokens, n)
+            else:  # 'mean' of a Megatron pair: loss_sum / n, entries without tokens skipped
+                loss, n = f64(loss), f64(n)
+                bad = nonfinite(loss) | nonfinite(n)
+                has = n > 0  # False for a NaN count: without the policy it would vanish silently
+                use = has & ~bad if skip else has | bad
+                value = torch.where(has, loss / torch.where(has, n, 1.0), loss)
+                if not skip:  # loss / inf would be a finite 0
+                    value = torch.where(torch.isfinite(n), value, math.nan)
+                loss_total = add(loss_total, torch.where(use, value, 0.0))
+                entries = add(entries, use.to(torch.int64))
+            bad_total = add(bad_total, bad.to(torch.int64) if isinstance(bad, torch.Tensor) else int(bad))
         if entries is not None:
             out["loss_total"], out["entries"] = loss_total, entries
+            out["nonfinite"] = bad_total
             if tokens is not None:
                 out["num_tokens"] = tokens
         return out
 
-    def _entries(self, inputs, outputs) -> List[Entry]:
+    def _entries(self, inputs, outputs, reduction: str) -> List[Entry]:
         feats = as_feature_list(_NAME, inputs)
         if outputs is None:
             return []
@@ -104,7 +134,7 @@ class LossMetric(Metric):
                 if not isinstance(o, Mapping):
                     raise TypeError(f"{_NAME}: outputs[{i}] is a {type(o).__name__}, expected a dict such "
                                     f"as {{'{self.loss_key}': tensor([loss_sum, num_tokens])}}")
-                entry = self._from_dict(o, feats[i:i + 1], f"outputs[{i}]")
+                entry = self._from_dict(o, feats[i:i + 1], f"outputs[{i}]", reduction, report=True)
                 if entry is not None:
                     found.append(entry)
             return found
@@ -133,19 +163,52 @@ class LossMetric(Metric):
                      None if c is None else scalar(_NAME, f"outputs['num_tokens'][{i}]", c),
                      feats[i:i + 1] if len(feats) == len(losses) else feats, f"microbatch {i}", False)
                     for i, (x, c) in enumerate(zip(losses, counts)) if x is not None]
-        entry = self._from_dict(outputs, feats, "outputs")
+        entry = self._from_dict(outputs, feats, "outputs", reduction)
         return [entry] if entry is not None else []
 
-    def _from_dict(self, o: Mapping, feats, where) -> Optional[Entry]:
+    def _from_dict(self, o: Mapping, feats, where, reduction: str, report: bool = False) -> Optional[Entry]:
         if o.get(self.loss_key) is not None:
             value = o[self.loss_key]
             if isinstance(value, torch.Tensor) and value.numel() == 2:
                 pair = value.reshape(-1)
                 return pair[0], pair[1], feats, where, True
-            return scalar(_NAME, f"{where}[{self.loss_key!r}]", value), _opt(o, where), feats, where, False
+            n = _opt(o, where)
+            if reduction == "sum" and n is None and self.loss_key != "loss":
+                # Megatron reports a mean here when it reports one number: summing it as a
+                # token-loss sum would divide a mean by the token count.
+                raise ValueError(
+                    f"{_NAME}: {where}[{self.loss_key!r}] is a single value, but loss_reduction='sum' "
+                    f"needs a loss sum and its token count; report the pair "
+                    f"{{{self.loss_key!r}: torch.stack([loss_sum, num_tokens])}} (Megatron's loss_func "
+                    f"report), or add 'num_tokens' to the dict, or use loss_reduction='mean' for an "
+                    f"averaged loss")
+            return scalar(_NAME, f"{where}[{self.loss_key!r}]", value), n, feats, where, False
         if o.get("loss") is None:
-            return None  # Twinkle skips outputs without a loss
+            near = self._near_keys(o, report)
+            if near:
+                raise ValueError(
+                    f"{_NAME}: {where} has no {self.loss_key!r} (got keys {sorted(map(str, o))}); did you "
+                    f"mean {near[0]!r}? pass loss_key={near[0]!r} to LossMetric, or report the loss "
+                    f"under {self.loss_key!r} (or 'loss')")
+            return None  # Twinkle skips outputs without a loss (e.g. {'logits': ...})
         return scalar(_NAME, f"{where}['loss']", o["loss"]), _opt(o, where), feats, where, False
+
+    def _near_keys(self, o: Mapping, report: bool) -> List[str]:
+        """Keys that look like a misspelt ``loss_key``: a close spelling, or (in a report
+        list) any key holding a ``[loss_sum, num_tokens]`` pair."""
+        def norm(k):
+            return "".join(c for c in str(k).lower() if c.isalnum())
+
+        target = norm(self.loss_key)
+        near = []
+        for k, v in o.items():
+            if v is None or k in (self.loss_key, "loss"):
+                continue
+            close = difflib.SequenceMatcher(None, norm(k), target).ratio() >= 0.8
+            pair = report and isinstance(v, torch.Tensor) and v.numel() == 2
+            if close or pair:
+                near.append(k)
+        return near
 
     def _count_tokens(self, feats, where):
         if not feats or any(f.get("labels") is None for f in feats):
@@ -162,16 +225,40 @@ class LossMetric(Metric):
         tokens = s["num_tokens"]
         if s["entries"]:
             out["loss"] = s["loss_total"] / tokens if tokens > 0 else s["loss_total"] / s["entries"]
-        if tokens > 0:
+        if tokens > 0 or not math.isfinite(tokens):
             out["num_tokens"] = int(tokens) if float(tokens).is_integer() else tokens
         if s["grad_norm"] != -float("inf"):
             out["grad_norm"] = s["grad_norm"]
+        if s["nonfinite"]:
+            out["loss_nonfinite"] = int(s["nonfinite"])
         return out
 
 
 def _opt(o: Mapping, where: str):
     n = o.get("num_tokens")
     return None if n is None else scalar(_NAME, f"{where}['num_tokens']", n)
+
+
+def _bad(x):
+    """Whether ``x`` (None, a number or a 0-d tensor) is NaN/inf: a bool or a bool tensor."""
+    if x is None:
+        return False
+    return nonfinite(x) if isinstance(x, torch.Tensor) else not math.isfinite(x)
+
+
+def _or(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a | b
+    return a or b
+
+
+def _sel(cond, a, b, dtype=torch.float64):
+    """``a if cond else b`` for a host bool; ``torch.where`` (on the device) for a tensor."""
+    if not isinstance(cond, torch.Tensor):
+        return a if cond else b
+    def t(x):  # a fill kernel for numbers: no host-to-device copy
+        return x if isinstance(x, torch.Tensor) else torch.full((), x, dtype=dtype, device=cond.device)
+    return torch.where(cond, t(a), t(b))
 
 
 def _check_reduction(value: str) -> str:

@@ -1,11 +1,13 @@
 """``CompletionRewardMetric``: reward, completion-length and rollout-timing statistics."""
 from __future__ import annotations
 
+import math
 from numbers import Number
 from typing import Any, Dict, Hashable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from ._checks import nan_policy as check_nan_policy, nonfinite
 from .base import Metric
 from .rl_inputs import cp_lead
 from .state import State
@@ -56,9 +58,20 @@ class CompletionRewardMetric(Metric):
 
     Unlike Twinkle, every statistic is exact over the whole data group (Twinkle
     reports each rank's own numbers): the std is merged from (count, mean, M2) with
-    Chan's parallel formula in float64, which stays exact when mean >> std. NaN
-    rewards (a reward function that returned None) are skipped, as TRL's nanmean.
-    Nothing seen gives ``{}`` rather than Twinkle's -1.0.
+    Chan's parallel formula in float64, which stays exact when mean >> std. Nothing
+    seen gives ``{}`` rather than Twinkle's -1.0.
+
+    Non-finite rewards (``nan_policy``, default ``'skip'``: TRL's behaviour): NaN
+    rewards (a reward function that returned None) and +-inf are dropped from that
+    reward's mean and std, as TRL's nanmean does for NaN, and count as 0 in the total
+    tested by ``frac_reward_zero_std`` (TRL's nansum; with ``zero_std_reward`` they
+    are left out of their group's std). ``'propagate'``: they flow into the mean, the
+    std and ``frac_reward_zero_std`` (NaN there, rather than a silently False
+    comparison). Both report ``train/nonfinite_rewards`` (over every reward name)
+    when > 0.
+
+    Rewards per name are ``[n]`` or ``[n, 1]`` tensors, lists of numbers (``None``
+    for a missing one), or one number; other shapes are an error.
 
     Under context parallelism the ranks of a CP group hold the same rollouts; only
     CP rank 0 contributes, so each completion counts once. Reward names seen on
@@ -78,6 +91,7 @@ class CompletionRewardMetric(Metric):
             group must lie within one ``accumulate`` call of one rank.
         zero_std_reward: the reward name whose per-group std is tested; default the
             sum over all reward functions of the call (TRL tests the total reward).
+        nan_policy: ``'skip'`` (default, TRL's) or ``'propagate'`` (see above).
 
     Example::
 
@@ -98,13 +112,17 @@ class CompletionRewardMetric(Metric):
     gen_time_n = State("sum", torch.int64)
     sync_time_sum = State("sum", torch.float64)
     sync_time_n = State("sum", torch.int64)
+    n_bad = State("sum", torch.int64)  # non-finite rewards
+    zero_std_nan = State("sum")  # 0, or NaN when a group's total was non-finite ('propagate')
 
     def __init__(self, device_mesh=None, process_group=None, *,
                  reward_names: Optional[Sequence[str]] = None,
                  max_completion_length: Optional[int] = None,
                  num_generations: Optional[int] = None,
-                 zero_std_reward: Optional[str] = None):
+                 zero_std_reward: Optional[str] = None,
+                 nan_policy: str = "skip"):
         super().__init__(device_mesh, process_group)
+        self.nan_policy = check_nan_policy(_NAME, nan_policy)
         if num_generations is not None and (not isinstance(num_generations, int) or num_generations < 1):
             raise ValueError(f"{_NAME}: num_generations must be a positive int, got {num_generations!r}")
         self.max_completion_length = max_completion_length
@@ -148,8 +166,10 @@ class CompletionRewardMetric(Metric):
                 raise ValueError(f"{_NAME}: rewards {unknown} are not in reward_names="
                                  f"{self.reward_names}; add them to reward_names")
         sizes = {name: v.shape[0] for name, v in per_name.items()}
+        skip = self.nan_policy == "skip"
         for name, values in per_name.items():
-            out[_PREFIX + name] = _moments(values)
+            out[_PREFIX + name] = _moments(values, skip)
+            out["n_bad"] = out.get("n_bad", 0) + nonfinite(values).sum()
 
         lengths = self._lengths(completion_lengths, completions)
         if lengths is not None and lengths.numel():
@@ -183,11 +203,14 @@ class CompletionRewardMetric(Metric):
             return {}
         if not isinstance(rewards, Mapping):
             rewards = {"reward": rewards}  # a plain list / tensor of one reward function
-        return {str(name): _as_1d(f"rewards[{name!r}]", v) for name, v in rewards.items()}
+        return {str(name): _reward_values(f"rewards[{name!r}]", v) for name, v in rewards.items()}
 
     def _lengths(self, completion_lengths, completions) -> Optional[torch.Tensor]:
         if completion_lengths is not None:
-            return _as_1d("completion_lengths", completion_lengths)
+            if completions is not None:
+                raise ValueError(f"{_NAME}: got both completion_lengths and completions; pass one (the "
+                                 "lengths are taken from one of them)")
+            return _reward_values("completion_lengths", completion_lengths)
         if completions is None:
             return None
         if not isinstance(completions, (list, tuple)):
@@ -216,9 +239,19 @@ class CompletionRewardMetric(Metric):
             if self.zero_std_reward not in per_name:
                 raise ValueError(f"{_NAME}: zero_std_reward={self.zero_std_reward!r} is not among "
                                  f"the rewards of this call {sorted(per_name)}")
-            total = per_name[self.zero_std_reward]
+            total = per_name[self.zero_std_reward].to(torch.float64)
+            # skip: a non-finite reward is left out of its group's std
+            ok = ~nonfinite(total) if self.nan_policy == "skip" else None
         else:  # TRL: nansum over reward functions, so a missing reward counts as 0
-            total = torch.stack([v.to(torch.float64) for v in per_name.values()]).nansum(0)
+            values = torch.stack([v.to(torch.float64) for v in per_name.values()])
+            if self.nan_policy == "skip":
+                values = torch.where(nonfinite(values), 0.0, values)
+            total, ok = values.sum(0), None
+        out: Dict[str, Any] = {}
+        if self.nan_policy == "propagate":  # a NaN std compares False: carry the NaN instead
+            out["zero_std_nan"] = (total * 0.0).sum()
+        if ok is not None:
+            total = torch.where(ok, total, 0.0)
         if group_ids is not None:
             ids = _group_ids(group_ids).to(total.device)
             if ids.shape[0] != n:
@@ -226,21 +259,30 @@ class CompletionRewardMetric(Metric):
                                  "rewards; pass one group id per completion")
             # O(n^2) pairwise sums instead of torch.unique (which waits for the device).
             same = ids[:, None] == ids[None, :]
-            samef = same.to(torch.float64)
-            count = samef.sum(1)
-            mean = torch.where(same, total[None, :], 0.0).sum(1) / count  # NaN members: NaN mean
-            dev = torch.where(same, total[None, :] - mean[:, None], 0.0)
+            member = same if ok is None else same & ok[None, :]
+            count = member.to(torch.float64).sum(1)
+            mean = torch.where(member, total[None, :], 0.0).sum(1) / count.clamp(min=1.0)  # NaN members: NaN
+            dev = torch.where(member, total[None, :] - mean[:, None], 0.0)
             std = ((dev * dev).sum(1) / (count - 1).clamp(min=1.0)).sqrt()
             earlier = torch.ones(n, n, dtype=torch.bool, device=total.device).tril(-1)
             first = (same & earlier).sum(1) == 0
-            return {"groups": first.sum(), "groups_zero_std": (first & (std <= _ZERO_STD)).sum()}
+            out.update(groups=first.sum(), groups_zero_std=(first & (std <= _ZERO_STD)).sum())
+            return out
         g = self.num_generations
         if n % g:
             raise ValueError(f"{_NAME}: {n} rewards are not a multiple of num_generations={g}; "
                              "pass whole prompt groups to each accumulate call, or group_ids")
         grouped = total.reshape(n // g, g)
-        std = grouped.std(1) if g > 1 else torch.zeros(n // g, dtype=torch.float64, device=total.device)
-        return {"groups": n // g, "groups_zero_std": (std <= _ZERO_STD).sum()}
+        if ok is None:
+            std = grouped.std(1) if g > 1 else torch.zeros(n // g, dtype=torch.float64, device=total.device)
+        else:  # the std of each group's finite members (fewer than two: 0, as for one completion)
+            okg = ok.reshape(n // g, g)
+            count = okg.to(torch.float64).sum(1)
+            mean = grouped.sum(1) / count.clamp(min=1.0)
+            dev = torch.where(okg, grouped - mean[:, None], 0.0)
+            std = ((dev * dev).sum(1) / (count - 1).clamp(min=1.0)).sqrt()
+        out.update(groups=n // g, groups_zero_std=(std <= _ZERO_STD).sum())
+        return out
 
     # ---------------------------------------------------------------- compute
     def compute(self, s):
@@ -254,7 +296,10 @@ class CompletionRewardMetric(Metric):
             if n < 1:
                 continue
             out[f"train/{name}_reward"] = mean
-            out[f"train/{name}_reward_std"] = (max(m2, 0.0) / (n - 1)) ** 0.5 if n > 1 else 0.0
+            if n > 1:
+                out[f"train/{name}_reward_std"] = (max(m2, 0.0) / (n - 1)) ** 0.5  # max(NaN, 0) is NaN
+            else:  # one value: 0, unless that value was NaN/inf ('propagate')
+                out[f"train/{name}_reward_std"] = 0.0 if math.isfinite(mean) else math.nan
         if s["len_count"]:
             out["train/completion_length"] = s["len_sum"] / s["len_count"]
             out["train/completion_length_min"] = s["len_min"]
@@ -262,7 +307,9 @@ class CompletionRewardMetric(Metric):
             if self.max_completion_length is not None:
                 out["train/completion_clipped_ratio"] = s["len_clipped"] / s["len_count"]
         if s["groups"]:
-            out["train/frac_reward_zero_std"] = s["groups_zero_std"] / s["groups"]
+            out["train/frac_reward_zero_std"] = s["groups_zero_std"] / s["groups"] + s["zero_std_nan"]
+        if s["n_bad"]:
+            out["train/nonfinite_rewards"] = int(s["n_bad"])
         return out
 
 
@@ -313,10 +360,34 @@ def _group_ids(group_ids) -> torch.Tensor:
     return torch.tensor([index[g] for g in group_ids], dtype=torch.int64)
 
 
-def _moments(values: torch.Tensor) -> torch.Tensor:
-    """(count, mean, M2) of the non-NaN values, in float64, on the device."""
+def _reward_values(field: str, value) -> torch.Tensor:
+    """Values of one reward function (or the completion lengths): ``[n]``, ``[n, 1]``, a list
+    of numbers, or one number; anything else would be flattened into a wrong mean."""
+    shape = list(value.shape) if isinstance(value, torch.Tensor) else None
+    t = _as_1d(field, value) if shape is not None else None
+    if shape is None:
+        if isinstance(value, (list, tuple)) and not any(isinstance(v, torch.Tensor) for v in value):
+            try:
+                shape = list(torch.tensor([float("nan") if v is None else v for v in value],
+                                          dtype=torch.float64).shape)
+            except (TypeError, ValueError):
+                shape = None  # _as_1d raises its TypeError below
+        t = _as_1d(field, value)
+    if shape is not None and not (len(shape) <= 1 or (len(shape) == 2 and shape[1] == 1)):
+        raise ValueError(f"{_NAME}: {field} has shape {shape}; expected one value per completion: [n] or "
+                         f"[n, 1] (or a list of numbers); pass one reward function's values per name "
+                         "(a dict of names for several functions)")
+    return t.reshape(-1)
+
+
+def _moments(values: torch.Tensor, skip: bool = True) -> torch.Tensor:
+    """(count, mean, M2) of the values (the finite ones when ``skip``), in float64, on the device."""
     x = values.to(torch.float64)
-    ok = ~torch.isnan(x)
+    if not skip:
+        n = torch.full((), x.numel(), dtype=torch.float64, device=x.device)
+        mean = x.sum() / n.clamp(min=1.0)
+        return torch.stack([n, mean, ((x - mean) ** 2).sum()])
+    ok = torch.isfinite(x)
     n = ok.sum().to(torch.float64)
     mean = torch.where(ok, x, 0.0).sum() / n.clamp(min=1.0)
     m2 = torch.where(ok, (x - mean) ** 2, 0.0).sum()
