@@ -150,6 +150,8 @@ class GRPOMetric(Metric):
 
     #: clip statistics per sequence (GSPO) instead of per token
     sequence_level_clip = False
+    #: working-memory knobs: they change no number
+    fingerprint_exclude = ("entropy_chunk_size", "entropy_chunk_bytes")
 
     def __init__(self, device_mesh=None, process_group=None, *, ignore_index: int = -100,
                  temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
