@@ -193,6 +193,12 @@ class Accuracy(Metric):
         # Always enter the TP collective (even with nothing), so TP ranks stay in step.
         return vocab_parallel_argmax(logits, mesh.tp_group, mesh.tp_rank, mesh.tp_size)
 
+    def tp_mismatch_hint(self):
+        """Why TP replicas may disagree on the counts (used by ``calculate()``'s check)."""
+        if not self.vocab_parallel:
+            return "logits look vocab-sharded over the TP group: pass vocab_parallel=True"
+        return None
+
     def compute(self, s):
         if not s["total"]:
             return {}

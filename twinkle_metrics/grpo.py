@@ -529,6 +529,13 @@ class GRPOMetric(Metric):
         rows = max(1, budget // max(row, 1))  # never less than one token's row
         return min(rows, self.entropy_chunk_size) if self.entropy_chunk_size else rows
 
+    def tp_mismatch_hint(self):
+        """Why TP replicas may disagree (used by ``calculate()``'s check)."""
+        if self.entropy_from_logits and not self.vocab_parallel:
+            return ("with entropy_from_logits, logits that are vocab-sharded over the TP group "
+                    "need vocab_parallel=True")
+        return None
+
     # ----------------------------------------------------------------- merge
     def merge(self, rows):
         if self.top_k_kl:
