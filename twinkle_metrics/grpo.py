@@ -8,6 +8,7 @@ import torch
 
 from parallel import comm_device, group_rank, group_size
 
+from . import exchange
 from .base import Metric
 from .microbatch import microbatches
 from .rl_inputs import (_float, as_tensor, common_length, cp_sum, float_tensor, keep_bits, masked, per_token,
@@ -170,16 +171,71 @@ class GRPOMetric(Metric):
         return _topk_rows(torch.stack([old, new]), self.top_k_kl)
 
     # ----------------------------------------------------------------- update
+    def exchange_groups(self):
+        """TP (vocab-parallel entropy), then CP (GSPO's sequence completion): the groups
+        every ``update`` agrees on, in that order."""
+        return [g for g in (self._entropy_group(), self._sequence_group()) if g is not None]
+
+    def _entropy_group(self):
+        if not (self.entropy_from_logits and self.vocab_parallel):
+            return None
+        group = self.resolve_mesh().tp_group
+        return group if group_size(group) > 1 else None
+
+    def _sequence_group(self):
+        if not self.sequence_level_clip or self.process_group is not None:
+            return None
+        group = self.resolve_mesh().cp_group
+        return group if group_size(group) > 1 else None
+
     def update(self, inputs, outputs, *, old_logps=None, advantages=None, ref_logps=None,
                ref_outputs=None, **kwargs) -> Dict[str, Any]:
         name = type(self).__name__
+        tp_group, cp_group = self._entropy_group(), self._sequence_group()
+        with exchange.guard(self):
+            acc, logit_jobs, seq_parts = self._local(name, inputs, outputs, old_logps, advantages,
+                                                     ref_logps, ref_outputs)
+            chunks, shapes = self._entropy_chunks(name, logit_jobs)
+            parts = torch.cat(seq_parts) if seq_parts else None
+            rows = sum(c.shape[0] for c in chunks)
+            if tp_group is not None:
+                # TP peers must reduce the same rows in the same precision (or all none).
+                wide = int(any(_work_dtype(c) == torch.float64 for c in chunks))
+                key = rows * 2 + wide
+                high, neg_low = exchange.agree(self, tp_group, values=[key, -key])
+                if high != -neg_low:
+                    raise ValueError(f"{name}: TP ranks hold different vocab-parallel logits ({-neg_low // 2} "
+                                     f"to {high // 2} token rows; this rank {rows}); every rank of a TP "
+                                     "group must pass the same tokens with its own vocab shard; nothing "
+                                     "was accumulated")
+            if cp_group is not None:
+                n = parts.shape[0] if parts is not None else 0
+                high, neg_low = exchange.agree(self, cp_group, values=[n, -n])
+                if high != -neg_low:
+                    raise ValueError(f"{name}: CP ranks hold different numbers of sequences with old "
+                                     f"log-probs and advantages ({-neg_low} to {high}; this rank {n}); "
+                                     "every rank of a CP group must pass the same sequences; nothing "
+                                     "was accumulated")
+        if logit_jobs:
+            device = logit_jobs[0][2].device
+            ents = self._entropy(chunks, shapes, tp_group if rows else None, device)
+            for (i, _, m), ent in zip(logit_jobs, ents):
+                _add(acc, "n_ent", m.sum())
+                _add(acc, "sum_ent", torch.where(m, ent, 0.0).sum())
+        if parts is not None:
+            acc.update(self._sequence_clip(parts))
+        return acc
+
+    def _local(self, name, inputs, outputs, old_logps, advantages, ref_logps, ref_outputs):
+        """(contributions, entropy jobs, GSPO sequence parts) of this call; validates
+        everything and communicates nothing."""
         if outputs is None:
-            return {}
+            return {}, [], []
         if ref_logps is None and isinstance(ref_outputs, dict):
             ref_logps = ref_outputs.get("logps")
         pairs = microbatches(name, inputs, outputs, ("logps", "entropies", "logits"))
         if not pairs:
-            return {}
+            return {}, [], []
         for i, (_, o) in enumerate(pairs):
             if "logps" not in o:
                 raise ValueError(f"{name}: outputs of microbatch {i} have no 'logps'; pass per-token "
@@ -308,12 +364,6 @@ class GRPOMetric(Metric):
                     candidates.append(self._candidates(feat, m, lp, old, d, em, has_old, seq_start))
             seq_start += m.shape[0]
 
-        if logit_jobs:
-            for (i, _, m), ent in zip(logit_jobs, self._entropy_from_logits(name, logit_jobs)):
-                _add(acc, "n_ent", m.sum())
-                _add(acc, "sum_ent", torch.where(m, ent, 0.0).sum())
-        if self.sequence_level_clip and seq_parts:
-            acc.update(self._sequence_clip(torch.cat(seq_parts)))
         if self.top_k_kl:
             mesh = self.resolve_mesh()
             cp_rank = mesh.cp_rank if self.process_group is None else 0
@@ -323,7 +373,7 @@ class GRPOMetric(Metric):
             acc["cp_index"] = cp_rank
             if candidates:
                 acc["topk"] = _topk_rows(torch.cat(candidates), self.top_k_kl)
-        return acc
+        return acc, logit_jobs, seq_parts if self.sequence_level_clip else []
 
     #: clip counts gated by the advantage sign (GRPO/PPO); CISPO clips the weight itself
     clip_by_advantage_sign = True
@@ -401,13 +451,8 @@ class GRPOMetric(Metric):
         return torch.stack([key[idx], gsi, pos_v, tok, em[i, p] + 1.0, lp[i, p].to(torch.float64),
                             old.expand(b, s)[i, p].to(torch.float64)], 1)
 
-    def _entropy_from_logits(self, name, jobs) -> List[torch.Tensor]:
-        """Per-token entropy [b, s] (float64) of each job's logits; vocab-parallel over TP.
-
-        Two collectives per call however many jobs and chunks: the row maxima of
-        every job are all-reduced at once (MAX), then every chunk's partial
-        ``(S, sum e*y)`` is collected and all-reduced at once (SUM).
-        """
+    def _entropy_chunks(self, name, jobs):
+        """(row chunks of every job's logits, job shapes): validated, no collective."""
         blocks, shapes = [], []
         for i, logits, m in jobs:
             z = as_tensor(logits, m.device)
@@ -419,11 +464,18 @@ class GRPOMetric(Metric):
                                  "aligned with the log-probs")
             blocks.append(_row_blocks(z[:, :m.shape[1]]))
             shapes.append(m.shape)
-        tp_group = self.resolve_mesh().tp_group if self.vocab_parallel else None
-        if tp_group is not None and group_size(tp_group) == 1:
-            tp_group = None
         chunks = [c for job in blocks for block in job
                   for c in torch.split(block, self._entropy_rows(block, job))]
+        return chunks, shapes
+
+    def _entropy(self, chunks, shapes, tp_group, device) -> List[torch.Tensor]:
+        """Per-token entropy [b, s] (float64) of each job from its chunks; vocab-parallel
+        over ``tp_group`` (agreed on before: every rank holds the same rows).
+
+        Two collectives per call however many jobs and chunks: the row maxima of
+        every job are all-reduced at once (MAX), then every chunk's partial
+        ``(S, sum e*y)`` is collected and all-reduced at once (SUM).
+        """
         t = self.temperature
         zmax = None
         if tp_group is not None:
@@ -431,7 +483,7 @@ class GRPOMetric(Metric):
 
             # max(z) / T == max(z / T) (T > 0, rounding is monotone): no scaled copy.
             zmax = torch.cat([c.amax(-1).to(_work_dtype(c)) / t for c in chunks]) if chunks else \
-                torch.zeros(0, device=jobs[0][2].device)
+                torch.zeros(0, device=device)
             dev = comm_device(tp_group)
             zmax_c = zmax.to(dev)
             dist.all_reduce(zmax_c, op=dist.ReduceOp.MAX, group=tp_group)          # collective 1
@@ -440,7 +492,7 @@ class GRPOMetric(Metric):
         for c in chunks:
             stats.append(_entropy_partials(c, t, None if zmax is None else zmax[start:start + c.shape[0]]))
             start += c.shape[0]
-        st = torch.cat(stats) if stats else torch.zeros(0, 2, dtype=torch.float64, device=jobs[0][2].device)
+        st = torch.cat(stats) if stats else torch.zeros(0, 2, dtype=torch.float64, device=device)
         if tp_group is not None:
             dev = comm_device(tp_group)
             st_c = st.to(dev)
