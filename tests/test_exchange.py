@@ -35,3 +35,12 @@ def test_guard_reraises_and_leaves_states_alone():
     with pytest.raises(ValueError, match="labels missing"):
         m.accumulate(None, {"logits": __import__("torch").zeros(2, 3, 4)})
     assert all((before[k] == v).all() for k, v in m.state_dict().items())
+
+
+def test_a_communicating_metric_on_a_layout_only_mesh_raises_in_accumulate():
+    import torch
+
+    mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=2, create_groups=False)
+    m = Accuracy(mesh, vocab_parallel=True)
+    with pytest.raises(RuntimeError, match=r"Accuracy.accumulate\(\): .*layout-only"):
+        m.accumulate({"labels": torch.zeros(2, 3, dtype=torch.long)}, {"logits": torch.zeros(2, 3, 4)})

@@ -142,9 +142,13 @@ def guard(metric):
     """Wrap validation and agreements in ``update``: an exception inside joins every
     remaining group with it (so peers raise too), then propagates.
 
-    Starts the call's record of agreed groups (``metric._agreed``).
+    Starts the call's record of agreed groups (``metric._agreed``). A metric that
+    communicates checks first that its mesh can (``DeviceMesh.check_live``): a
+    layout-only or destroyed mesh raises here, on every rank alike, before anything.
     """
     metric.__dict__["_agreed"] = []
+    if exchange_groups(metric):
+        metric.resolve_mesh().check_live(f"{type(metric).__name__}.accumulate()")
     try:
         yield
     except Exception as exc:
