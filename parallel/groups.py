@@ -95,3 +95,82 @@ def all_gather_rows(buf: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, buf.contiguous(), group=group)
     return out.view(n, buf.numel())
+
+
+# ------------------------------------------------------------------ compat
+def default_timeout():
+    """The collective timeout of the default (WORLD) group, or ``None`` if unknown.
+
+    torch 2.13 keeps no public getter: ``init_process_group(timeout=...)`` stores it in
+    each backend's options (``pg._get_backend(device).options._timeout``), while
+    ``new_group(timeout=None)`` falls back to torch's 30-minute default. This is the
+    one place that reads the private field; ``None`` (torch's default) when it moves.
+    """
+    if not dist_ready():
+        return None
+    pg = dist.group.WORLD
+    try:
+        for device in pg._device_types:
+            timeout = pg._get_backend(device).options._timeout
+            if timeout is not None:
+                return timeout
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+    return None
+
+
+def group_timeout(group: ProcessGroup):
+    """The collective timeout of ``group`` (same private field as ``default_timeout``)."""
+    try:
+        for device in group._device_types:
+            return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return None
+
+
+def group_alive(group: ProcessGroup) -> bool:
+    """Whether ``group`` is still registered with torch.distributed (not destroyed).
+
+    A dictionary lookup (``get_backend``), no collective.
+    """
+    if group is None:
+        return True
+    if not dist_ready():
+        return False
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
+
+
+_twins = {}  # tuple(ranks) -> gloo group; shared by every mesh so a twin is created once
+
+
+def cpu_twin(group: ProcessGroup, timeout=None) -> ProcessGroup:
+    """A CPU (gloo) group over the ranks of ``group``: ``group`` itself when it is a CPU
+    group, else a cached gloo twin created on first use, or ``None`` when one cannot be
+    made (callers then fall back to the device).
+
+    The twin is created with ``use_local_synchronization=True``, so only the ranks of
+    ``group`` take part (torch names such a group by a hash of its ranks, so twins of
+    different TP groups created concurrently do not collide). Every rank of ``group``
+    must ask for it at the same point of its sequence of collectives, as for any
+    collective over ``group``; the metrics do (their first agreement over ``group``).
+    """
+    if group is None or group_size(group) <= 1:
+        return None
+    if is_cpu_group(group):
+        return group
+    key = tuple(group_ranks(group))
+    twin = _twins.get(key)
+    if twin is not None and group_alive(twin):
+        return twin
+    try:
+        twin = dist.new_group(list(key), backend="gloo", use_local_synchronization=True,
+                              timeout=timeout or default_timeout())
+    except (RuntimeError, ValueError, NotImplementedError):  # no gloo, or torchcomms
+        return None
+    _twins[key] = twin
+    return twin

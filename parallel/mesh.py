@@ -18,7 +18,8 @@ Without torch.distributed, or with one rank, every size is 1 and no collective r
 from __future__ import annotations
 
 import sys
-from typing import Dict, Optional
+from datetime import timedelta
+from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -73,6 +74,7 @@ class DeviceMesh:
         self.layout = layout
         self.vpp_size = int(vpp_size or 1)
         self.source = source
+        self._cpu_twins: Dict[Tuple[int, ...], G.ProcessGroup] = {}  # ranks -> gloo group
 
     # ----------------------------------------------------------- constructors
     @classmethod
@@ -88,7 +90,8 @@ class DeviceMesh:
                    order: str = DEFAULT_ORDER, create_groups: Optional[bool] = None,
                    backend: Optional[str] = None, fsdp_size: Optional[int] = None,
                    ulysses_size: Optional[int] = None, sequence_parallel: bool = False,
-                   device_type: Optional[str] = None, **unsupported) -> "DeviceMesh":
+                   device_type: Optional[str] = None, timeout: Optional[timedelta] = None,
+                   **unsupported) -> "DeviceMesh":
         """Build the layout from sizes (Twinkle's keyword names) and create its groups.
 
         ``dp_size=None`` is inferred from the world size. Groups are created right
@@ -100,12 +103,15 @@ class DeviceMesh:
         the data axis (outside ``dp``, as in Twinkle's mesh; only without PP);
         ``ulysses_size`` is sequence parallelism, which splits tokens like CP;
         ``sequence_parallel`` (Megatron SP) and ``device_type`` change no group.
+
+        The groups created here take ``timeout`` (default: the timeout given to
+        ``init_process_group``, not torch's 30-minute default for new groups).
         """
         if unsupported:
             raise TypeError(f"DeviceMesh.from_sizes: unsupported arguments {sorted(unsupported)}; "
                             "valid: dp_size, tp_size, pp_size, cp_size, ep_size, etp_size, "
                             "vpp_size, fsdp_size, ulysses_size, world_size, order, create_groups, "
-                            "backend, sequence_parallel, device_type")
+                            "backend, sequence_parallel, device_type, timeout")
         del sequence_parallel, device_type  # accepted for Twinkle compatibility
         if ulysses_size and ulysses_size > 1:
             if cp_size and cp_size > 1:
@@ -145,8 +151,10 @@ class DeviceMesh:
         if not ready:
             raise RuntimeError("DeviceMesh.from_sizes(create_groups=True) needs torch.distributed "
                                "to be initialised first (init_process_group)")
-        return cls(_create_groups(layout, backend), layout=layout, vpp_size=layout.vpp,
-                   source="sizes")
+        found, twins = _create_groups(layout, backend, timeout)
+        mesh = cls(found, layout=layout, vpp_size=layout.vpp, source="sizes")
+        mesh._cpu_twins.update(twins)
+        return mesh
 
     @classmethod
     def from_megatron(cls, pg_collection=None) -> "DeviceMesh":
@@ -184,13 +192,14 @@ class DeviceMesh:
         return cls(found, vpp_size=vpp, source="megatron")
 
     @classmethod
-    def from_deepspeed(cls, obj=None) -> "DeviceMesh":
+    def from_deepspeed(cls, obj=None, *, timeout: Optional[timedelta] = None) -> "DeviceMesh":
         """From a DeepSpeed engine, ``PipelineParallelGrid`` or ``ProcessTopology``.
 
         The TP group is the grid's *slice* group (``get_model_parallel_group()`` on a
         grid is pipe x model, not TP). Under Ulysses sequence parallelism the
         sequence group plays the CP role and the data group is sequence x data.
-        A bare ``ProcessTopology`` has no groups, so they are created here (collective).
+        A bare ``ProcessTopology`` has no groups, so they are created here (collective),
+        with ``timeout`` (default: the one given to ``init_process_group``).
         """
         from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
         from deepspeed.utils import groups as ds_groups
@@ -207,12 +216,15 @@ class DeviceMesh:
             layout = Layout(tp=sizes.get("model", 1), dp=sizes.get("data", 1),
                             pp=sizes.get("pipe", 1), order="tp-cp-ep-dp-pp")
             _check_topology(obj, layout)
-            return cls(_create_groups(layout, None), layout=layout, source="deepspeed")
+            found, twins = _create_groups(layout, None, timeout)
+            mesh = cls(found, layout=layout, source="deepspeed")
+            mesh._cpu_twins.update(twins)
+            return mesh
         # Ulysses sequence parallelism through deepspeed.initialize(config with
         # sequence_parallel_size) keeps a torch DeviceMesh ("data_parallel", "sequence_parallel").
         mesh_device = getattr(obj, "mesh_device", None) or getattr(ds_groups, "mesh_device", None)
         if grid is None and mesh_device is not None:
-            mesh = cls.from_torch(mesh_device)
+            mesh = cls.from_torch(mesh_device, timeout=timeout)
             mesh.source = "deepspeed"
             return mesh
         found: Dict[str, G.ProcessGroup] = {}
@@ -237,11 +249,12 @@ class DeviceMesh:
         return cls(found, source="deepspeed")
 
     @classmethod
-    def from_torch(cls, device_mesh) -> "DeviceMesh":
+    def from_torch(cls, device_mesh, *, timeout: Optional[timedelta] = None) -> "DeviceMesh":
         """From a ``torch.distributed.DeviceMesh`` whose axis names include dp/tp/pp/cp/ep.
 
         ``dp_replicate``/``dp_shard``/``fsdp`` axes all count as data parallel.
-        Combined groups (dp x cp) are created here, so every rank must call this.
+        Combined groups (dp x cp) are created here, so every rank must call this; they
+        take ``timeout`` (default: the one given to ``init_process_group``).
         """
         names = tuple(device_mesh.mesh_dim_names or ())
         if not names:
@@ -256,18 +269,19 @@ class DeviceMesh:
                              f"{sorted(aliases)}")
         mesh = device_mesh.mesh
         me = G.global_rank()
+        timeout = timeout or G.default_timeout()
         found = {}
         for role in ("tp", "pp", "ep"):
             axes = [i for i, n in enumerate(names) if aliases[n] == role]
             if axes:
-                found[role] = _torch_mesh_group(mesh, axes, me)
+                found[role] = _torch_mesh_group(mesh, axes, me, timeout)
         dp_axes = [i for i, n in enumerate(names) if aliases[n] == "dp"]
         cp_axes = [i for i, n in enumerate(names) if aliases[n] == "cp"]
-        found["dp"] = _torch_mesh_group(mesh, dp_axes, me)
-        found["cp"] = _torch_mesh_group(mesh, cp_axes, me)
-        found["dp_cp"] = _torch_mesh_group(mesh, dp_axes + cp_axes, me)
+        found["dp"] = _torch_mesh_group(mesh, dp_axes, me, timeout)
+        found["cp"] = _torch_mesh_group(mesh, cp_axes, me, timeout)
+        found["dp_cp"] = _torch_mesh_group(mesh, dp_axes + cp_axes, me, timeout)
         mp_axes = [i for i, n in enumerate(names) if aliases[n] in ("tp", "pp")]
-        found["mp"] = _torch_mesh_group(mesh, mp_axes, me)
+        found["mp"] = _torch_mesh_group(mesh, mp_axes, me, timeout)
         return cls(found, source="torch")
 
     @classmethod
@@ -375,6 +389,82 @@ class DeviceMesh:
 
     __repr__ = describe
 
+    # ------------------------------------------------------------- liveness
+    def check_live(self, what: str) -> None:
+        """Raise ``RuntimeError`` when a collective over this mesh would reduce nothing.
+
+        Cheap (no collective; one dictionary lookup per group held), so it runs on
+        every ``calculate()``. Raises when the mesh is layout-only with an axis of
+        more than one rank (built before ``init_process_group`` or with
+        ``create_groups=False``), or when it holds groups but torch.distributed has
+        been shut down or one of its groups destroyed. A single-rank mesh is always live.
+
+        Args:
+            what: the call being checked, named in the message, e.g. ``"calculate()"``.
+        """
+        if self._layout_only:
+            if self.layout is not None and self.layout.world_size > 1:
+                raise RuntimeError(
+                    f"{what}: {self.describe()} is layout-only: it knows the sizes but holds no "
+                    "process groups, so nothing would be reduced and every rank would report its "
+                    "own local numbers as if they were global. Build the mesh after "
+                    "init_process_group (DeviceMesh.from_sizes(...) then creates the groups); "
+                    "create_groups=False gives a layout-only mesh for printing only.")
+            return
+        held = [(n, g) for n, g in self._groups.items() if g is not None]
+        held += [("cpu twin", g) for g in self._cpu_twins.values() if g is not None]
+        if not held:
+            return
+        if not G.dist_ready():
+            raise RuntimeError(
+                f"{what}: this DeviceMesh (from {self.source}) holds process groups "
+                f"({', '.join(sorted({n for n, _ in held}))}) but torch.distributed is no longer "
+                "initialised (destroy_process_group() was called), so nothing would be reduced "
+                "and each rank would report its local numbers. Call it before "
+                "destroy_process_group(), or build a new mesh after init_process_group.")
+        for name, group in held:
+            if not G.group_alive(group):
+                raise RuntimeError(
+                    f"{what}: the {name!r} group of this DeviceMesh (from {self.source}) was "
+                    "destroyed (destroy_process_group(group)), so it cannot reduce anything; "
+                    "build a new mesh after recreating the groups.")
+
+    # ------------------------------------------------- host-side exchanges
+    def cpu_group(self, group: G.ProcessGroup) -> G.ProcessGroup:
+        """A CPU (gloo) group over the ranks of ``group``, for host-side exchanges.
+
+        ``group`` itself when it is a CPU group (gloo, mpi); the gloo twin made by
+        ``from_sizes`` (TP, CP, DP x CP) or Megatron's gloo data group; else a twin
+        created on first use over the ranks of ``group`` only (every rank of
+        ``group`` must ask at the same point, as for a collective over it). ``None``
+        for a group of one rank, or when no gloo group can be made.
+        """
+        if group is None or G.group_size(group) <= 1:
+            return None
+        if G.is_cpu_group(group):
+            return group
+        if group is self._groups["dp_cp"] and self._groups["dp_cp_cpu"] is not None:
+            return self._groups["dp_cp_cpu"]
+        key = tuple(G.group_ranks(group))
+        twin = self._cpu_twins.get(key)
+        if twin is None:
+            twin = G.cpu_twin(group, G.group_timeout(group))
+            if twin is not None:
+                self._cpu_twins[key] = twin
+        return twin
+
+    def group_label(self, group: G.ProcessGroup) -> str:
+        """A name for ``group`` in messages: ``"TP group [0, 1]"``."""
+        names = {"tp": "TP", "cp": "CP", "dp": "DP", "dp_cp": "data (DP x CP)", "pp": "PP",
+                 "mp": "TP x PP", "ep": "EP", "expt_dp": "expert DP"}
+        label = next((names[n] for n in names if self._groups.get(n) is group and group is not None),
+                     "process")
+        try:
+            ranks = G.group_ranks(group)
+        except Exception:  # noqa: BLE001 - a label must never raise
+            ranks = "?"
+        return f"{label} group {ranks}"
+
 
 def _layout_size(layout: Optional[Layout], name: str) -> int:
     if layout is None:
@@ -383,8 +473,15 @@ def _layout_size(layout: Optional[Layout], name: str) -> int:
             "pp": layout.pp, "ep": layout.ep, "expt_dp": layout.expert_dp}[name]
 
 
-def _create_groups(layout: Layout, backend) -> Dict[str, G.ProcessGroup]:
-    """Create every group of the layout, on every rank, in one fixed order."""
+def _create_groups(layout: Layout, backend, timeout=None):
+    """Create every group of the layout, on every rank, in one fixed order.
+
+    Returns ``({name: group of this rank}, {ranks: gloo twin})``: the twins are CPU
+    groups over the TP, CP and DP x CP ranks for host-side exchanges (none needed when
+    WORLD is itself a CPU group). Every group takes ``timeout``, by default the one
+    given to ``init_process_group``.
+    """
+    timeout = timeout or G.default_timeout()
     me, world = G.global_rank(), G.world_size()
     if layout.world_size != world:
         raise ValueError(f"DeviceMesh: layout {layout.describe()} does not match the world "
@@ -401,19 +498,24 @@ def _create_groups(layout: Layout, backend) -> Dict[str, G.ProcessGroup]:
             key = tuple(ranks)
             if key not in made:
                 made[key] = (dist.group.WORLD if len(ranks) == world
-                             else dist.new_group(ranks=ranks, backend=backend))
+                             else dist.new_group(ranks=ranks, backend=backend, timeout=timeout))
             group = made[key]
             if me in ranks:
                 mine = group
         out[name] = mine
+    twins: Dict[tuple, G.ProcessGroup] = {}
     if not G.is_cpu_group(dist.group.WORLD):
-        mine = None
-        for ranks in layout.all_groups("dp-cp"):
-            if len(ranks) > 1:
-                group = dist.new_group(ranks=ranks, backend="gloo")
-                mine = group if me in ranks else mine
-        out["dp_cp_cpu"] = mine
-    return out
+        made_twins = set()
+        for axes in ("dp-cp", "tp", "cp"):
+            for ranks in layout.all_groups(axes):
+                if len(ranks) > 1 and tuple(ranks) not in made_twins:
+                    made_twins.add(tuple(ranks))
+                    group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+                    if me in ranks:
+                        twins[tuple(ranks)] = group
+                        if axes == "dp-cp":
+                            out["dp_cp_cpu"] = group
+    return out, twins
 
 
 def _megatron_gloo_data_group(ps):
@@ -435,7 +537,7 @@ def _check_topology(topo, layout: Layout) -> None:
                              "is not pipe-data-model; reorder the topology axes")
 
 
-def _torch_mesh_group(mesh, axes, me):
+def _torch_mesh_group(mesh, axes, me, timeout=None):
     """Group of ``me`` varying ``axes`` of a torch mesh tensor; created on all ranks in order."""
     if not axes:
         return None
@@ -446,7 +548,8 @@ def _torch_mesh_group(mesh, axes, me):
     for row in perm.tolist():
         if len(row) == 1:
             continue
-        group = dist.new_group(ranks=sorted(row)) if len(row) < G.world_size() else dist.group.WORLD
+        group = (dist.new_group(ranks=sorted(row), timeout=timeout) if len(row) < G.world_size()
+                 else dist.group.WORLD)
         if me in row:
             mine = group
     return mine

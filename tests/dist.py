@@ -19,7 +19,7 @@ WORLD = 8
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def _worker(rank, world, port, tasks, results):
+def _worker(rank, world, port, tasks, results, timeout_s=COLLECTIVE_TIMEOUT_S):
     os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import torch
@@ -27,7 +27,7 @@ def _worker(rank, world, port, tasks, results):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=timedelta(seconds=timeout_s))
     results.put(("ready", rank, True, None))
     while True:
         job = tasks.get()
@@ -42,8 +42,10 @@ def _worker(rank, world, port, tasks, results):
 
 
 class DistPool:
-    def __init__(self, world: int = WORLD):
+    def __init__(self, world: int = WORLD, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+        """``timeout_s``: the ``init_process_group`` timeout of every rank."""
         self.world = world
+        self.timeout_s = timeout_s
         self._procs = []
         self._job = 0
         self._start()
@@ -53,7 +55,8 @@ class DistPool:
         port = free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results),
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results,
+                                                                 self.timeout_s),
                                    daemon=True) for r in range(self.world)]
         for p in self._procs:
             p.start()

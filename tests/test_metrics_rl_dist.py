@@ -118,8 +118,9 @@ def test_rl_metrics_sharded_equal_whole(dist_pool, source, sizes):
     for got, counts, cp in dist_pool.run(case_sharded_equals_whole, source, sizes):
         assert_results_close(got, whole, rel=1e-9)
         if counts is not None:
-            # accumulate's only collectives: one CP all_reduce for DPO and one for GSPO
-            assert counts == (2 if cp > 1 else 0)
+            # accumulate's only collectives, for DPO and for GSPO each: one host-side CP
+            # agreement (exchange.agree, on gloo) and one CP all_reduce
+            assert counts == (4 if cp > 1 else 0)
 
 
 def case_entropy_vocab_parallel(chunking):
@@ -149,7 +150,9 @@ def test_entropy_vocab_parallel_matches_full_vocab(dist_pool):
     for chunking in ({}, {"entropy_chunk_size": 5}, {"entropy_chunk_bytes": 1}):
         for got, count in dist_pool.run(case_entropy_vocab_parallel, chunking):
             assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5)
-            assert count == 2  # one MAX and one SUM all_reduce over TP per accumulate, any chunking
+            # one host-side TP agreement (exchange.agree), then one MAX and one SUM all_reduce
+            # over TP per accumulate, any chunking
+            assert count == 3
 
 
 def case_reward_names_on_some_ranks():

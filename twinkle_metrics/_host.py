@@ -53,10 +53,11 @@ def host_max(metric: str, values: Sequence[int], group, cpu_group=None) -> List[
             return [int(v) for v in t.tolist()]
     if metric not in _warned:
         _warned.add(metric)
-        warnings.warn(f"{metric}: the data group is not a CPU group and no size_group was given, so "
-                      "batch sizes are exchanged on the device and read back (one device wait per "
-                      "accumulate); pass size_group=<gloo group over the data-group ranks>, e.g. "
-                      "megatron's get_data_parallel_group_gloo(with_context_parallel=True)")
+        warnings.warn(f"{metric}: the group is not a CPU group and no gloo group over its ranks "
+                      "could be made, so host-known sizes are exchanged on the device and read back "
+                      "(one device wait per accumulate); make gloo available, or pass a gloo group "
+                      "(EmbeddingMetric: size_group=, e.g. megatron's "
+                      "get_data_parallel_group_gloo(with_context_parallel=True))")
     from parallel import comm_device
 
     t = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from parallel import comm_device
 
+from . import exchange
 from ._checks import float_tensor, int_tensor, right_align
 from .base import Metric
 from .microbatch import microbatches
@@ -142,7 +143,53 @@ class Accuracy(Metric):
         self.vocab_parallel = bool(vocab_parallel)
         self.ignore_index = ignore_index
 
+    def exchange_groups(self):
+        """The TP group when the argmax is vocab-parallel (agreed on in every ``update``)."""
+        if not self.vocab_parallel:
+            return []
+        mesh = self.resolve_mesh()
+        return [mesh.tp_group] if mesh.tp_size > 1 else []
+
     def update(self, inputs, outputs, **kwargs):
+        with exchange.guard(self):
+            work = self._validate(inputs, outputs)
+            for group in self.exchange_groups():
+                self._agree_shapes(group, [w[0] for w in work])
+        preds = self._argmax([w[0] for w in work])
+        if not work:
+            return None
+        correct = total = None
+        for pred, (_, labels, mask) in zip(preds, work):
+            c = ((pred == labels) & mask).sum()
+            t = mask.sum()
+            correct = c if correct is None else correct + c
+            total = t if total is None else total + t
+        return {"correct": correct, "total": total}
+
+    def _agree_shapes(self, group, logits: List[torch.Tensor]) -> None:
+        """Agree over TP; TP peers must hold the same tokens, vocab shard width and
+        precision, or every one of them raises (the collective would mismatch)."""
+        widths = {int(x.shape[-1]) for x in logits}
+        if len(widths) > 1:
+            raise ValueError(f"{_NAME}: vocab-parallel logits shards have different widths {sorted(widths)}; "
+                             "every microbatch must hold the same vocab shard")
+        n = sum(x[..., 0].numel() for x in logits)
+        width = widths.pop() if widths else 0
+        wide = int(any(x.dtype == torch.float64 for x in logits))
+        if n >= 1 << 31 or width * dist.get_world_size(group) > _LOW32:
+            raise ValueError(f"{_NAME}: {n} tokens of vocab shard {width} exceed the packed 32-bit sizes "
+                             "(2**31 tokens per call, 2**32 vocab entries)")
+        key = (n << 32) | (width << 1) | wide  # one key: equal on every rank iff max == min
+        high, neg_low = exchange.agree(self, group, values=[key, -key])
+        if high != -neg_low:
+            def shape(k):
+                return f"{k >> 32} tokens x vocab shard {(k & _LOW32) >> 1}" + (" (fp64)" if k & 1 else "")
+            raise ValueError(f"{_NAME}: TP ranks hold different vocab-parallel logits ({shape(-neg_low)} "
+                             f"to {shape(high)}; this rank {shape(key)}); every rank of a TP group must "
+                             "pass the same tokens with its own equal vocab shard; nothing was accumulated")
+
+    def _validate(self, inputs, outputs):
+        """[(logits, labels, mask)] of this call; raises on bad input, communicates nothing."""
         has_logits = (outputs.get("logits") is not None if isinstance(outputs, dict) else
                       isinstance(outputs, (list, tuple)) and
                       any(isinstance(o, dict) and o.get("logits") is not None for o in outputs))
@@ -175,16 +222,7 @@ class Accuracy(Metric):
             else:
                 mask = labels != self.ignore_index
             work.append((logits, labels, mask))
-        preds = self._argmax([w[0] for w in work])
-        if not work:
-            return None
-        correct = total = None
-        for pred, (_, labels, mask) in zip(preds, work):
-            c = ((pred == labels) & mask).sum()
-            t = mask.sum()
-            correct = c if correct is None else correct + c
-            total = t if total is None else total + t
-        return {"correct": correct, "total": total}
+        return work
 
     def _argmax(self, logits: List[torch.Tensor]) -> List[torch.Tensor]:
         if not self.vocab_parallel:

@@ -5,6 +5,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from . import exchange
 from ._checks import nan_policy as check_nan_policy, nonfinite
 from .base import Metric
 from .microbatch import microbatches
@@ -83,8 +84,46 @@ class DPOMetric(Metric):
         self.ignore_index = ignore_index
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
 
+    def exchange_groups(self):
+        """The CP group, over which sequence sums are completed (agreed on in every ``update``)."""
+        if self.process_group is not None:
+            return []
+        mesh = self.resolve_mesh()
+        return [mesh.cp_group] if mesh.cp_size > 1 else []
+
     def update(self, inputs=None, outputs=None, *, ref_outputs=None, chosen=None, rejected=None,
                ref_chosen=None, ref_rejected=None, **kwargs) -> Dict[str, Any]:
+        with exchange.guard(self):
+            mode, t, split = self._local(inputs, outputs, ref_outputs, chosen, rejected, ref_chosen,
+                                         ref_rejected)
+            for group in self.exchange_groups():
+                # CP peers must complete sums of the same shape (or all hold nothing).
+                key = 0 if t is None else (t.shape[0] << 8) | (t.shape[1] << 2) | mode
+                high, neg_low = exchange.agree(self, group, values=[key, -key])
+                if high != -neg_low:
+                    raise ValueError(f"{_NAME}: CP ranks hold different batches ({_describe(-neg_low)} "
+                                     f"to {_describe(high)}; this rank {_describe(key)}); every rank of "
+                                     "a CP group must pass the same sequences; nothing was accumulated")
+        if t is None:
+            return {}
+        if mode == _PRESUMMED:
+            x = t
+        else:
+            sums = self._complete(t)
+            if split is not None:  # separate chosen/rejected
+                x = torch.cat([sums[:split], sums[split:]], 1)
+            else:
+                # rows [c, r] interleaved: one row per pair (explicit width: an empty batch is [0, w])
+                x = sums.reshape(sums.shape[0] // 2, 2 * sums.shape[1])
+        if not cp_lead(self):
+            return {}  # the other CP ranks hold the same completed sums: count pairs once
+        return self._stats(x)
+
+    # ----------------------------------------------------------------- pieces
+    def _local(self, inputs, outputs, ref_outputs, chosen, rejected, ref_chosen, ref_rejected):
+        """(mode, tensor, split) of this call, validated, before any collective: the
+        per-sequence sums to complete over CP (``split``: rows of chosen when passed
+        separately) or the pre-summed pairs; ``(0, None, None)`` when it holds nothing."""
         if chosen is not None or rejected is not None:
             if chosen is None or rejected is None:
                 raise ValueError(f"{_NAME}: got only one of chosen=/rejected=; pass both as "
@@ -96,38 +135,30 @@ class DPOMetric(Metric):
             c = self._seq_logps("chosen", *_pair("chosen", chosen), ref_chosen)
             r = self._seq_logps("rejected", *_pair("rejected", rejected), ref_rejected)
             if c is None or r is None:
-                return {}
+                return 0, None, None
             if c.shape != r.shape:
                 raise ValueError(f"{_NAME}: chosen has {c.shape[0]} sequences (ref: {c.shape[1] > 1}) "
                                  f"but rejected has {r.shape[0]} (ref: {r.shape[1] > 1}); pass "
                                  "matching pairs, with reference log-probs for both or neither")
-            sums = self._complete(torch.cat([c, r]))
-            x = torch.cat([sums[:c.shape[0]], sums[c.shape[0]:]], 1)
-        elif ref_chosen is not None or ref_rejected is not None:
+            return _SEPARATE, torch.cat([c, r]), c.shape[0]
+        if ref_chosen is not None or ref_rejected is not None:
             raise ValueError(f"{_NAME}: got ref_chosen=/ref_rejected= without chosen=/rejected=, so they "
                              "would be ignored; pass chosen= and rejected= too, or ref_outputs= with an "
                              "interleaved batch")
-        elif isinstance(outputs, dict) and (outputs.get("chosen_logps") is not None
-                                            or outputs.get("rejected_logps") is not None):
+        if isinstance(outputs, dict) and (outputs.get("chosen_logps") is not None
+                                          or outputs.get("rejected_logps") is not None):
             if outputs.get("chosen_logps") is None:
                 raise ValueError(f"{_NAME}: outputs has 'rejected_logps' but no 'chosen_logps'; pass both")
-            x = torch.cat(self._presummed(outputs), 1)
-        else:
-            sums = self._seq_logps("outputs", inputs, outputs, ref_outputs)
-            if sums is None:
-                return {}
-            if sums.shape[0] % 2:
-                raise ValueError(f"{_NAME}: the batch has {sums.shape[0]} sequences; interleaved "
-                                 "[chosen, rejected, ...] batches need an even count (or pass "
-                                 "chosen=/rejected= separately)")
-            sums = self._complete(sums)
-            # rows [c, r] interleaved: one row per pair (explicit width: an empty batch is [0, w])
-            x = sums.reshape(sums.shape[0] // 2, 2 * sums.shape[1])
-        if not cp_lead(self):
-            return {}  # the other CP ranks hold the same completed sums: count pairs once
-        return self._stats(x)
+            return _PRESUMMED, torch.cat(self._presummed(outputs), 1), None
+        sums = self._seq_logps("outputs", inputs, outputs, ref_outputs)
+        if sums is None:
+            return 0, None, None
+        if sums.shape[0] % 2:
+            raise ValueError(f"{_NAME}: the batch has {sums.shape[0]} sequences; interleaved "
+                             "[chosen, rejected, ...] batches need an even count (or pass "
+                             "chosen=/rejected= separately)")
+        return _INTERLEAVED, sums, None
 
-    # ----------------------------------------------------------------- pieces
     def _seq_logps(self, what: str, inputs, outputs, ref_outputs) -> Optional[torch.Tensor]:
         """``[n, 1]`` (policy) or ``[n, 2]`` (policy, ref) masked token sums of this rank."""
         field = "outputs['logps']" if what == "outputs" else f"{what} outputs['logps']"
@@ -265,6 +296,17 @@ def _fields(outputs, i) -> List[str]:
         o = outputs[i] if i < len(outputs) else None
         return [str(k) for k in o] if isinstance(o, dict) else []
     return [str(k) for k in outputs] if isinstance(outputs, dict) else []
+
+
+_INTERLEAVED, _SEPARATE, _PRESUMMED = 1, 2, 3
+
+
+def _describe(key: int) -> str:
+    """A CP agreement key in words."""
+    if not key:
+        return "nothing"
+    mode = {_INTERLEAVED: "interleaved", _SEPARATE: "chosen=/rejected=", _PRESUMMED: "pre-summed"}
+    return f"{key >> 8} x {(key >> 2) & 63} {mode.get(key & 3, '?')}"
 
 
 def _pair(name: str, value):

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_rank, group_size
 
+from . import exchange
 from ._checks import add, f64, int_tensor, nan_policy as check_nan_policy, nonfinite, scalar
-from ._host import host_max
 from .base import Metric
 from .microbatch import as_feature_list, microbatches
 from .rl_inputs import cp_lead
@@ -100,15 +100,22 @@ class EmbeddingMetric(Metric):
         self.eps = eps
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
 
+    def exchange_groups(self):
+        """The data group (the row-count agreement and the in-batch gather run over it)."""
+        group = self.data_group()
+        return [group] if group_size(group) > 1 else []
+
     def update(self, inputs, outputs, *, grad_norm=None, **kwargs):
-        emb, labels, losses = self._rows(inputs, outputs)
-        out = {}
-        if grad_norm is not None:
-            out["grad_norm"] = f64(scalar(_NAME, "grad_norm", grad_norm))
-        for loss in losses:
-            out["loss_total"] = add(out.get("loss_total"), f64(loss))
-            out["loss_count"] = add(out.get("loss_count"), 1)
-        out.update(self._similarities(emb, labels))
+        with exchange.guard(self):
+            emb, labels, losses = self._rows(inputs, outputs)
+            out = {}
+            if grad_norm is not None:
+                out["grad_norm"] = f64(scalar(_NAME, "grad_norm", grad_norm))
+            for loss in losses:
+                out["loss_total"] = add(out.get("loss_total"), f64(loss))
+                out["loss_count"] = add(out.get("loss_count"), 1)
+            sizes = self._agree_sizes(emb)
+        out.update(self._similarities(emb, labels, sizes))
         return out
 
     # ------------------------------------------------------------ inputs
@@ -182,23 +189,25 @@ class EmbeddingMetric(Metric):
         return int_tensor(_NAME, "labels", feat["labels"]).reshape(-1)
 
     # ------------------------------------------------------------ statistics
-    def _similarities(self, rows, anchors) -> Mapping[str, Any]:
+    def _agree_sizes(self, rows):
+        """(rows, dim) of this rank and the data group's largest; the agreement of this
+        metric (``exchange.agree``), raising on every rank when the dims differ."""
         n = rows[0].shape[0] if rows is not None else 0
         d = rows[0].shape[1] if rows is not None else 0
-        group = self.data_group()
-        size = group_size(group)
-        if size > 1:
+        for group in self.exchange_groups():
             # Host-known shapes only; -d so that the MAX also yields the smallest dim.
-            size_group = self.size_group
-            if size_group is None and self.process_group is None:
-                size_group = self.resolve_mesh().cpu_data_group
-            n_max, d_max, neg_d_min = host_max(_NAME, [n, d, -d if n else -(1 << 62)], group,
-                                               size_group)
+            n_max, d_max, neg_d_min = exchange.agree(self, group, values=[n, d, -d if n else -(1 << 62)],
+                                                     cpu_group=self.size_group)
             if n_max and d_max != -neg_d_min:
                 raise ValueError(f"{_NAME}: ranks of the data group hold embeddings of different dims "
-                                 f"({-neg_d_min} to {d_max}); this rank has {d}")
-        else:
-            n_max, d_max = n, d
+                                 f"({-neg_d_min} to {d_max}); this rank has {d}; nothing was accumulated")
+            return n, d, n_max, d_max
+        return n, d, n, d
+
+    def _similarities(self, rows, anchors, sizes) -> Mapping[str, Any]:
+        n, d, n_max, d_max = sizes
+        group = self.data_group()
+        size = group_size(group)
         if n_max == 0:
             return {}  # nobody holds rows: every rank knows it and skips the gather alike
         device = rows[0].device if rows is not None else comm_device(group)

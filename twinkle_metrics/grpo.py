@@ -9,6 +9,7 @@ import torch
 
 from parallel import comm_device, group_rank, group_size
 
+from . import exchange
 from ._checks import nan_policy as check_nan_policy, nonfinite
 from .base import Metric
 from .microbatch import microbatches
@@ -194,9 +195,70 @@ class GRPOMetric(Metric):
         return _topk_rows(torch.stack([old, new]), self.top_k_kl)
 
     # ----------------------------------------------------------------- update
+    def exchange_groups(self):
+        """TP (vocab-parallel entropy), then CP (GSPO's sequence completion): the groups
+        every ``update`` agrees on, in that order."""
+        return [g for g in (self._entropy_group(), self._sequence_group()) if g is not None]
+
+    def _entropy_group(self):
+        if not (self.entropy_from_logits and self.vocab_parallel):
+            return None
+        group = self.resolve_mesh().tp_group
+        return group if group_size(group) > 1 else None
+
+    def _sequence_group(self):
+        if not self.sequence_level_clip or self.process_group is not None:
+            return None
+        group = self.resolve_mesh().cp_group
+        return group if group_size(group) > 1 else None
+
     def update(self, inputs, outputs, *, old_logps=None, advantages=None, ref_logps=None,
                ref_outputs=None, **kwargs) -> Dict[str, Any]:
         name = type(self).__name__
+        tp_group, cp_group = self._entropy_group(), self._sequence_group()
+        with exchange.guard(self):
+            batch = self._prepare(name, inputs, outputs, old_logps, advantages, ref_logps, ref_outputs)
+            jobs = [(i, item["o"]["logits"], item["m"]) for i, item in enumerate(batch["items"])
+                    if item["ent"] is None and self.entropy_from_logits and "logits" in item["o"]]
+            chunks, shapes = self._entropy_chunks(name, jobs)
+            rows = sum(c.shape[0] for c in chunks)
+            if tp_group is not None:
+                # TP peers must reduce the same rows in the same precision (or all none).
+                wide = int(any(_work_dtype(c) == torch.float64 for c in chunks))
+                key = rows * 2 + wide
+                high, neg_low = exchange.agree(self, tp_group, values=[key, -key])
+                if high != -neg_low:
+                    raise ValueError(f"{name}: TP ranks hold different vocab-parallel logits ({-neg_low // 2} "
+                                     f"to {high // 2} token rows; this rank {rows}); every rank of a TP "
+                                     "group must pass the same tokens with its own vocab shard; nothing "
+                                     "was accumulated")
+            if cp_group is not None:
+                n = batch["n_seq_parts"]
+                high, neg_low = exchange.agree(self, cp_group, values=[n, -n])
+                if high != -neg_low:
+                    raise ValueError(f"{name}: CP ranks hold different numbers of sequences with old "
+                                     f"log-probs and advantages ({-neg_low} to {high}; this rank {n}); "
+                                     "every rank of a CP group must pass the same sequences; nothing "
+                                     "was accumulated")
+        # Validated and agreed: nothing below raises. Entropy from logits first (its TP
+        # collectives), so that a token whose entropy is NaN/inf counts as non-finite too.
+        ents = {}
+        if jobs:
+            device = jobs[0][2].device
+            ents = dict(zip((job[0] for job in jobs),
+                            self._entropy(chunks, shapes, tp_group if rows else None, device)))
+        acc, parts = self._sums(batch, ents)
+        if parts is not None:
+            acc.update(self._sequence_clip(parts))
+        return acc
+
+    def _prepare(self, name, inputs, outputs, old_logps, advantages, ref_logps, ref_outputs):
+        """This call's inputs, validated and aligned per microbatch; communicates nothing.
+
+        ``{'items': [per microbatch: feat, o, lp, m, full_len, ent, em, adv, has_adv, ref,
+        has_ref, old, has_old], 'sizes': sequences per microbatch, 'n_seq_parts': GSPO's
+        sequences to complete over CP}``.
+        """
         if ref_outputs is not None:
             if ref_logps is not None:
                 raise ValueError(f"{name}: got both ref_logps= and ref_outputs=; pass one")
@@ -206,15 +268,16 @@ class GRPOMetric(Metric):
                 raise ValueError(f"{name}: ref_outputs must be a dict with 'logps' (the reference model's "
                                  f"per-token log-probs), got {got}; or pass ref_logps= directly")
             ref_logps = ref_outputs["logps"]
+        empty = {"items": [], "sizes": [], "n_seq_parts": 0}
         if outputs is None:
-            return {}
+            return empty
         if inputs is None and _has_logps(outputs):
             raise ValueError(f"{name}: outputs['logps'] given but inputs is None; per-token log-probs need "
                              "the token mask: pass the InputFeature (or list of them) with labels or "
                              "completion_mask")
         pairs = microbatches(name, inputs, outputs, ("logps", "entropies", "logits"))
         if not pairs:
-            return {}
+            return empty
         for i, (_, o) in enumerate(pairs):
             if "logps" not in o:
                 raise ValueError(f"{name}: outputs of microbatch {i} have no 'logps'; pass per-token "
@@ -233,6 +296,35 @@ class GRPOMetric(Metric):
         advs = split_side_input(name, "advantages", advantages, sizes)
         refs = split_side_input(name, "ref_logps", ref_logps, sizes)
 
+        items, n_parts = [], 0
+        for i, ((feat, o), lp, m) in enumerate(zip(pairs, lps, masks)):
+            ent = em = None  # entropies and the tokens that have one
+            if "entropies" in o:
+                ent = as_tensor(o["entropies"], lp.device)
+                ent = ent.unsqueeze(0) if ent.dim() == 1 else ent
+                if ent.dim() == 2 and ent.shape == m.shape:
+                    em = m
+                else:
+                    ent, em = common_length(name, "outputs['entropies']", ent, m)
+                ent = _floating(ent)
+            adv = has_adv = ref = has_ref = old = has_old = None
+            if m.numel():
+                if advs[i] is not None:
+                    adv, has_adv = per_token(name, "advantages", advs[i], m, full_lens[i], per_sequence=True)
+                if refs[i] is not None:
+                    ref, has_ref = per_token(name, "ref_logps", refs[i], m, full_lens[i])
+                if olds[i] is not None:
+                    old, has_old = per_token(name, "old_logps", olds[i], m, full_lens[i])
+                if self.sequence_level_clip and old is not None and adv is not None:
+                    n_parts += m.shape[0]
+            items.append(dict(feat=feat, o=o, lp=lp, m=m, ent=ent, em=em, adv=adv, has_adv=has_adv,
+                              ref=ref, has_ref=has_ref, old=old, has_old=has_old))
+        return {"items": items, "sizes": sizes, "n_seq_parts": n_parts}
+
+    def _sums(self, batch, logit_ents):
+        """(contributions, GSPO's per-sequence parts or None) of a prepared call; masked
+        arithmetic only, nothing raises. ``logit_ents``: entropies computed from logits,
+        by microbatch."""
         # Per-token values stay in the input dtype (float32 usually) where that is exact:
         # masking (a bitwise select, so NaN/-inf padding at masked positions, common for prompt
         # tokens, is dropped rather than multiplied into the sums) and sums (accumulated in
@@ -243,13 +335,12 @@ class GRPOMetric(Metric):
         candidates: List[torch.Tensor] = []
         seq_start = 0
         skip = self.nan_policy == "skip"
-        # Entropy from logits before the sums (its collectives run once per call, as before):
-        # a token whose entropy is NaN/inf is a non-finite token like any other.
-        logit_jobs = [(i, o["logits"], m) for i, ((_, o), m) in enumerate(zip(pairs, masks))
-                      if "entropies" not in o and self.entropy_from_logits and "logits" in o]
-        logit_ents = dict(zip([job[0] for job in logit_jobs],
-                              self._entropy_from_logits(name, logit_jobs))) if logit_jobs else {}
-        for i, ((feat, o), lp, m) in enumerate(zip(pairs, lps, masks)):
+        for i, item in enumerate(batch["items"]):
+            feat, lp, m = item["feat"], item["lp"], item["m"]
+            ent, em, adv, has_adv = item["ent"], item["em"], item["adv"], item["has_adv"]
+            ref, has_ref, old, has_old = item["ref"], item["has_ref"], item["old"], item["has_old"]
+            if i in logit_ents:
+                ent, em = logit_ents[i], m
             cache = {}
 
             def keep(x, mask):  # x with masked-out positions +0.0; one bit mask per (mask, width)
@@ -258,25 +349,6 @@ class GRPOMetric(Metric):
                     cache[key] = keep_bits(mask, x.dtype)
                 return masked(x, cache[key])
 
-            ent = em = None  # entropies and the tokens that have one
-            if "entropies" in o:
-                ent = as_tensor(o["entropies"], lp.device)
-                ent = ent.unsqueeze(0) if ent.dim() == 1 else ent
-                if ent.dim() == 2 and ent.shape == m.shape:
-                    em = m
-                else:
-                    ent, em = common_length(name, "outputs['entropies']", ent, m)
-                ent = _floating(ent)
-            elif i in logit_ents:
-                ent, em = logit_ents[i], m
-            adv = has_adv = ref = has_ref = old = has_old = None
-            if m.numel():
-                if advs[i] is not None:
-                    adv, has_adv = per_token(name, "advantages", advs[i], m, full_lens[i], per_sequence=True)
-                if refs[i] is not None:
-                    ref, has_ref = per_token(name, "ref_logps", refs[i], m, full_lens[i])
-                if olds[i] is not None:
-                    old, has_old = per_token(name, "old_logps", olds[i], m, full_lens[i])
             # Tokens that count and hold a NaN/inf in any input (padding at masked positions
             # is not counted: every term is gated by the tokens the value belongs to).
             bad = nonfinite(lp) & m
@@ -383,18 +455,17 @@ class GRPOMetric(Metric):
                     candidates.append(self._candidates(feat, m, lp, old, d, em, has_old, seq_start))
             seq_start += m.shape[0]
 
-        if self.sequence_level_clip and seq_parts:
-            acc.update(self._sequence_clip(torch.cat(seq_parts)))
         if self.top_k_kl:
             mesh = self.resolve_mesh()
             cp_rank = mesh.cp_rank if self.process_group is None else 0
             dp_rank = mesh.dp_rank if self.process_group is None else group_rank(self.process_group)
-            acc["n_seq"] = sum(sizes)
+            acc["n_seq"] = sum(batch["sizes"])
             acc["dp_index"] = dp_rank
             acc["cp_index"] = cp_rank
             if candidates:
                 acc["topk"] = _topk_rows(torch.cat(candidates), self.top_k_kl)
-        return acc
+        parts = torch.cat(seq_parts) if self.sequence_level_clip and seq_parts else None
+        return acc, parts
 
     #: clip counts gated by the advantage sign (GRPO/PPO); CISPO clips the weight itself
     clip_by_advantage_sign = True
@@ -472,13 +543,8 @@ class GRPOMetric(Metric):
         return torch.stack([key[idx], gsi, pos_v, tok, em[i, p] + 1.0, lp[i, p].to(torch.float64),
                             old.expand(b, s)[i, p].to(torch.float64)], 1)
 
-    def _entropy_from_logits(self, name, jobs) -> List[torch.Tensor]:
-        """Per-token entropy [b, s] (float64) of each job's logits; vocab-parallel over TP.
-
-        Two collectives per call however many jobs and chunks: the row maxima of
-        every job are all-reduced at once (MAX), then every chunk's partial
-        ``(S, sum e*y)`` is collected and all-reduced at once (SUM).
-        """
+    def _entropy_chunks(self, name, jobs):
+        """(row chunks of every job's logits, job shapes): validated, no collective."""
         blocks, shapes = [], []
         for i, logits, m in jobs:
             z = as_tensor(logits, m.device)
@@ -490,11 +556,18 @@ class GRPOMetric(Metric):
                                  "aligned with the log-probs")
             blocks.append(_row_blocks(z[:, :m.shape[1]]))
             shapes.append(m.shape)
-        tp_group = self.resolve_mesh().tp_group if self.vocab_parallel else None
-        if tp_group is not None and group_size(tp_group) == 1:
-            tp_group = None
         chunks = [c for job in blocks for block in job
                   for c in torch.split(block, self._entropy_rows(block, job))]
+        return chunks, shapes
+
+    def _entropy(self, chunks, shapes, tp_group, device) -> List[torch.Tensor]:
+        """Per-token entropy [b, s] (float64) of each job from its chunks; vocab-parallel
+        over ``tp_group`` (agreed on before: every rank holds the same rows).
+
+        Two collectives per call however many jobs and chunks: the row maxima of
+        every job are all-reduced at once (MAX), then every chunk's partial
+        ``(S, sum e*y)`` is collected and all-reduced at once (SUM).
+        """
         t = self.temperature
         zmax = None
         if tp_group is not None:
@@ -502,7 +575,7 @@ class GRPOMetric(Metric):
 
             # max(z) / T == max(z / T) (T > 0, rounding is monotone): no scaled copy.
             zmax = torch.cat([c.amax(-1).to(_work_dtype(c)) / t for c in chunks]) if chunks else \
-                torch.zeros(0, device=jobs[0][2].device)
+                torch.zeros(0, device=device)
             dev = comm_device(tp_group)
             zmax_c = zmax.to(dev)
             dist.all_reduce(zmax_c, op=dist.ReduceOp.MAX, group=tp_group)          # collective 1
@@ -511,7 +584,7 @@ class GRPOMetric(Metric):
         for c in chunks:
             stats.append(_entropy_partials(c, t, None if zmax is None else zmax[start:start + c.shape[0]]))
             start += c.shape[0]
-        st = torch.cat(stats) if stats else torch.zeros(0, 2, dtype=torch.float64, device=jobs[0][2].device)
+        st = torch.cat(stats) if stats else torch.zeros(0, 2, dtype=torch.float64, device=device)
         if tp_group is not None:
             dev = comm_device(tp_group)
             st_c = st.to(dev)
