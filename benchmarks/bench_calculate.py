@@ -7,7 +7,9 @@ the floor), and in every iteration, for each suite in a rotating order:
 accumulates two microbatches (untimed), enters a barrier, and times calculate().
 An iteration's latency is the slowest rank's. Ratios are taken per iteration
 (same noise for all suites) and summarised by their median. Collectives are
-counted once per suite by wrapping torch.distributed (``common.CollectiveCounter``).
+counted by wrapping torch.distributed (``common.CollectiveCounter``): in the first
+calculate() (``collectives_first_calculate``: ours agrees on its plan there, a
+one-time handshake per metric set) and in the steady state (``collectives_calculate``).
 """
 from __future__ import annotations
 
@@ -27,17 +29,20 @@ def rank_fn(world, names, impls, iters, warmup):
     suites, nbytes = suite.build(list(impls), names, world)
     batches = [suite.make_batch(100 * rank + i, step=i + 1) for i in range(2)]
     times = {k: [] for k in suites}
-    wire_calc, api_calc, wire_acc = {}, {}, {}
+    wire_calc, api_calc, wire_acc, wire_first = {}, {}, {}, {}
     for it in range(warmup + iters):
         order = list(suites)
         order = order[it % len(order):] + order[:it % len(order)]
         for name in order:
             s = suites[name]
-            counter = common.CollectiveCounter() if it == 0 else None
+            # iteration 0 counts the first calculate() (ours agrees on its plan there: a
+            # one-time handshake), iteration 1 the steady state; both are untimed warm-up
+            counter = common.CollectiveCounter() if it < 2 else None
             if counter:
                 with counter:
                     s.accumulate(batches[0])
-                wire_acc[name] = counter.total
+                if it == 0:
+                    wire_acc[name] = counter.total
                 counter.reset()
             else:
                 s.accumulate(batches[0])
@@ -46,14 +51,18 @@ def rank_fn(world, names, impls, iters, warmup):
             if counter:
                 with counter:
                     s.calculate()
-                wire_calc[name], api_calc[name] = dict(counter.wire), dict(counter.api)
+                if it == 0:
+                    wire_first[name] = counter.total
+                else:
+                    wire_calc[name], api_calc[name] = dict(counter.wire), dict(counter.api)
                 continue
             t0 = time.perf_counter()
             s.calculate()
             dt = time.perf_counter() - t0
             if it >= warmup:
                 times[name].append(dt)
-    return {"times": times, "wire": wire_calc, "api": api_calc, "acc_wire": wire_acc, "nbytes": nbytes}
+    return {"times": times, "wire": wire_calc, "api": api_calc, "acc_wire": wire_acc, "first": wire_first,
+            "nbytes": nbytes}
 
 
 def summarise(per_rank, impls):
@@ -62,6 +71,7 @@ def summarise(per_rank, impls):
     out = {"latency_ms": {k: {"median": 1e3 * common.median(v), "p10": 1e3 * common.quantile(v, 0.1),
                               "p90": 1e3 * common.quantile(v, 0.9)} for k, v in lat.items()},
            "collectives_calculate": {k: sum(per_rank[0]["wire"][k].values()) for k in impls},
+           "collectives_first_calculate": {k: per_rank[0]["first"][k] for k in impls},
            "collectives_calculate_by_kind": {k: per_rank[0]["wire"][k] for k in impls},
            "api_calls_calculate": {k: per_rank[0]["api"][k] for k in impls},
            "collectives_per_accumulate": {k: per_rank[0]["acc_wire"][k] for k in impls},
@@ -81,7 +91,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--iters", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations (at least 2)")
     p.add_argument("--metrics", choices=("core", "all"), default="core")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--out", default="calculate")
@@ -91,7 +101,7 @@ def main(argv=None):
     results = {}
     t_start = time.time()
     for world in args.ranks:
-        per_rank = common.run_ranks(world, rank_fn, world, names, impls, args.iters, args.warmup)
+        per_rank = common.run_ranks(world, rank_fn, world, names, impls, args.iters, max(args.warmup, 2))
         res = summarise(per_rank, impls)
         results[str(world)] = res
         lat = res["latency_ms"]

@@ -208,3 +208,17 @@ def test_a_collection_takes_one_shared_kwargs_dict():
     assert out["loss"] == 2.0 and out["grad_norm"] == 0.5 and "train/approx_kl" in out
     with pytest.raises(TypeError, match="did you mean 'grad_norm'"):
         coll.accumulate(None, {"loss": 2.0}, grad_nrm=0.5)
+
+
+# ------------------------------------------------------------ a mesh that cannot reduce
+def test_layout_only_mesh_raises_in_calculate():
+    from parallel import DeviceMesh
+
+    mesh = DeviceMesh.from_sizes(dp_size=2, tp_size=2, create_groups=False)
+    m = TokenStats(mesh)
+    labels, values = make_batch(1)
+    m.accumulate({"labels": labels}, {"values": values})
+    before = m.state_dict()
+    with pytest.raises(RuntimeError, match="layout-only"):
+        m.calculate()
+    _states_equal(m.state_dict(), before)  # nothing reset, nothing lost

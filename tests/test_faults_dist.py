@@ -142,13 +142,13 @@ def test_state_added_on_some_ranks_without_dynamic_state_raises(dist_pool):
 
 
 def case_new_name_mid_run():
-    mesh = _mesh(dict(cp=2, dp=4))
+    mesh = _mesh(dict(tp=2, dp=4))  # new groups: nothing agreed on them yet
     m = CompletionRewardMetric(mesh)
     counts, out = [], []
     for interval in range(4):
         rewards = {"acc": [1.0]}
-        if interval >= 2 and dist.get_rank() == 4:
-            rewards["late"] = [2.0]  # a name one rank meets in the third interval
+        if interval == 2 and mesh.dp_rank == 2:
+            rewards["late"] = [2.0]  # a name one DP rank (both its TP ranks) meets in interval 3
         m.accumulate(rewards=rewards)
         with CollectiveCounter() as c:
             out.append(m.calculate())
@@ -159,8 +159,9 @@ def case_new_name_mid_run():
 def test_a_name_met_mid_run_renegotiates_once(dist_pool):
     results = dist_pool.run(case_new_name_mid_run, timeout=CASE_TIMEOUT)
     for counts, out in results:
-        # handshake + data; data; data that flags the new name + negotiation + data; data
-        assert counts == [3, 1, 4, 1]
+        # over DP and TP: handshake + data; data; data that flags the new name + handshake +
+        # data; data
+        assert counts == [6, 2, 8, 2]
         assert out[2]["train/late_reward"] == 2.0 and out[2]["train/acc_reward"] == 1.0
         assert "train/late_reward" not in out[3]  # known everywhere now, but unseen this interval
     assert all(r[1] == results[0][1] for r in results)
@@ -223,18 +224,17 @@ class _Count(Metric):
 
 
 def case_int64_exact(sizes):
-    m = _Count(_mesh(sizes))
-    m.accumulate(value=2 ** 53 + 1 + dist.get_rank())
+    mesh = _mesh(sizes)
+    m = _Count(mesh)
+    m.accumulate(value=2 ** 53 + 1 + mesh.dp_rank)  # TP replicas hold the same numbers
     return m.calculate()
 
 
 @pytest.mark.parametrize("sizes", [dict(dp=8), dict(tp=2, pp=2, dp=2)])
 def test_int64_states_travel_bit_exact(dist_pool, sizes):
-    for rank, got in enumerate(dist_pool.run(case_int64_exact, sizes, timeout=CASE_TIMEOUT)):
-        if sizes.get("pp") == 2:  # the last stage's data group (TP rank 0): ranks 4 and 6
-            assert got == {"n": 2 * (2 ** 53 + 1) + 4 + 6, "hi": 2 ** 53 + 1 + 6}
-        else:
-            assert got == {"n": 8 * (2 ** 53 + 1) + sum(range(8)), "hi": 2 ** 53 + 1 + 7}
+    dp = sizes["dp"]
+    for got in dist_pool.run(case_int64_exact, sizes, timeout=CASE_TIMEOUT):
+        assert got == {"n": dp * (2 ** 53 + 1) + sum(range(dp)), "hi": 2 ** 53 + dp}
 
 
 # --------------------------------------------------------------------------- NaN policy

@@ -77,11 +77,13 @@ class CompletionRewardMetric(Metric):
     CP rank 0 contributes, so each completion counts once. Reward names seen on
     the other CP ranks still create their states.
 
-    Reward names: pass ``reward_names=[...]`` to create their states up front.
-    Without it, a name gets its state the first time ``accumulate`` sees it, so
-    every rank of the data group must see the same names before ``calculate()``
-    (names are kept sorted, so the order they arrive in does not matter);
-    otherwise ``calculate()`` raises ``MetricSyncError`` on every rank.
+    Reward names: pass ``reward_names=[...]`` to fix them up front (a name outside
+    them is an error). Without it, a name gets its state the first time
+    ``accumulate`` sees it, on this rank or, at ``calculate()``, on any other: a
+    name that only some ranks or pipeline stages met (the last stage, say, while
+    the others pass nothing) is merged exactly, the other ranks adding nothing to
+    it, and every rank reports it. Adding a name costs one more exchange at the
+    next ``calculate()`` (``twinkle_metrics.sync``).
 
     Args:
         reward_names: reward function names known up front (recommended).
@@ -129,9 +131,6 @@ class CompletionRewardMetric(Metric):
         self.num_generations = num_generations
         self.zero_std_reward = zero_std_reward
         self._dynamic = reward_names is None
-        self._sync_hint = ("CompletionRewardMetric creates a state per reward name on first sight; "
-                           "pass reward_names=[...] to the constructor (or make every rank see "
-                           "the same reward names) so all ranks hold the same states")
         self._ensure_names(sorted(set(reward_names or ())))
 
     # ----------------------------------------------------------------- states

@@ -411,7 +411,7 @@ def _negotiate(metrics, ch: _Channel, data_group, share_group, mesh) -> _Plan:
             sides.append(f"ranks {_ranges(ranks)} hold [{', '.join(json.loads(text))}]")
         raise MetricSyncError("calculate(): ranks hold different metrics or arguments ("
                               + "; ".join(sides)[:1500] + "); build the same metrics, in the same "
-                              "order, with the same arguments on every rank" + _hints(metrics))
+                              "order, with the same arguments on every rank")
     names: List[List[str]] = [[] for _ in metrics]
     for key in sorted(summary["states"], key=lambda k: (int(k.split("/", 1)[0]), k.split("/", 1)[1])):
         entry = summary["states"][key]
@@ -425,8 +425,7 @@ def _negotiate(metrics, ch: _Channel, data_group, share_group, mesh) -> _Plan:
             raise MetricSyncError(
                 f"calculate(): state {type(metrics[i]).__name__}.{name} exists on ranks "
                 f"{_ranges(holders)} only, and the metric cannot create it on the others; add it on "
-                "every rank (add_state in the constructor), or implement dynamic_state()"
-                + _hints(metrics))
+                "every rank (add_state in the constructor), or implement dynamic_state()")
         names[i].append(name)
     for m, metric_names in zip(metrics, names):
         m._adopt([n for n in metric_names if n not in m._specs])
@@ -474,8 +473,3 @@ def _ranges(ranks: Sequence[int]) -> str:
             out.append(str(start) if start == r else f"{start}-{r}")
             start = None
     return "[" + ", ".join(out) + "]"
-
-
-def _hints(metrics) -> str:
-    hints = dict.fromkeys(h for h in (getattr(m, "_sync_hint", None) for m in metrics) if h)
-    return "".join(f"; hint: {h}" for h in hints)
