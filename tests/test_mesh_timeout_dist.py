@@ -48,15 +48,20 @@ def case_timeout_inherited():
             str(error)[:300], elapsed)
 
 
-def case_destroyed_world():
-    mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=2)
+def _live_error_after(destroy):
+    """check_live's message after ``destroy(mesh)``; None if it did not raise."""
+    mesh = DeviceMesh.from_sizes(tp_size=2)
     mesh.check_live("calculate()")
-    dist.destroy_process_group()
+    destroy(mesh)
     try:
         mesh.check_live("calculate()")
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def case_destroyed_world():
+    return _live_error_after(lambda mesh: dist.destroy_process_group())
 
 
 def test_created_groups_inherit_the_init_timeout_and_a_missing_rank_fails_fast(short_pool):
@@ -75,14 +80,7 @@ def test_created_groups_inherit_the_init_timeout_and_a_missing_rank_fails_fast(s
 
 
 def case_destroyed_subgroup():
-    mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4)
-    mesh.check_live("calculate()")
-    dist.destroy_process_group(mesh.tp_group)
-    try:
-        mesh.check_live("calculate()")
-    except RuntimeError as exc:
-        return str(exc)
-    return None
+    return _live_error_after(lambda mesh: dist.destroy_process_group(mesh.tp_group))
 
 
 def test_destroyed_subgroup_raises(dist_pool):

@@ -180,11 +180,11 @@ class Accuracy(Metric):
             raise ValueError(f"{_NAME}: {n} tokens of vocab shard {width} exceed the packed 32-bit sizes "
                              "(2**31 tokens per call, 2**32 vocab entries)")
         key = (n << 32) | (width << 1) | wide  # one key: equal on every rank iff max == min
-        high, neg_low = exchange.agree(self, group, values=[key, -key])
-        if high != -neg_low:
+        low, high = exchange.agree_same(self, group, key)
+        if low != high:
             def shape(k):
                 return f"{k >> 32} tokens x vocab shard {(k & _LOW32) >> 1}" + (" (fp64)" if k & 1 else "")
-            raise ValueError(f"{_NAME}: TP ranks hold different vocab-parallel logits ({shape(-neg_low)} "
+            raise ValueError(f"{_NAME}: TP ranks hold different vocab-parallel logits ({shape(low)} "
                              f"to {shape(high)}; this rank {shape(key)}); every rank of a TP group must "
                              "pass the same tokens with its own equal vocab shard; nothing was accumulated")
 

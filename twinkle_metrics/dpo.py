@@ -99,9 +99,9 @@ class DPOMetric(Metric):
             for group in self.exchange_groups():
                 # CP peers must complete sums of the same shape (or all hold nothing).
                 key = 0 if t is None else (t.shape[0] << 8) | (t.shape[1] << 2) | mode
-                high, neg_low = exchange.agree(self, group, values=[key, -key])
-                if high != -neg_low:
-                    raise ValueError(f"{_NAME}: CP ranks hold different batches ({_describe(-neg_low)} "
+                low, high = exchange.agree_same(self, group, key)
+                if low != high:
+                    raise ValueError(f"{_NAME}: CP ranks hold different batches ({_describe(low)} "
                                      f"to {_describe(high)}; this rank {_describe(key)}); every rank of "
                                      "a CP group must pass the same sequences; nothing was accumulated")
         if t is None:

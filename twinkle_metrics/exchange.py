@@ -111,6 +111,14 @@ def agree(metric, group, *, error: Optional[BaseException] = None, values: Seque
     return reduced[1:1 + len(values)]
 
 
+def agree_same(metric, group, value: int) -> tuple:
+    """``agree`` on one host-known integer that every rank of ``group`` must hold (a
+    size, or several packed in one key); returns ``(lowest, highest)`` over the group,
+    equal when every rank holds the same value."""
+    high, neg_low = agree(metric, group, values=[value, -value])
+    return -neg_low, high
+
+
 def exchange_groups(metric) -> list:
     """The groups ``metric`` agrees on in ``accumulate``, in order (``[]`` if none)."""
     fn = getattr(type(metric), "exchange_groups", None)

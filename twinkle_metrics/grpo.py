@@ -222,23 +222,20 @@ class GRPOMetric(Metric):
                     if item["ent"] is None and self.entropy_from_logits and "logits" in item["o"]]
             chunks, shapes = self._entropy_chunks(name, jobs)
             rows = sum(c.shape[0] for c in chunks)
+            checks = []
             if tp_group is not None:
                 # TP peers must reduce the same rows in the same precision (or all none).
                 wide = int(any(_work_dtype(c) == torch.float64 for c in chunks))
-                key = rows * 2 + wide
-                high, neg_low = exchange.agree(self, tp_group, values=[key, -key])
-                if high != -neg_low:
-                    raise ValueError(f"{name}: TP ranks hold different vocab-parallel logits ({-neg_low // 2} "
-                                     f"to {high // 2} token rows; this rank {rows}); every rank of a TP "
-                                     "group must pass the same tokens with its own vocab shard; nothing "
-                                     "was accumulated")
+                checks.append((tp_group, rows * 2 + wide, "TP", "vocab-parallel logits (token rows x 2 "
+                               "+ fp64)", "the same tokens with its own vocab shard"))
             if cp_group is not None:
-                n = batch["n_seq_parts"]
-                high, neg_low = exchange.agree(self, cp_group, values=[n, -n])
-                if high != -neg_low:
-                    raise ValueError(f"{name}: CP ranks hold different numbers of sequences with old "
-                                     f"log-probs and advantages ({-neg_low} to {high}; this rank {n}); "
-                                     "every rank of a CP group must pass the same sequences; nothing "
+                checks.append((cp_group, batch["n_seq_parts"], "CP", "numbers of sequences with old "
+                               "log-probs and advantages", "the same sequences"))
+            for group, key, axis, what, fix in checks:
+                low, high = exchange.agree_same(self, group, key)
+                if low != high:
+                    raise ValueError(f"{name}: {axis} ranks hold different {what} ({low} to {high}; this "
+                                     f"rank {key}); every rank of a {axis} group must pass {fix}; nothing "
                                      "was accumulated")
         # Validated and agreed: nothing below raises. Entropy from logits first (its TP
         # collectives), so that a token whose entropy is NaN/inf counts as non-finite too.
