@@ -106,7 +106,8 @@ def main(argv=None):
         results[str(world)] = res
         lat = res["latency_ms"]
         print(f"ranks={world}: " + "  ".join(
-            f"{k} {lat[k]['median']:.1f} ms ({res['collectives_calculate'][k]} coll)" for k in impls))
+            f"{k} {lat[k]['median']:.1f} ms ({res['collectives_calculate'][k]} coll, first call "
+            f"{res['collectives_first_calculate'][k]})" for k in impls))
         if "ratio_to_ours" in res:
             print("   ratio to ours: " + "  ".join(f"{k} {v:.2f}x" for k, v in res["ratio_to_ours"].items()))
         sys.stdout.flush()

@@ -149,11 +149,8 @@ class Metric:
         """
         cls = type(self)
         parts = [f"{cls.__module__}.{cls.__qualname__}"]
-        skip = set(self.fingerprint_exclude) | {"self", "device_mesh", "process_group"}
-        for name, p in inspect.signature(cls.__init__).parameters.items():
-            if name in skip or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-                continue
-            if isinstance(getattr(cls, name, None), property) or name not in self.__dict__:
+        for name in _constructor_arguments(cls):
+            if name not in self.__dict__:
                 continue
             value = self.__dict__[name]
             if isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value):
@@ -430,6 +427,22 @@ class _Staged:
                 _FOREACH[op]([states[n] for n in names], values)
             for name, value in self.copies:
                 states[name].copy_(value)
+
+
+_ARGUMENTS: Dict[type, List[str]] = {}
+
+
+def _constructor_arguments(cls) -> List[str]:
+    """Names of ``cls``'s constructor arguments that may enter its fingerprint (cached:
+    ``inspect.signature`` costs ~70 us, and the fingerprint is taken every calculate())."""
+    names = _ARGUMENTS.get(cls)
+    if names is None:
+        skip = set(cls.fingerprint_exclude) | {"self", "device_mesh", "process_group"}
+        names = _ARGUMENTS[cls] = [
+            name for name, p in inspect.signature(cls.__init__).parameters.items()
+            if name not in skip and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+            and not isinstance(getattr(cls, name, None), property)]
+    return names
 
 
 def _check_kwargs(metric: Metric, kwargs: Mapping[str, Any]) -> None:

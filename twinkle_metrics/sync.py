@@ -106,9 +106,11 @@ class _Plan:
         self.hash = float(int.from_bytes(digest, "little"))  # 48 bits: exact in float64
 
     def columns(self, device) -> Dict[Tuple[str, bool], torch.Tensor]:
+        """Buffer columns (header included) of the states merged column by column, by
+        (reduction, is int64); cached per device."""
         key = str(device)
         if key not in self._by_device:
-            self._by_device[key] = {k: torch.tensor(v, dtype=torch.long, device=device)
+            self._by_device[key] = {k: torch.tensor(v, dtype=torch.long, device=device) + _HEADER
                                     for k, v in self._cols.items()}
         return self._by_device[key]
 
@@ -294,7 +296,6 @@ def _merge(plan: _Plan, metrics, rows: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] == 1:
         return vec
     for (op, is_int), cols in plan.columns(rows.device).items():
-        cols = cols + _HEADER
         sel = rows.index_select(1, cols)
         if is_int:
             sel = sel.view(torch.int64)
