@@ -28,6 +28,30 @@ def _mesh(sizes):
     return DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
 
 
+class _Megatron:
+    """megatron-core's parallel_state groups for TP2 x PP2 x DP2 inside a case."""
+
+    def __enter__(self):
+        from megatron.core import parallel_state as ps
+
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                     create_gloo_process_groups=False)
+        return DeviceMesh.from_megatron()
+
+    def __exit__(self, *exc):
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+
+
+def _with_source(source, fn):
+    """``fn(mesh)`` on TP2 x PP2 x DP2 groups made by the library or by megatron-core."""
+    if source == "megatron":
+        with _Megatron() as mesh:
+            return fn(mesh)
+    return fn(_mesh(dict(tp=2, pp=2, dp=2)))
+
+
 def _outcome(fn):
     try:
         return "ok", fn()
@@ -45,8 +69,11 @@ def _reward_batch(dp_rank, dp_size):
     return {"acc": acc[rows], "fmt": fmt[rows]}, lens[rows], (acc, fmt, lens)
 
 
-def case_rewards_on_last_stage():
-    mesh = _mesh(dict(tp=2, pp=2, dp=2))
+def case_rewards_on_last_stage(source):
+    return _with_source(source, _rewards_on_last_stage)
+
+
+def _rewards_on_last_stage(mesh):
     m = CompletionRewardMetric(mesh, num_generations=4)  # names created on first sight
     out = []
     for interval in range(3):
@@ -60,11 +87,12 @@ def case_rewards_on_last_stage():
     return out
 
 
-def test_rewards_known_on_the_last_stage_only(dist_pool):
+@pytest.mark.parametrize("source", ["sizes", "megatron"])
+def test_rewards_known_on_the_last_stage_only(dist_pool, source):
     _, _, (acc, fmt, lens) = _reward_batch(0, 1)
     whole = CompletionRewardMetric(num_generations=4).accumulate(
         rewards={"acc": acc, "fmt": fmt}, completion_lengths=lens).calculate()
-    results = dist_pool.run(case_rewards_on_last_stage, timeout=CASE_TIMEOUT)
+    results = dist_pool.run(case_rewards_on_last_stage, source, timeout=CASE_TIMEOUT)
     for per_interval in results:
         for got, _ in per_interval:
             assert got.keys() == whole.keys()
@@ -174,8 +202,11 @@ def _vocab_batch():
     return logits, logits.argmax(-1)
 
 
-def case_forgotten_vocab_parallel(vocab_parallel):
-    mesh = _mesh(dict(tp=2, pp=2, dp=2))
+def case_forgotten_vocab_parallel(vocab_parallel, source):
+    return _with_source(source, lambda mesh: _forgotten_vocab_parallel(mesh, vocab_parallel))
+
+
+def _forgotten_vocab_parallel(mesh, vocab_parallel):
     m = Accuracy(mesh, vocab_parallel=vocab_parallel)
     logits, labels = _vocab_batch()
     shard = logits.chunk(2, dim=-1)[mesh.tp_rank]  # Megatron's vocab shard of this TP rank
@@ -186,12 +217,13 @@ def case_forgotten_vocab_parallel(vocab_parallel):
     return _outcome(m.calculate)
 
 
-def test_forgotten_vocab_parallel_raises_with_the_likely_cause(dist_pool):
-    for kind, text in dist_pool.run(case_forgotten_vocab_parallel, False, timeout=CASE_TIMEOUT):
+@pytest.mark.parametrize("source", ["sizes", "megatron"])
+def test_forgotten_vocab_parallel_raises_with_the_likely_cause(dist_pool, source):
+    for kind, text in dist_pool.run(case_forgotten_vocab_parallel, False, source, timeout=CASE_TIMEOUT):
         assert kind == "MetricSyncError", text
         assert "TP replicas" in text and "Accuracy.correct" in text
         assert "pass vocab_parallel=True" in text
-    for kind, got in dist_pool.run(case_forgotten_vocab_parallel, True, timeout=CASE_TIMEOUT):
+    for kind, got in dist_pool.run(case_forgotten_vocab_parallel, True, source, timeout=CASE_TIMEOUT):
         assert kind == "ok" and got["accuracy"] == 1.0  # and with it, the right number
 
 
