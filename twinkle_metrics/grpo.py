@@ -348,9 +348,19 @@ class GRPOMetric(Metric):
 
             # Tokens that count and hold a NaN/inf in any input (padding at masked positions
             # is not counted: every term is gated by the tokens the value belongs to).
-            bad = nonfinite(lp) & m
-            for x, has in ((adv, has_adv), (ref, has_ref), (old, has_old), (ent, em)):
-                if x is not None:
+            present = [(x, has) for x, has in ((adv, has_adv), (ref, has_ref), (old, has_old), (ent, em))
+                       if x is not None]
+            if all(has is m and x.dim() == 2 and x.shape[0] == m.shape[0] and x.shape[1] in (1, m.shape[1])
+                   for x, has in present):
+                # Every input covers the counted tokens (the dense case): one probe, x * 0
+                # added per input (0 where finite, NaN where not), one isnan.
+                probe = lp * 0.0
+                for x, _ in present:
+                    probe = probe.add_(x, alpha=0) if x.dtype == probe.dtype else probe.add(x, alpha=0)
+                bad = torch.isnan(probe) & m
+            else:
+                bad = nonfinite(lp) & m
+                for x, has in present:
                     b = nonfinite(x) & has
                     bad |= b if b.shape == bad.shape else _pad_cols(b, bad.shape[1])
             _add(acc, "n_bad", bad.sum())
@@ -430,7 +440,8 @@ class GRPOMetric(Metric):
                     if not skip:
                         # Under 'propagate' a NaN/inf d or A must not vanish in a comparison
                         # (NaN < x is False): 0, or NaN when a gated token holds one.
-                        _add(acc, "clip_nan", torch.where(gate, d * 0.0 + adv * 0.0, 0.0).sum())
+                        # (d + A is NaN/inf iff either is; * 0 turns inf into NaN)
+                        _add(acc, "clip_nan", torch.where(gate, d + adv, 0.0).sum() * 0.0)
                     if self.sequence_level_clip:
                         g = gate.to(torch.float64)
                         seq_parts.append(torch.stack([(d * g).sum(1), g.sum(1),
