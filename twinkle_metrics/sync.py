@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -140,21 +141,28 @@ def _spec(metric, name: str):
 class _Channel:
     """What the ranks agreed on for one pair of groups: plans and the buffer width."""
 
-    def __init__(self, groups):
-        self.groups = groups          # kept alive, so that the ids in the key stay theirs
+    def __init__(self):
         self.plans: Dict[Tuple[str, ...], _Plan] = {}
         self.width = 0
 
 
-_CHANNELS: Dict[Tuple[int, int], _Channel] = {}
+_CHANNELS: Dict[Tuple[int, int], Tuple[tuple, _Channel]] = {}  # ids -> (weak refs, channel)
 _LOCAL_PLANS: Dict[Tuple, _Plan] = {}
 
 
 def _channel(data_group, share_group) -> _Channel:
-    key = (id(data_group), id(share_group))
-    ch = _CHANNELS.get(key)
-    if ch is None:
-        ch = _CHANNELS[key] = _Channel((data_group, share_group))
+    """The channel of a pair of groups. Holds only weak references to them, so that a
+    destroyed group's threads can go (a test session creates hundreds of groups)."""
+    groups = (data_group, share_group)
+    key = tuple(id(g) for g in groups)
+    entry = _CHANNELS.get(key)
+    if entry is not None and all((r is None) if g is None else (r is not None and r() is g)
+                                 for r, g in zip(entry[0], groups)):
+        return entry[1]
+    for k in [k for k, (refs, _) in _CHANNELS.items() if any(r is not None and r() is None for r in refs)]:
+        del _CHANNELS[k]  # channels of groups that are gone
+    ch = _Channel()
+    _CHANNELS[key] = (tuple(None if g is None else weakref.ref(g) for g in groups), ch)
     return ch
 
 
