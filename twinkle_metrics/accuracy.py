@@ -118,7 +118,8 @@ class Accuracy(Metric):
     Vocab parallelism (``vocab_parallel=True``): logits are Megatron's vocab shards
     ``[b, s, v/tp]`` (shard ``tp_rank`` covers ``[tp_rank * v/tp, (tp_rank+1) * v/tp)``)
     and the argmax is taken over the whole vocab with one collective per
-    ``accumulate`` over the mesh's TP group (see ``vocab_parallel_argmax``), with
+    ``accumulate`` over the mesh's TP group (see ``vocab_parallel_argmax``), after a
+    host-side agreement over the group's CPU twin (``twinkle_metrics.exchange``), with
     ``torch.argmax``'s rules (lowest index among ties, NaN is the largest). bf16/fp16
     values are compared exactly (in fp32); fp64 logits are compared in fp64 with two
     collectives. The caller must make every rank of a TP group call ``accumulate``

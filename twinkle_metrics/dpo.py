@@ -41,8 +41,9 @@ class DPOMetric(Metric):
 
     Under context parallelism each rank holds only some tokens of every sequence,
     so ``accumulate`` sums the per-sequence partial log-probs over the CP group
-    (one all_reduce on the device) before any comparison: every CP rank must call
-    ``accumulate`` the same number of times with the same sequences. The pair
+    (one host-side agreement, then one all_reduce on the device) before any
+    comparison: every CP rank must call ``accumulate`` the same number of times with
+    the same sequences. The pair
     statistics are then counted on CP rank 0 only. Reference
     statistics divide by the pairs that had reference log-probs (Twinkle divides
     by all pairs).

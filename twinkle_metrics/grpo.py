@@ -62,7 +62,8 @@ class GRPOMetric(Metric):
       memory; a full-vocab softmax needs 300%); with ``vocab_parallel=True`` the
       logits are the local vocab shard and the sums are completed over the mesh's
       TP group: one MAX and one SUM all_reduce per ``accumulate``, whatever the
-      number of chunks or microbatches;
+      number of chunks or microbatches, after one host-side agreement over the
+      group's CPU twin (``twinkle_metrics.exchange``);
     * ``top_k_kl > 0``: ``_high_kl_records``, the K highest-k3 tokens of the whole
       data group, each ``{'gsi', 'pos', 'token_id', 'kl', 'ratio', 'logp_new',
       'logp_old'}``. ``gsi`` counts sequences over the data group in DP-rank order
@@ -688,7 +689,7 @@ class GSPOMetric(GRPOMetric):
     Clip gates apply to each sequence's ratio exp(mean over its tokens of d), with
     the sequence's advantage (the mean over its tokens when given per token);
     ``train/clip_ratio*`` count sequences. Under CP the per-sequence sums are
-    completed over the CP group first (one all_reduce in ``accumulate``; every CP
+    completed over the CP group first (one agreement and one all_reduce in ``accumulate``; every CP
     rank must call it the same number of times). Other keys are as GRPOMetric.
     """
 
