@@ -32,7 +32,8 @@ class MaskedMean(Metric):
             mask = feat["labels"] != -100
             out["total"] = out["total"] + (o["values"] * mask).sum()
             out["count"] = out["count"] + mask.sum()
-            out["peak"] = torch.where(mask, o["values"], -torch.inf).amax()
+            peak = torch.where(mask, o["values"], -torch.inf).amax()
+            out["peak"] = peak if "peak" not in out else torch.maximum(out["peak"], peak)
         return out
 
     def compute(self, s):

@@ -116,12 +116,28 @@ class _AllOps(Metric):
         return s
 
 
+def _fold_one(spec, old, new):
+    """What folding ``new`` into a state means, one op per state (the definition)."""
+    new = torch.as_tensor(new).to(old.dtype)
+    op = spec.local or spec.reduce
+    if callable(op):
+        old.copy_(op(old, new))
+    elif op == "sum":
+        old.add_(new)
+    elif op == "max":
+        torch.maximum(old, new, out=old)
+    elif op == "min":
+        torch.minimum(old, new, out=old)
+    else:  # last
+        old.copy_(new)
+
+
 def _fold_reference(calls):
-    """The per-state fold, one op per state (what the grouped fold must equal)."""
+    """The per-state fold (what the grouped fold must equal)."""
     ref = _AllOps()
     for c in calls:
         for name, value in c.items():
-            ref._specs[name].fold(ref._states[name], value)
+            _fold_one(ref._specs[name], ref._states[name], value)
     return ref
 
 
@@ -282,3 +298,31 @@ def test_merged_shards_equal_whole_batch():
     assert_results_close(merged_results(shards), whole)
     with pytest.raises(ValueError, match="same metric"):
         merged_results([TokenStats(), MetricCollection])
+
+
+def _readme_masked_mean():
+    """The ``MaskedMean`` of the README's "Writing a metric" block, executed as written."""
+    import os
+    import re
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "class MaskedMean" in b)
+    scope = {}
+    exec(block, scope)  # noqa: S102 - the documented example, run as a user would copy it
+    return scope["MaskedMean"]
+
+
+def test_documented_custom_metric_reports_the_max_over_microbatches():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch", "example_custom_metric.py")
+    spec = importlib.util.spec_from_file_location("example_custom_metric", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
+    values = torch.tensor([[9.0, 1.0, 50.0], [2.0, 70.0, 80.0]], dtype=torch.float64)  # max 9 in mb 0
+    for cls in (example.MaskedMean, _readme_masked_mean()):
+        got = cls().accumulate([{"labels": labels[:1]}, {"labels": labels[1:]}],
+                               {"values": values}).calculate()
+        assert got == {"mean": 12.0 / 3, "max": 9.0}, (cls, got)

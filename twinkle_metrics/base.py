@@ -25,6 +25,8 @@ import torch
 from parallel import DeviceMesh, dist_ready, group_size
 
 from .state import State, _as_tensor
+from .exchange import join_failed
+from .sync import sync_and_compute
 
 #: Keyword arguments of ``accumulate`` that some metric's ``update`` names. A trainer
 #: passes one shared kwargs dict to every metric (Twinkle's convention), so a keyword
@@ -46,6 +48,7 @@ class Metric:
     """
 
     _class_states: ClassVar[Dict[str, State]] = {}
+    _own_merge: ClassVar[bool] = False
     #: keyword arguments this metric reads from ``**kwargs`` without naming them in
     #: ``update``'s signature (named ones are found automatically)
     accepted_kwargs: ClassVar[Sequence[str]] = ()
@@ -61,6 +64,7 @@ class Metric:
                 if isinstance(value, State):
                     found[name] = value
         cls._class_states = found
+        cls._own_merge = cls.merge is not Metric.merge  # the sync merges the others column-wise
         _KNOWN_KWARGS.update(cls.accepted_kwargs)
         if "update" in vars(cls):
             params = list(inspect.signature(cls.update).parameters.values())[1:]
@@ -187,8 +191,6 @@ class Metric:
                 return self._plan_fold(contributions) if contributions else None
         except BaseException as exc:
             if self.exchange_groups():
-                from .exchange import join_failed
-
                 join_failed(self, exc)
             raise
 
@@ -224,8 +226,6 @@ class Metric:
         Collective over the mesh: every rank calls it, pipeline stages included.
         Resets the metric afterwards (as Twinkle does) unless ``reset=False``.
         """
-        from .sync import sync_and_compute
-
         return sync_and_compute([self], reset=reset)[0]
 
     def resolve_mesh(self) -> DeviceMesh:

@@ -6,6 +6,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 from parallel import DeviceMesh
 
 from .base import Metric
+from .exchange import join_failed
 from .sync import sync_and_compute
 
 
@@ -67,11 +68,8 @@ class MetricCollection:
             try:
                 staged.append(m._stage(inputs, outputs, kwargs))
             except BaseException as exc:
-                later = [n for n in metrics[i + 1:] if n.exchange_groups()]
-                if later:
-                    from .exchange import join_failed
-
-                    for n in later:
+                for n in metrics[i + 1:]:
+                    if n.exchange_groups():
                         join_failed(n, exc, fresh=True)
                 raise
         for m, s in zip(metrics, staged):

@@ -91,20 +91,6 @@ class State:
         """A fresh tensor holding the default (a fill kernel: no host-device copy)."""
         return torch.full(self.shape, self.identity, dtype=self.dtype, device=device)
 
-    def fold(self, old: torch.Tensor, new) -> None:
-        """Merge ``new`` into ``old`` in place, on the device, without waiting for it."""
-        op = self.local or self.reduce
-        if callable(op):
-            old.copy_(op(old, _as_tensor(new, old)))
-        elif op == "sum":
-            old.add_(_as_tensor(new, old))
-        elif op == "max":
-            torch.maximum(old, _as_tensor(new, old), out=old)
-        elif op == "min":
-            torch.minimum(old, _as_tensor(new, old), out=old)
-        else:  # last
-            old.copy_(_as_tensor(new, old))
-
     def merge(self, rows: torch.Tensor) -> torch.Tensor:
         """Reduce ``[ranks, *shape]`` rows into one value."""
         if callable(self.reduce):

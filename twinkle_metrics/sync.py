@@ -68,8 +68,6 @@ class _Plan:
     """Where every state of every metric sits in the packed buffer."""
 
     def __init__(self, metrics: Sequence, names: Sequence[Sequence[str]]):
-        from .base import Metric
-
         self.entries: List[List[Tuple[str, Any, int]]] = []   # per metric: (name, spec, offset)
         self.owner: List[Tuple[int, str]] = []                 # per column: (metric, state)
         cols: Dict[Tuple[str, bool], List[int]] = {}
@@ -78,7 +76,7 @@ class _Plan:
         offset = 0
         text = []
         for i, (m, metric_names) in enumerate(zip(metrics, names)):
-            plain = type(m).merge is Metric.merge
+            plain = not type(m)._own_merge
             entries, mine = [], {}
             for name in metric_names:
                 spec = _spec(m, name)
