@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_metrics import (Accuracy, EmbeddingMetric, LossMetric, MetricCollection, TrainMetric)
-from twinkle_metrics.accuracy import _ordered_f32, _ordered_f64
+from twinkle_metrics.accuracy import _ordered_f32, _ordered_f64, argmax_keys, argmax_of_keys
 from twinkle_metrics.testing import assert_results_close, forbid_device_waits
 
 
@@ -77,16 +77,16 @@ def test_accuracy_errors_name_field_and_shapes():
 
 
 def _emulated_vp_argmax(full, tp):
-    """What vocab_parallel_argmax computes, with the TP all-reduce done by torch.maximum."""
+    """The library's keys for each vocab shard, MAX-reduced by torch.maximum (what the TP
+    all_reduce does), turned back into indices by the library."""
     v = full.shape[-1] // tp
     best = None
     for r in range(tp):
         x = full[..., r * v:(r + 1) * v]
         idx = x.argmax(-1)
-        val = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
-        key = _ordered_f32(val).to(torch.int64) * (1 << 32) + (full.shape[-1] - 1 - (idx + r * v))
+        key = argmax_keys(x.gather(-1, idx.unsqueeze(-1)).squeeze(-1), idx + r * v, full.shape[-1])
         best = key if best is None else torch.maximum(best, key)
-    return full.shape[-1] - 1 - (best & ((1 << 32) - 1))
+    return argmax_of_keys(best, full.shape[-1])
 
 
 def test_packed_argmax_keys_follow_torch_argmax_ties_nan_and_signed_zero():
@@ -355,3 +355,25 @@ def test_accuracy_float_completion_mask_counts_nonzero():
 def test_accuracy_list_outputs_without_labels_is_an_error():
     with pytest.raises(ValueError, match="Accuracy: labels missing"):
         Accuracy().accumulate(None, [{"logits": torch.randn(1, 3, 5)}])
+
+
+def test_train_metric_times_against_a_controlled_clock(monkeypatch):
+    import types
+
+    import twinkle_metrics.train as train_module
+
+    now = [100.0]
+    monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    m = TrainMetric()  # the clock starts at 100 s
+    now[0] = 102.0
+    m.accumulate(None, None, step=8, gradient_accumulation_steps=4, tokens=1000)
+    now[0] = 106.0
+    m.accumulate(None, None, step=16, gradient_accumulation_steps=4, tokens=3000)
+    got = m.calculate()  # the next interval starts here, at 106 s
+    assert got["total time elapse"] == 6.0 and got["iters"] == 4
+    assert got["step time"] == 6.0 / 4 and got["speed"] == 4 / 6.0 and got["tokens/s"] == 4000 / 6.0
+    now[0] = 110.0
+    m.accumulate(None, None, step=24, gradient_accumulation_steps=4)
+    got = m.calculate()
+    assert got["total time elapse"] == 10.0 and got["iters"] == 6
+    assert got["step time"] == 4.0 / 2 and got["speed"] == 2 / 4.0

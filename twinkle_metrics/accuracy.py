@@ -33,6 +33,19 @@ def _ordered_f64(values: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(v), torch.full_like(ordered, 0x7FFFFFFFFFFFFFFF), ordered)
 
 
+def argmax_keys(values: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int64 keys whose MAX over shards picks what ``torch.argmax`` over the whole vocab
+    picks: the value made order-preserving in the high 32 bits (NaN largest, -0.0 ==
+    +0.0), the reversed global ``index`` in the low 32 bits (lowest index wins a tie).
+    For 16/32-bit values; ``vocab`` is the global vocab size."""
+    return _ordered_f32(values).to(torch.int64) * (1 << 32) + (vocab - 1 - index)
+
+
+def argmax_of_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The global index a MAX-reduced ``argmax_keys`` key stands for."""
+    return (vocab - 1) - (keys & _LOW32)
+
+
 def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_size: int) -> List[torch.Tensor]:
     """Global ``argmax(-1)`` of vocab-sharded logits, exactly as ``torch.argmax`` on the full vocab.
 
@@ -74,13 +87,12 @@ def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_si
             ord_all.append(_ordered_f64(val).reshape(-1))
             idx_all.append(gidx.reshape(-1))
         else:
-            ordered = _ordered_f32(val).to(torch.int64)
-            keys.append((ordered * (1 << 32) + (v_global - 1 - gidx)).reshape(-1))
+            keys.append(argmax_keys(val, gidx, v_global).reshape(-1))
     device = logits[0].device if logits else comm_device(group)
     if not wide:
         packed = _cat_or_dummy(keys, device)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-        flat = (v_global - 1) - (packed & _LOW32)
+        flat = argmax_of_keys(packed, v_global)
     else:
         ordered = _cat_or_dummy(ord_all, device)
         best = ordered.clone()
