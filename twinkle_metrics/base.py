@@ -189,7 +189,7 @@ class Metric:
             with torch.no_grad():
                 contributions = self.update(inputs, outputs, **kwargs)
                 return self._plan_fold(contributions) if contributions else None
-        except BaseException as exc:
+        except Exception as exc:  # an interrupt joins nothing: it ends the job
             if self.exchange_groups():
                 join_failed(self, exc)
             raise

@@ -67,7 +67,7 @@ class MetricCollection:
         for i, m in enumerate(metrics):
             try:
                 staged.append(m._stage(inputs, outputs, kwargs))
-            except BaseException as exc:
+            except Exception as exc:  # an interrupt joins nothing: it ends the job
                 for n in metrics[i + 1:]:
                     if n.exchange_groups():
                         join_failed(n, exc, fresh=True)
