@@ -188,12 +188,27 @@ def test_accumulate_never_waits_for_device():
 
 def test_guard_catches_waits():
     t = torch.ones(3)
+    counts = torch.tensor([1, 2, 0])
+
+    def assign():
+        t[t > 5] = 0.0
+
+    waits = (lambda: t.item(), lambda: t.tolist(), lambda: float(t[0]), lambda: bool(t[0]),
+             lambda: t[t > 0], lambda: torch.nonzero(t), lambda: t.cpu(), lambda: torch.equal(t, t),
+             lambda: t[0].is_nonzero(), lambda: counts.bincount(), lambda: torch.bincount(counts),
+             lambda: torch.where(t > 0), lambda: t.repeat_interleave(counts),
+             lambda: torch.repeat_interleave(t, counts), assign)
     with forbid_device_waits():
-        for fn in (lambda: t.item(), lambda: t.tolist(), lambda: float(t[0]), lambda: bool(t[0]),
-                   lambda: t[t > 0], lambda: torch.nonzero(t), lambda: t.cpu()):
+        for i, fn in enumerate(waits):
             with pytest.raises(DeviceWaitError):
                 fn()
-    assert t.sum().item() == 3.0  # restored afterwards
+                raise AssertionError(f"call {i} was not caught")
+        # the same calls in forms that do not wait pass
+        torch.where(t > 0, t, 0.0)
+        t.repeat_interleave(2)
+        t.repeat_interleave(counts, output_size=3)
+        t[torch.tensor([0, 1])] = 1.0
+    assert t.sum().item() == 3.0 and torch.equal(t, t)  # restored afterwards
 
 
 def test_state_dict_roundtrip_and_errors():

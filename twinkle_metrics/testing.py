@@ -2,7 +2,11 @@
 
 * ``forbid_device_waits()``: inside it, any Python-level call that would make the
   host wait for the device (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``,
-  ``bool(t)``, ``nonzero``, boolean-mask indexing, ...) raises ``DeviceWaitError``.
+  ``bool(t)``, ``nonzero``, ``torch.equal``, ``is_nonzero``, ``bincount``,
+  ``repeat_interleave`` without ``output_size``, one-argument ``torch.where``,
+  boolean-mask indexing and assignment, ...) raises ``DeviceWaitError``. Not caught:
+  ``.to("cpu")`` and device-to-host ``copy_`` (on a CPU-only machine every tensor is a
+  host tensor, so they cannot be told from harmless calls).
   On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the ground-truth check;
   this guard gives the same verdict on a CPU-only machine.
 * ``assert_results_close(got, want)``: same keys, numbers equal to a tolerance.
@@ -27,8 +31,10 @@ class DeviceWaitError(RuntimeError):
 
 
 _TENSOR_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__",
-                   "__index__", "nonzero", "masked_select", "unique", "any", "all")
-_TORCH_FUNCS = ("nonzero", "masked_select", "unique", "argwhere", "any", "all")
+                   "__index__", "nonzero", "masked_select", "unique", "any", "all", "is_nonzero",
+                   "bincount")
+# equal(): a bool on the host; bincount(): an output size read from the data
+_TORCH_FUNCS = ("nonzero", "masked_select", "unique", "argwhere", "any", "all", "equal", "bincount")
 
 
 @contextlib.contextmanager
@@ -57,20 +63,50 @@ def intercept_device_waits(on_wait: Callable[[str], None]):
         saved.append((owner, name, original))
         setattr(owner, name, wrapped)
 
-    orig_getitem = torch.Tensor.__getitem__
+    orig_getitem, orig_setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+
+    def bool_mask(index) -> bool:
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
 
     def getitem(self, index):
-        parts = index if isinstance(index, tuple) else (index,)
-        if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+        if bool_mask(index):
             report("bool_mask_index")
         return orig_getitem(self, index)
+
+    def setitem(self, index, value):  # x[mask] = v finds the masked positions on the host
+        if bool_mask(index):
+            report("bool_mask_index")
+        return orig_setitem(self, index, value)
+
+    def conditional(owner, name, waits, label):
+        """Wrap a call that waits only for some arguments (``waits(*args, **kwargs)``)."""
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if waits(*args, **kwargs):
+                report(label)
+            return original(*args, **kwargs)
+        saved.append((owner, name, original))
+        setattr(owner, name, wrapped)
+
+    # where(cond) is nonzero(cond, as_tuple=True); repeat_interleave with tensor repeats and
+    # no output_size reads the total length from the data
+    conditional(torch, "where", lambda *a, **k: len(a) + len(k) == 1, "where")
+    for owner, first in ((torch, 1), (torch.Tensor, 1)):
+        conditional(owner, "repeat_interleave",
+                    lambda *a, _i=first, **k: isinstance(k.get("repeats", a[_i] if len(a) > _i else None),
+                                                         torch.Tensor) and k.get("output_size") is None,
+                    "repeat_interleave")
 
     for name in _TENSOR_METHODS:
         wrap(torch.Tensor, name, getattr(torch.Tensor, name), name.strip("_"))
     for name in _TORCH_FUNCS:
         wrap(torch, name, getattr(torch, name), name)
     saved.append((torch.Tensor, "__getitem__", orig_getitem))
+    saved.append((torch.Tensor, "__setitem__", orig_setitem))
     torch.Tensor.__getitem__ = getitem
+    torch.Tensor.__setitem__ = setitem
     try:
         yield
     finally:
