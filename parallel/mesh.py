@@ -34,6 +34,12 @@ _LAYOUT_AXES = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp"
                 "ep": "ep", "expt_dp": "expt_dp"}
 
 
+# Twinkle's mesh axis names (create_process_group) -> this mesh's group names
+_TWINKLE_DIMS = {frozenset({"dp"}): "dp", frozenset({"dp", "fsdp"}): "dp", frozenset({"tp"}): "tp",
+                 frozenset({"pp"}): "pp", frozenset({"cp"}): "cp", frozenset({"ep"}): "ep",
+                 frozenset({"dp", "cp"}): "dp_cp", frozenset({"tp", "pp"}): "mp"}
+
+
 class DeviceMesh:
     """Process groups of the calling rank along each parallel axis.
 
@@ -297,6 +303,21 @@ class DeviceMesh:
         return cls({"dp": dist.group.WORLD}, source="world")
 
     # -------------------------------------------------------------- accessors
+    def create_process_group(self, dims) -> G.ProcessGroup:
+        """Twinkle's name for "the group over these mesh axes", e.g. ``["dp"]``.
+
+        Returns the mesh's existing group (``["dp", "cp"]``: DP x CP, ``["tp", "pp"]``:
+        TP x PP), or ``None`` when the axes have one rank; Twinkle creates a new group
+        on every call, this creates none (so, unlike Twinkle's, it is not collective).
+        """
+        axes = frozenset([dims] if isinstance(dims, str) else dims)
+        name = _TWINKLE_DIMS.get(axes)
+        if name is None:
+            known = sorted("+".join(sorted(k)) for k in _TWINKLE_DIMS)
+            raise ValueError(f"DeviceMesh.create_process_group: no group over axes {sorted(axes)}; "
+                             f"known: {known}")
+        return self.get_group(name)
+
     def get_group(self, name: str) -> G.ProcessGroup:
         """The group along ``name`` (one of ``GROUP_NAMES``); ``None`` when it has one rank."""
         if name not in self._groups:

@@ -341,3 +341,12 @@ def test_documented_custom_metric_reports_the_max_over_microbatches():
         got = cls().accumulate([{"labels": labels[:1]}, {"labels": labels[1:]}],
                                {"values": values}).calculate()
         assert got == {"mean": 12.0 / 3, "max": 9.0}, (cls, got)
+
+
+def test_twinkle_names_on_a_single_rank_mesh():
+    from twinkle_metrics import DeviceMesh as Exported
+
+    mesh = Exported.single()
+    assert Exported is DeviceMesh and mesh.create_process_group(["dp"]) is None
+    with pytest.raises(ValueError, match=r"no group over axes \['dp', 'tp'\]; known: "):
+        mesh.create_process_group(["dp", "tp"])

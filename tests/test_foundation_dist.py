@@ -197,6 +197,19 @@ def test_state_dict_resume_mid_interval(dist_pool):
         assert math.isclose(got["mean"], whole["mean"], rel_tol=1e-12)
 
 
+def case_twinkle_process_groups():
+    mesh = DeviceMesh.from_sizes(tp_size=2, cp_size=2, dp_size=2)
+    return {dims: dist.get_process_group_ranks(mesh.create_process_group(list(dims)))
+            for dims in (("dp",), ("tp",), ("dp", "cp"), ("cp",))}
+
+
+def test_twinkle_create_process_group_names_the_mesh_groups(dist_pool):
+    lay = Layout(tp=2, cp=2, dp=2)
+    for rank, got in enumerate(dist_pool.run(case_twinkle_process_groups)):
+        assert got == {("dp",): lay.group_ranks("dp", rank), ("tp",): lay.group_ranks("tp", rank),
+                       ("dp", "cp"): lay.group_ranks("dp-cp", rank), ("cp",): lay.group_ranks("cp", rank)}
+
+
 def case_gather_results():
     m = TokenStats(DeviceMesh.from_sizes(tp_size=2, dp_size=4))
     return m.gather_results([{"rank": dist.get_rank()}])

@@ -1,4 +1,6 @@
 """twinkle-metrics: Twinkle's training metrics, exact and cheap under Megatron and DeepSpeed."""
+from parallel import DeviceMesh
+
 from .accuracy import Accuracy, vocab_parallel_argmax
 from .base import Metric
 from .collection import MetricCollection
@@ -13,7 +15,7 @@ from .state import State
 from .sync import MetricSyncError
 from .train import TrainMetric
 
-__all__ = ["Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
+__all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
            "PPOMetric", "vocab_parallel_argmax"]
