@@ -11,7 +11,7 @@ from parallel import comm_device
 from . import exchange
 from ._checks import float_tensor, int_tensor, right_align
 from .base import Metric
-from .microbatch import microbatches
+from .microbatch import has_field, microbatches
 from .state import State
 
 _NAME = "Accuracy"
@@ -203,10 +203,7 @@ class Accuracy(Metric):
 
     def _validate(self, inputs, outputs):
         """[(logits, labels, mask)] of this call; raises on bad input, communicates nothing."""
-        has_logits = (outputs.get("logits") is not None if isinstance(outputs, dict) else
-                      isinstance(outputs, (list, tuple)) and
-                      any(isinstance(o, dict) and o.get("logits") is not None for o in outputs))
-        if inputs is None and has_logits:
+        if inputs is None and has_field(outputs, "logits"):
             raise ValueError(f"{_NAME}: labels missing: outputs have logits but inputs is None; pass the "
                              "InputFeature (or list of them) with labels")
         pairs = microbatches(_NAME, inputs, outputs, ("logits",))

@@ -8,7 +8,7 @@ import torch
 from . import exchange
 from ._checks import nan_policy as check_nan_policy, nonfinite
 from .base import Metric
-from .microbatch import microbatches
+from .microbatch import has_field, microbatches
 from .rl_inputs import common_length, cp_lead, cp_sum, float_tensor, keep_bits, masked, token_mask
 from .state import State
 
@@ -163,7 +163,7 @@ class DPOMetric(Metric):
     def _seq_logps(self, what: str, inputs, outputs, ref_outputs) -> Optional[torch.Tensor]:
         """``[n, 1]`` (policy) or ``[n, 2]`` (policy, ref) masked token sums of this rank."""
         field = "outputs['logps']" if what == "outputs" else f"{what} outputs['logps']"
-        if inputs is None and _has_logps(outputs):
+        if inputs is None and has_field(outputs, "logps"):
             where = "inputs" if what == "outputs" else f"the inputs of {what}="
             raise ValueError(f"{_NAME}: {field} given but {where} is None; per-token log-probs need the "
                              "token mask: pass the InputFeature (or list of them) with labels or "
@@ -285,11 +285,6 @@ class DPOMetric(Metric):
                 "rewards/accuracies": s["correct"] / n + s["margin"] * 0.0,
             })
         return out
-
-
-def _has_logps(outputs) -> bool:
-    items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-    return any(isinstance(o, dict) and o.get("logps") is not None for o in items)
 
 
 def _fields(outputs, i) -> List[str]:

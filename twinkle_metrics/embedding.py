@@ -12,7 +12,7 @@ from parallel.groups import all_gather_rows, group_rank, group_size
 from . import exchange
 from ._checks import add, f64, int_tensor, nan_policy as check_nan_policy, nonfinite, scalar
 from .base import Metric
-from .microbatch import as_feature_list, microbatches
+from .microbatch import as_feature_list, has_field, microbatches
 from .rl_inputs import cp_lead
 from .state import State
 
@@ -146,7 +146,7 @@ class EmbeddingMetric(Metric):
             for i, o in enumerate(outputs):
                 if isinstance(o, Mapping) and o.get("loss") is not None:
                     losses.append(scalar(_NAME, f"outputs[{i}]['loss']", o["loss"]))
-        if not feats and _has_rows(outputs):
+        if not feats and has_field(outputs, "embeddings", "logits"):
             raise ValueError(f"{_NAME}: labels missing: outputs have embeddings but inputs is None; pass "
                              "the InputFeature (or list of them) with labels marking anchors")
         rows, labels = [], []
@@ -284,9 +284,3 @@ class EmbeddingMetric(Metric):
         if s["n_bad"]:
             out["nonfinite_rows"] = int(s["n_bad"])
         return out
-
-
-def _has_rows(outputs) -> bool:
-    items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-    return any(isinstance(o, Mapping) and (o.get("embeddings") is not None or o.get("logits") is not None)
-               for o in items)

@@ -12,7 +12,7 @@ from parallel import comm_device, group_rank, group_size
 from . import exchange
 from ._checks import nan_policy as check_nan_policy, nonfinite
 from .base import Metric
-from .microbatch import microbatches
+from .microbatch import has_field, microbatches
 from .rl_inputs import (_float, as_tensor, common_length, cp_sum, float_tensor, keep_bits, masked, per_token,
                         split_side_input, token_mask)
 from .state import State
@@ -269,7 +269,7 @@ class GRPOMetric(Metric):
         empty = {"items": [], "sizes": [], "n_seq_parts": 0}
         if outputs is None:
             return empty
-        if inputs is None and _has_logps(outputs):
+        if inputs is None and has_field(outputs, "logps"):
             raise ValueError(f"{name}: outputs['logps'] given but inputs is None; per-token log-probs need "
                              "the token mask: pass the InputFeature (or list of them) with labels or "
                              "completion_mask")
@@ -701,11 +701,6 @@ class CISPOMetric(GRPOMetric):
     per token, not gated by the advantage sign (CISPO clips the importance weight itself)."""
 
     clip_by_advantage_sign = False
-
-
-def _has_logps(outputs) -> bool:
-    items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-    return any(isinstance(o, Mapping) and o.get("logps") is not None for o in items)
 
 
 def _floating(x: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,13 @@ def batch_size(metric: str, feature: Mapping[str, Any]) -> int:
                      f"(or input_ids) so the batch size is known; got keys {sorted(feature)}")
 
 
+def has_field(outputs, *fields: str) -> bool:
+    """Whether ``outputs`` (one dict or a list of them) holds a value for any of ``fields``;
+    metrics use it to reject per-token outputs that came without their inputs."""
+    items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    return any(isinstance(o, Mapping) and any(o.get(f) is not None for f in fields) for o in items)
+
+
 def as_feature_list(metric: str, inputs) -> List[Dict[str, Any]]:
     """``None`` / one ``InputFeature`` / a list of them, as a list."""
     if inputs is None:
