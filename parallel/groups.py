@@ -98,20 +98,17 @@ def all_gather_rows(buf: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ compat
-def default_timeout():
-    """The collective timeout of the default (WORLD) group, or ``None`` if unknown.
+def group_timeout(group: ProcessGroup):
+    """The collective timeout of ``group``, or ``None`` if unknown.
 
     torch 2.13 keeps no public getter: ``init_process_group(timeout=...)`` stores it in
     each backend's options (``pg._get_backend(device).options._timeout``), while
     ``new_group(timeout=None)`` falls back to torch's 30-minute default. This is the
     one place that reads the private field; ``None`` (torch's default) when it moves.
     """
-    if not dist_ready():
-        return None
-    pg = dist.group.WORLD
     try:
-        for device in pg._device_types:
-            timeout = pg._get_backend(device).options._timeout
+        for device in group._device_types:
+            timeout = group._get_backend(device).options._timeout
             if timeout is not None:
                 return timeout
     except (AttributeError, RuntimeError, TypeError):
@@ -119,14 +116,9 @@ def default_timeout():
     return None
 
 
-def group_timeout(group: ProcessGroup):
-    """The collective timeout of ``group`` (same private field as ``default_timeout``)."""
-    try:
-        for device in group._device_types:
-            return group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError, TypeError):
-        return None
-    return None
+def default_timeout():
+    """The collective timeout of the default (WORLD) group, or ``None`` if unknown."""
+    return group_timeout(dist.group.WORLD) if dist_ready() else None
 
 
 def group_alive(group: ProcessGroup) -> bool:

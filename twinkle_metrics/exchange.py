@@ -47,13 +47,6 @@ from .sync import MetricSyncError
 _SLOTS = 3
 
 
-def _agreed(metric) -> list:
-    agreed = metric.__dict__.get("_agreed")
-    if agreed is None:
-        agreed = metric.__dict__["_agreed"] = []
-    return agreed
-
-
 def _label(metric, group) -> str:
     try:
         return metric.resolve_mesh().group_label(group)
@@ -88,7 +81,7 @@ def agree(metric, group, *, error: Optional[BaseException] = None, values: Seque
     values = [int(v) for v in values]
     if len(values) > _SLOTS:
         raise ValueError(f"exchange.agree: at most {_SLOTS} values, got {len(values)}")
-    _agreed(metric).append(group)
+    metric._agreed.append(group)
     if group is None or group_size(group) <= 1:
         if error is not None:
             raise error
@@ -119,12 +112,6 @@ def agree_same(metric, group, value: int) -> tuple:
     return -neg_low, high
 
 
-def exchange_groups(metric) -> list:
-    """The groups ``metric`` agrees on in ``accumulate``, in order (``[]`` if none)."""
-    fn = getattr(type(metric), "exchange_groups", None)
-    return list(fn(metric)) if fn is not None else []
-
-
 def join_failed(metric, error: BaseException, fresh: bool = False) -> None:
     """Agree, with ``error``, on every group of ``metric`` not yet agreed on in this call.
 
@@ -132,8 +119,8 @@ def join_failed(metric, error: BaseException, fresh: bool = False) -> None:
     collection failed), so join all of its groups. Swallows what the agreements
     raise; the caller re-raises ``error``.
     """
-    done = [] if fresh else list(_agreed(metric))
-    for group in exchange_groups(metric):
+    done = [] if fresh else list(metric._agreed)
+    for group in metric.exchange_groups():
         if any(group is g for g in done):
             continue
         try:
@@ -154,8 +141,8 @@ def guard(metric):
     communicates checks first that its mesh can (``DeviceMesh.check_live``): a
     layout-only or destroyed mesh raises here, on every rank alike, before anything.
     """
-    metric.__dict__["_agreed"] = []
-    if exchange_groups(metric):
+    metric._agreed = []
+    if metric.exchange_groups():
         metric.resolve_mesh().check_live(f"{type(metric).__name__}.accumulate()")
     try:
         yield
