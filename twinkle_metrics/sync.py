@@ -52,7 +52,7 @@ import torch
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_ranks
 
-_HEADER = 5  # plan hash, needs a new plan, is result source, pipeline rank, reserved
+_HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
 _H_PLAN, _H_NEED, _H_SOURCE, _H_PP = 0, 1, 2, 3
 #: TP replicas agree when their states are this close (they compute from the same tokens)
 _TP_RTOL, _TP_ATOL = 1e-6, 1e-9
@@ -67,7 +67,7 @@ class MetricSyncError(RuntimeError):
 class _Plan:
     """Where every state of every metric sits in the packed buffer."""
 
-    def __init__(self, metrics: Sequence, names: Sequence[Sequence[str]]):
+    def __init__(self, metrics: Sequence, names: Sequence[Sequence[str]], configs: Sequence[str]):
         self.entries: List[List[Tuple[str, Any, int]]] = []   # per metric: (name, spec, offset)
         self.owner: List[Tuple[int, str]] = []                 # per column: (metric, state)
         cols: Dict[Tuple[str, bool], List[int]] = {}
@@ -100,8 +100,7 @@ class _Plan:
         self._cols = {k: v for k, v in cols.items() if v}
         self._check = check
         self._by_device: Dict[str, tuple] = {}
-        configs = [m.fingerprint() for m in metrics]
-        digest = hashlib.blake2b("|".join(configs + text).encode(), digest_size=6).digest()
+        digest = hashlib.blake2b("|".join(list(configs) + text).encode(), digest_size=6).digest()
         self.hash = float(int.from_bytes(digest, "little"))  # 48 bits: exact in float64
 
     def columns(self, device) -> Dict[Tuple[str, bool], torch.Tensor]:
@@ -199,39 +198,37 @@ def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
     """
     lead = metrics[0]
     mesh = lead.resolve_mesh()
-    check = getattr(mesh, "check_live", None)
-    if check is not None:
-        check("calculate()")
+    mesh.check_live("calculate()")
     data_group = lead.data_group()
     share_group = mesh.result_group
+    configs = tuple(m.fingerprint() for m in metrics)
     if data_group is None and share_group is None:
-        plan = _local_plan(metrics)
+        plan = _local_plan(metrics, configs)
         buf = _pack(plan, metrics, plan.length, lead._device, lead._device, need=False,
                     is_source=True, pp_rank=0)
         return _unpack(buf.cpu(), plan, metrics)
 
     ch = _channel(data_group, share_group)
-    configs = tuple(m.fingerprint() for m in metrics)
     for _ in range(2):
         plan = ch.plans.get(configs)
         if plan is None and not ch.plans:  # nothing agreed on these groups yet, on any rank
-            plan = _negotiate(metrics, ch, data_group, share_group, mesh)
+            plan = _negotiate(metrics, configs, ch, data_group, share_group)
         need = plan is None or not plan.covers(metrics)
         host = _data_phase(metrics, plan, need, ch.width, data_group, share_group, mesh)
         if host is not None:
             return host
-        _negotiate(metrics, ch, data_group, share_group, mesh)
+        _negotiate(metrics, configs, ch, data_group, share_group)
     raise MetricSyncError("calculate(): ranks still disagree on the metrics' states after a "
                           "negotiation; a state was added during calculate()")
 
 
-def _local_plan(metrics) -> _Plan:
-    key = tuple((m.fingerprint(), tuple(m._specs)) for m in metrics)
+def _local_plan(metrics, configs) -> _Plan:
+    key = (configs,) + tuple(tuple(m._specs) for m in metrics)
     plan = _LOCAL_PLANS.get(key)
     if plan is None:
         if len(_LOCAL_PLANS) > 64:  # a process builds few metric sets; bound it anyway
             _LOCAL_PLANS.clear()
-        plan = _LOCAL_PLANS[key] = _Plan(metrics, [sorted(m._specs) for m in metrics])
+        plan = _LOCAL_PLANS[key] = _Plan(metrics, [sorted(m._specs) for m in metrics], configs)
     return plan
 
 
@@ -278,7 +275,7 @@ def _pack(plan: Optional[_Plan], metrics, width: int, pack, device, *, need: boo
     Packs where the states are (one cat), then moves the one buffer to the
     collectives' device: never a copy per state.
     """
-    head = [plan.hash if plan is not None else 0.0, float(need), float(is_source), float(pp_rank), 0.0]
+    head = [plan.hash if plan is not None else 0.0, float(need), float(is_source), float(pp_rank)]
     flat = [torch.tensor(head, dtype=torch.float64).to(pack, non_blocking=True)]
     used = 0
     if plan is not None and not need:
@@ -391,7 +388,7 @@ def _unflatten(values: List[Any], shape: Tuple[int, ...]):
 
 
 # ----------------------------------------------------------------------- negotiation
-def _negotiate(metrics, ch: _Channel, data_group, share_group, mesh) -> _Plan:
+def _negotiate(metrics, configs: Tuple[str, ...], ch: _Channel, data_group, share_group) -> _Plan:
     """Agree with every rank on the plan of ``metrics``; collective over both groups.
 
     Each rank describes its metrics (fingerprints) and states (name, signature,
@@ -400,17 +397,16 @@ def _negotiate(metrics, ch: _Channel, data_group, share_group, mesh) -> _Plan:
     decides on the same union: raise everywhere, or adopt the same plan.
     """
     me = group_ranks(None)[0]
-    desc = {"ranks": [me], "configs": {json.dumps([m.fingerprint() for m in metrics]): [me]},
+    desc = {"ranks": [me], "configs": {json.dumps(list(configs)): [me]},
             "states": {}}
     for i, m in enumerate(metrics):
         for name, spec in m._specs.items():
             dynamic = m.dynamic_state(name) is not None
             desc["states"][f"{i}/{name}"] = {"sig": {spec.signature: [me]}, "dyn": dynamic}
-    summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(desc).encode(), data_group,
-                                                                mesh)])
+    summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(desc).encode(), data_group)])
     if share_group is not None:
         summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(summary).encode(),
-                                                                    share_group, mesh)])
+                                                                    share_group)])
     everyone = sorted(summary["ranks"])
     if len(summary["configs"]) > 1:
         sides = []
@@ -436,8 +432,8 @@ def _negotiate(metrics, ch: _Channel, data_group, share_group, mesh) -> _Plan:
         names[i].append(name)
     for m, metric_names in zip(metrics, names):
         m._adopt([n for n in metric_names if n not in m._specs])
-    plan = _Plan(metrics, names)
-    ch.plans[tuple(m.fingerprint() for m in metrics)] = plan
+    plan = _Plan(metrics, names, configs)
+    ch.plans[configs] = plan
     ch.width = max(ch.width, plan.length)
     return plan
 
@@ -456,7 +452,7 @@ def _unite(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def _all_gather_bytes(data: bytes, group, mesh) -> List[bytes]:
+def _all_gather_bytes(data: bytes, group) -> List[bytes]:
     """Every rank's ``data`` over ``group``: two collectives (lengths, then bytes)."""
     if group is None:
         return [data]
