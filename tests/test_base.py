@@ -350,3 +350,14 @@ def test_twinkle_names_on_a_single_rank_mesh():
     assert Exported is DeviceMesh and mesh.create_process_group(["dp"]) is None
     with pytest.raises(ValueError, match=r"no group over axes \['dp', 'tp'\]; known: "):
         mesh.create_process_group(["dp", "tp"])
+
+
+def test_state_dict_differences_names_what_changed():
+    from twinkle_metrics.testing import state_dict_differences
+
+    a = {"0:": {"x": torch.tensor([1.0, float("nan")]), "n": torch.tensor(3)}, "__fingerprint__": "M()"}
+    same = {"0:": {"x": torch.tensor([1.0, float("nan")]), "n": torch.tensor(3)}, "__fingerprint__": "M()"}
+    assert state_dict_differences(a, same) == []  # NaN equals NaN
+    other = {"0:": {"x": torch.tensor([1.0, 2.0]), "n": torch.tensor(3.0)}, "__fingerprint__": "N()"}
+    assert sorted(state_dict_differences(a, other)) == ["0:/n", "0:/x", "__fingerprint__"]
+    assert state_dict_differences({"x": torch.zeros(1)}, {"y": torch.zeros(1)}) == ["x", "y"]

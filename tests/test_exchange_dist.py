@@ -13,6 +13,7 @@ import torch.distributed as dist
 from parallel import DeviceMesh
 from twinkle_metrics import (Accuracy, DPOMetric, EmbeddingMetric, GRPOMetric, GSPOMetric, LossMetric,
                              MetricCollection)
+from twinkle_metrics.testing import state_dict_differences
 
 pytestmark = pytest.mark.xdist_group("dist")
 
@@ -117,9 +118,7 @@ def case_reject(kind, bad_rank, bad):
         step(metric, 1, bad if me == bad_rank else None)
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         outcome = (type(exc).__name__, str(exc))
-    after = metric.state_dict()
-    unchanged = all(before[k] == after[k] if isinstance(before[k], str) else torch.equal(before[k], after[k])
-                    for k in before)
+    unchanged = not state_dict_differences(before, metric.state_dict())
     if outcome is None:
         step(reference, 1)  # the run without the failed calls
     step(metric, 2)

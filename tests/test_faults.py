@@ -15,18 +15,7 @@ from tests.refmetric import TokenStats, make_batch
 from tests.rlref import make_rl_batch
 from twinkle_metrics import (Accuracy, CISPOMetric, CompletionRewardMetric, DPOMetric, EmbeddingMetric,
                              GRPOMetric, LossMetric, Metric, MetricCollection, State, TrainMetric)
-from twinkle_metrics.testing import merged_results
-
-
-def _states_equal(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], dict):  # a collection's state dict
-            _states_equal(a[k], b[k])
-        elif isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]) or torch.allclose(a[k], b[k], equal_nan=True), k
-        else:
-            assert a[k] == b[k], k
+from twinkle_metrics.testing import merged_results, state_dict_differences
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -81,7 +70,7 @@ def test_collection_accumulate_is_all_or_nothing():
     bad_logits = torch.randn(2, 3, 5, 9)  # 4-D: Accuracy rejects labels of another shape
     with pytest.raises(ValueError, match="Accuracy: labels"):
         coll.accumulate({"labels": labels}, {"loss": 2.0, "logits": bad_logits}, step=7)
-    _states_equal(coll.state_dict(), before)
+    assert not state_dict_differences(coll.state_dict(), before)
     assert coll[2]._seen_step is None  # host bookkeeping waits for the commit too
     coll.accumulate({"labels": labels}, {"loss": 2.0, "logits": torch.randn(2, 4, 5)}, step=7)
     assert coll.calculate()["loss"] == 2.0  # counted once
@@ -96,14 +85,14 @@ def test_load_state_dict_is_all_or_nothing():
     before = dst.state_dict()
     with pytest.raises(ValueError, match="ignore_index=-100.* but this metric is .*ignore_index=0"):
         dst.load_state_dict(saved)
-    _states_equal(dst.state_dict(), before)  # the LossMetric was not loaded either
+    assert not state_dict_differences(dst.state_dict(), before)  # the LossMetric was not loaded either
     saved["1:"]["total"] = torch.zeros(3, dtype=torch.int64)  # a bad shape in one state
     m = Accuracy()
     m.accumulate({"labels": torch.tensor([[1]])}, {"logits": torch.randn(1, 1, 4)})
     before = m.state_dict()
     with pytest.raises(ValueError, match="shape"):
         m.load_state_dict(saved["1:"])
-    _states_equal(m.state_dict(), before)
+    assert not state_dict_differences(m.state_dict(), before)
 
 
 @pytest.mark.parametrize("saver,loader", [
@@ -221,4 +210,4 @@ def test_layout_only_mesh_raises_in_calculate():
     before = m.state_dict()
     with pytest.raises(RuntimeError, match="layout-only"):
         m.calculate()
-    _states_equal(m.state_dict(), before)  # nothing reset, nothing lost
+    assert not state_dict_differences(m.state_dict(), before)  # nothing reset, nothing lost

@@ -9,18 +9,9 @@ import torch
 from tests.rlref import make_rl_batch, ref_dpo, ref_grpo
 from twinkle_metrics import (CISPOMetric, CompletionRewardMetric, DPOMetric, EmbeddingMetric, GRPOMetric,
                              GSPOMetric, LossMetric, MetricCollection)
-from twinkle_metrics.testing import assert_results_close, forbid_device_waits
+from twinkle_metrics.testing import assert_results_close, forbid_device_waits, state_dict_differences
 
 NAN, INF = math.nan, math.inf
-
-
-def _same_state(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        if not isinstance(a[k], torch.Tensor):  # the fingerprint
-            assert a[k] == b[k], k
-            continue
-        assert torch.equal(a[k], b[k]) or (a[k].is_floating_point() and torch.allclose(a[k], b[k], equal_nan=True)), k
 
 
 def _rejected(m, exc, match, *args, **kwargs):
@@ -28,7 +19,7 @@ def _rejected(m, exc, match, *args, **kwargs):
     before = m.state_dict()
     with pytest.raises(exc, match=match):
         m.accumulate(*args, **kwargs)
-    _same_state(before, m.state_dict())
+    assert not state_dict_differences(before, m.state_dict())
 
 
 @pytest.mark.parametrize("cls", [LossMetric, GRPOMetric, GSPOMetric, CISPOMetric, DPOMetric, EmbeddingMetric,
@@ -467,7 +458,7 @@ def test_dpo_empty_batch_is_a_no_op():
         m.accumulate(chosen=({"labels": empty}, {"logps": torch.zeros(0, 8)}),
                      rejected=({"labels": empty}, {"logps": torch.zeros(0, 8)}))
         m.accumulate([], [])
-    _same_state(before, m.state_dict())
+    assert not state_dict_differences(before, m.state_dict())
     assert_results_close(m.calculate(), ref_dpo(b), rel=1e-10)
     assert DPOMetric().accumulate({"labels": empty}, {"logps": torch.zeros(0, 8)}).calculate() == {}
 

@@ -10,6 +10,9 @@
   On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is the ground-truth check;
   this guard gives the same verdict on a CPU-only machine.
 * ``assert_results_close(got, want)``: same keys, numbers equal to a tolerance.
+* ``state_dict_differences(a, b)``: the keys where two ``state_dict()`` results differ
+  (of a metric or a collection; NaN equals NaN), e.g. to show a rejected call changed
+  nothing: ``assert not state_dict_differences(before, metric.state_dict())``.
 * ``CollectiveCounter``: counts the torch.distributed collectives made inside it.
 * ``merged_results(shards)``: the single-process conformance check of a metric's merge:
   metrics that each accumulated one shard, merged as ``calculate()`` merges the ranks of
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 import torch
 
@@ -159,6 +162,25 @@ def _close(key, a, b, rel, abs_tol):
         return
     if a != b:
         raise AssertionError(f"{key}: {a!r} != {b!r}")
+
+
+def state_dict_differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> List[str]:
+    """Keys (``"0:/total"`` for a collection's) whose values differ between two state
+    dicts; ``[]`` when they are the same. Tensors must match in dtype, shape and every
+    element (NaN equal to NaN); other values (the fingerprint) must be equal."""
+    out = [f"{prefix}{k}" for k in sorted(set(a) ^ set(b), key=str)]
+    for k in a.keys() & b.keys():
+        x, y = a[k], b[k]
+        if isinstance(x, Mapping) and isinstance(y, Mapping):
+            out += state_dict_differences(x, y, f"{prefix}{k}/")
+        elif isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            same = x.dtype == y.dtype and x.shape == y.shape and bool(
+                ((x == y) | (x.isnan() & y.isnan()) if x.is_floating_point() else x == y).all())
+            if not same:
+                out.append(f"{prefix}{k}")
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
+            out.append(f"{prefix}{k}")
+    return out
 
 
 def merged_results(shards: Sequence) -> Dict[str, Any]:
