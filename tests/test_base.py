@@ -361,3 +361,14 @@ def test_state_dict_differences_names_what_changed():
     other = {"0:": {"x": torch.tensor([1.0, 2.0]), "n": torch.tensor(3.0)}, "__fingerprint__": "N()"}
     assert sorted(state_dict_differences(a, other)) == ["0:/n", "0:/x", "__fingerprint__"]
     assert state_dict_differences({"x": torch.zeros(1)}, {"y": torch.zeros(1)}) == ["x", "y"]
+
+
+def test_state_scope_is_validated():
+    with pytest.raises(ValueError, match="scope must be one of"):
+        State("sum", scope="pipeline")
+    with pytest.raises(ValueError, match="needs reduce 'sum', 'max' or 'min'"):
+        State(lambda rows: rows[0], default=0.0, local="last", scope="model")
+    with pytest.raises(ValueError, match="drop per_rank"):
+        State("max", scope="model", per_rank=True)
+    # ranks must agree on the scope: it is part of what they compare
+    assert State("sum").signature != State("sum", scope="stage").signature

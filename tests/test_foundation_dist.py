@@ -2,11 +2,12 @@
 import math
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from parallel import DeviceMesh, Layout
 from tests.refmetric import TokenStats, make_batch, shard_for_rank
-from twinkle_metrics import MetricCollection, MetricSyncError
+from twinkle_metrics import Metric, MetricCollection, MetricSyncError, State
 from twinkle_metrics.testing import CollectiveCounter
 
 pytestmark = pytest.mark.xdist_group("dist")
@@ -248,3 +249,74 @@ def test_deepspeed_ulysses_sequence_groups(dist_pool):
         assert ranks == _expected(lay, rank)
         assert got["tokens"] == whole["tokens"]
         assert math.isclose(got["mean"], whole["mean"], rel_tol=1e-12)
+
+
+class Placed(Metric):
+    """One state per scope, fed the values the test computes from the rank's position."""
+
+    d = State("sum")                              # data: the last stage's, TP replicas agree
+    s = State("sum", scope="stage")               # every stage, TP replicas agree
+    s_low = State("min", scope="stage")
+    m = State("sum", torch.int64, scope="model")  # every TP x PP rank holds a part
+    m_peak = State("max", scope="model")
+
+    def update(self, inputs, outputs, **kwargs):
+        return dict(outputs)
+
+    def compute(self, s):
+        return dict(s)
+
+
+def _placed_values(dp, tp, pp, cp=0):
+    return {"d": 1.0 + 10 * dp + 100 * pp + 1000 * cp, "s": 7.0 * (dp + 1) + 0.5 * pp + cp,
+            "s_low": -float((pp + 1) * (dp + 2) + cp), "m": 2 ** 53 + 3 * tp + 5 * pp + 11 * dp + cp,
+            "m_peak": 1.5 * tp + pp - dp + 0.25 * cp}
+
+
+def case_state_scopes(sizes):
+    mesh = DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
+    metric = Placed(mesh)
+    pos = dict(dp=mesh.dp_rank, tp=mesh.tp_rank, pp=mesh.pp_rank, cp=mesh.cp_rank)
+    counts, results = [], []
+    for _ in range(2):
+        metric.accumulate(None, _placed_values(**pos))
+        with CollectiveCounter() as c:
+            results.append(metric.calculate())
+        counts.append(c.total)
+    return pos, mesh.pp_size, counts, results
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2, pp=2, dp=2), dict(tp=2, cp=2, dp=2)])
+def test_state_scopes_merge_over_their_ranks(dist_pool, sizes):
+    """``scope="stage"`` sums one TP rank per stage, ``"model"`` every rank, ``"data"``
+    only the last stage's data group; int64 stays exact past 2**53; same collectives."""
+    out = dist_pool.run(case_state_scopes, sizes)
+    last = out[0][1] - 1
+    every = [_placed_values(**pos) for pos, *_ in out]
+    tp0 = [v for (pos, *_), v in zip(out, every) if pos["tp"] == 0]
+    expected = {
+        "d": sum(v["d"] for (pos, *_), v in zip(out, every) if pos["tp"] == 0 and pos["pp"] == last),
+        "s": sum(v["s"] for v in tp0), "s_low": min(v["s_low"] for v in tp0),
+        "m": sum(v["m"] for v in every), "m_peak": max(v["m_peak"] for v in every)}
+    assert isinstance(expected["m"], int) and expected["m"] > 2 ** 56
+    for pos, _, counts, results in out:
+        assert results == [expected, expected], (pos, results)
+        assert counts[1] == 2
+
+
+def case_stage_scope_replicas_disagree():
+    mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2)
+    metric = Placed(mesh)
+    values = _placed_values(mesh.dp_rank, 0, mesh.pp_rank)
+    values["s"] += mesh.tp_rank  # TP replicas of a stage must agree on a "stage" state
+    metric.accumulate(None, values)
+    try:
+        metric.calculate()
+    except MetricSyncError as e:
+        return str(e)
+    return None
+
+
+def test_stage_scope_checks_tp_replicas(dist_pool):
+    for err in dist_pool.run(case_stage_scope_replicas_disagree):
+        assert err is not None and "Placed.s " in err, err

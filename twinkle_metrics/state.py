@@ -9,6 +9,7 @@ import torch
 
 Reduce = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 _OPS = ("sum", "max", "min")
+_SCOPES = ("data", "stage", "model")
 
 
 @dataclass
@@ -34,6 +35,19 @@ class State:
             counter) that TP replicas need not agree on. Every other state must be
             the same on the TP ranks of a pipeline stage (they see the same tokens);
             ``calculate()`` checks that and raises on every rank if not.
+        scope: which ranks contribute parts of the value, merged with ``reduce``:
+
+            - ``"data"`` (default): the ranks of the data group (DP x CP) hold disjoint
+              parts; the result is the last pipeline stage's (the stage that sees the
+              loss and the logits), and TP replicas agree.
+            - ``"stage"``: every pipeline stage contributes too (per-layer values of
+              layers spread over the stages, such as MoE router counts); TP replicas
+              of a stage agree and count once.
+            - ``"model"``: every rank of TP x PP contributes a disjoint part as well
+              (tensor-parallel shards of a parameter, sequence-parallel tokens); no
+              agreement check, since TP ranks hold different parts.
+
+            ``"stage"`` and ``"model"`` need a ``"sum"``, ``"max"`` or ``"min"`` reduction.
     """
 
     reduce: Reduce = "sum"
@@ -42,6 +56,7 @@ class State:
     default: Optional[float] = None
     local: Union[str, Callable, None] = None
     per_rank: bool = False
+    scope: str = "data"
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -54,6 +69,14 @@ class State:
         local = self.local or self.reduce
         if not callable(local) and local not in _OPS + ("last",):
             raise ValueError(f"State: local must be one of {_OPS + ('last',)} or a callable, got {local!r}")
+        if self.scope not in _SCOPES:
+            raise ValueError(f"State: scope must be one of {_SCOPES}, got {self.scope!r}")
+        if self.scope != "data" and callable(self.reduce):
+            raise ValueError(f"State: scope={self.scope!r} needs reduce 'sum', 'max' or 'min', "
+                             "got a callable")
+        if self.scope == "model" and self.per_rank:
+            raise ValueError("State: scope='model' already exempts the state from TP agreement; "
+                             "drop per_rank=True")
         self.shape = tuple(int(s) for s in self.shape)
 
     def __set_name__(self, owner, name):
@@ -81,7 +104,8 @@ class State:
     def signature(self) -> str:
         """What ranks must agree on for this state: reduction, dtype, shape."""
         red = self.reduce if isinstance(self.reduce, str) else getattr(self.reduce, "__name__", "fn")
-        return f"{red}:{str(self.dtype).replace('torch.', '')}:{list(self.shape)}"
+        scope = "" if self.scope == "data" else f":{self.scope}"
+        return f"{red}:{str(self.dtype).replace('torch.', '')}:{list(self.shape)}{scope}"
 
     @property
     def numel(self) -> int:

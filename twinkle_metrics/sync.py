@@ -12,7 +12,9 @@ Data phase, every ``calculate()``:
    (last stage, TP rank 0), so all stages and TP replicas return the same numbers;
    the rows of TP replicas of one stage must agree on every state not declared
    ``per_rank`` (a forgotten ``vocab_parallel=True`` shows up here), else every rank
-   raises.
+   raises. States of scope ``"stage"`` (every stage contributes) and ``"model"``
+   (every TP x PP rank contributes) are merged over those rows instead, on the host:
+   no extra collective.
 
 Then one device-to-host copy of what was gathered; every decision is taken on
 those numbers, which are the same on every rank, so every rank decides alike.
@@ -72,6 +74,7 @@ class _Plan:
         self.owner: List[Tuple[int, str]] = []                 # per column: (metric, state)
         cols: Dict[Tuple[str, bool], List[int]] = {}
         check: Dict[bool, List[int]] = {False: [], True: []}
+        placed: Dict[Tuple[str, str, bool], List[int]] = {}  # (scope, op, is int) -> columns
         self.custom: List[int] = []  # metrics merged by their own merge()
         offset = 0
         text = []
@@ -87,8 +90,10 @@ class _Plan:
                 self.owner += [(i, name)] * spec.numel
                 is_int = spec.dtype == torch.int64
                 mine.setdefault((spec.reduce, is_int), []).extend(span)
-                if not spec.per_rank:
+                if not spec.per_rank and spec.scope != "model":
                     check[is_int].extend(span)
+                if spec.scope != "data":
+                    placed.setdefault((spec.scope, spec.reduce, is_int), []).extend(span)
                 offset += spec.numel
             if plain:  # merged column by column, with every plain metric's columns
                 for k, span in mine.items():
@@ -99,6 +104,7 @@ class _Plan:
         self.length = offset
         self._cols = {k: v for k, v in cols.items() if v}
         self._check = check
+        self.placed = {k: torch.tensor(v, dtype=torch.long) + _HEADER for k, v in placed.items()}
         self._by_device: Dict[str, tuple] = {}
         digest = hashlib.blake2b("|".join(list(configs) + text).encode(), digest_size=6).digest()
         self.hash = float(int.from_bytes(digest, "little"))  # 48 bits: exact in float64
@@ -262,7 +268,7 @@ def _data_phase(metrics, plan: Optional[_Plan], need: bool, width: int, data_gro
                 f"{group_ranks(share_group)} claim to hold the results (last pipeline stage, TP "
                 "rank 0); expected exactly one: check the mesh's pipeline and TP groups")
         _check_tp_agreement(plan, metrics, host, share_group)
-        vec_host = host[source[0]]
+        vec_host = _merge_placed(plan, host, host[source[0]])
     else:
         vec_host = host[0]
     return _unpack(vec_host, plan, metrics)
@@ -318,6 +324,26 @@ def _merge(plan: _Plan, metrics, rows: torch.Tensor) -> torch.Tensor:
             vec[_HEADER + offset:_HEADER + offset + spec.numel] = (
                 v.view(torch.float64) if spec.dtype == torch.int64 else v)
     return vec
+
+
+def _merge_placed(plan: _Plan, host: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """``row`` with the states of scope ``"stage"`` and ``"model"`` merged over the
+    TP x PP rows of ``host``: one row per pipeline stage (its first TP rank) for
+    ``"stage"``, every row for ``"model"``. Host-side: the rows are already here."""
+    if not plan.placed:
+        return row
+    out = row.clone()
+    firsts: Dict[float, int] = {}
+    for r, pp in enumerate(host[:, _H_PP].tolist()):
+        firsts.setdefault(pp, r)
+    per_stage = host.index_select(0, torch.tensor(sorted(firsts.values()), dtype=torch.long))
+    for (scope, op, is_int), cols in plan.placed.items():
+        sel = (host if scope == "model" else per_stage).index_select(1, cols)
+        if is_int:
+            sel = sel.view(torch.int64)
+        red = sel.sum(0) if op == "sum" else (sel.amax(0) if op == "max" else sel.amin(0))
+        out[cols] = red.view(torch.float64) if is_int else red
+    return out
 
 
 def _check_tp_agreement(plan: _Plan, metrics, host: torch.Tensor, share_group) -> None:
