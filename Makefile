@@ -2,11 +2,11 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat setup.py requirements-lock.txt 2>/dev/null | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py | cksum | cut -d' ' -f1)
 # CPU build of torch, pinned first so nothing pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install lint test test-fast demo bench clean
 
 $(STAMP):
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,10 @@ $(STAMP):
 
 install: $(STAMP)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider tests
 
 test-fast: $(STAMP)

@@ -1,18 +1,15 @@
+"""Packaging: metadata lives in pyproject.toml; this file maps what it cannot express.
+
+The demo and library configs live at the repository's top level (``configs/``) and
+ship inside the wheel as ``twinkle_metrics.configs``, so ``load_config("megatron_demo")``
+works from a checkout and from an installed package alike.
+"""
 from setuptools import find_packages, setup
 
 setup(
-    name="twinkle-metrics",
-    version="0.1.0",
-    description="Twinkle's training metrics, exact and cheap under Megatron and DeepSpeed",
-    long_description=open("README.md", encoding="utf-8").read(),
-    long_description_content_type="text/markdown",
-    packages=find_packages(include=["twinkle_metrics", "twinkle_metrics.*", "parallel", "parallel.*"]),
-    python_requires=">=3.10",
-    install_requires=["torch>=2.3"],
-    extras_require={
-        "megatron": ["megatron-core>=0.16,<0.17"],
-        "deepspeed": ["deepspeed>=0.19,<0.20"],
-        "loggers": ["tensorboard", "matplotlib", "tqdm", "wandb"],
-        "test": ["pytest", "pytest-xdist", "numpy"],
-    },
+    packages=find_packages(include=["twinkle_metrics", "twinkle_metrics.*", "parallel", "parallel.*"])
+    + ["twinkle_metrics.configs"],
+    package_dir={"twinkle_metrics.configs": "configs"},
+    package_data={"twinkle_metrics": ["py.typed"], "parallel": ["py.typed"],
+                  "twinkle_metrics.configs": ["*.json"]},
 )

@@ -200,8 +200,10 @@ def split_feeds(entries: Sequence[Any], collection: MetricCollection):
 def load_config(path: str, overrides: Iterable[str] = ()) -> Dict[str, Any]:
     """Read a JSON config and apply ``key.sub=value`` overrides (values parsed as JSON).
 
-    Example: ``load_config("configs/megatron_demo.json", ["train.steps=8"])``.
+    ``path`` is a file or the name of a shipped config (see ``config_path``).
+    Example: ``load_config("megatron_demo", ["train.steps=8"])``.
     """
+    path = config_path(path)
     with open(path, encoding="utf-8") as f:
         try:
             config = json.load(f)
@@ -234,12 +236,18 @@ def apply_overrides(config: Mapping[str, Any], overrides: Iterable[str]) -> Dict
 
 
 def config_path(name_or_path: str) -> str:
-    """A config file path; bare names are looked up in the repository's ``configs/``."""
+    """A config file path. Names that are not a file are looked up among the shipped
+    configs (``twinkle_metrics/configs`` in an installed package, the repository's
+    ``configs/`` in a checkout), with or without ``.json``: ``config_path("megatron_demo")``."""
     if os.path.exists(name_or_path):
         return name_or_path
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                        name_or_path)
-    for candidate in (here, here + ".json"):
-        if os.path.exists(candidate):
-            return candidate
-    raise FileNotFoundError(f"config {name_or_path!r} not found (also looked in {os.path.dirname(here)})")
+    package = os.path.dirname(os.path.abspath(__file__))
+    places = [os.path.join(package, "configs"), os.path.join(os.path.dirname(package), "configs")]
+    name = os.path.basename(name_or_path) if name_or_path.startswith("configs" + os.sep) else name_or_path
+    for place in places:
+        for candidate in (os.path.join(place, name), os.path.join(place, name + ".json")):
+            if os.path.isfile(candidate):
+                return candidate
+    shipped = sorted({f[:-5] for p in places if os.path.isdir(p) for f in os.listdir(p) if f.endswith(".json")})
+    raise FileNotFoundError(f"config {name_or_path!r} is not a file, nor one of the shipped configs "
+                            f"{shipped}")
