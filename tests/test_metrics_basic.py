@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_metrics import (Accuracy, EmbeddingMetric, LossMetric, MetricCollection, TrainMetric)
-from twinkle_metrics.accuracy import _ordered_f32, _ordered_f64, argmax_keys, argmax_of_keys
+from twinkle_metrics.kernels.argmax import _ordered_f32, _ordered_f64, argmax_keys, argmax_of_keys
 from twinkle_metrics.testing import assert_results_close, forbid_device_waits
 
 

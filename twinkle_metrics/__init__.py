@@ -1,7 +1,8 @@
 """twinkle-metrics: Twinkle's training metrics, exact and cheap under Megatron and DeepSpeed."""
 from parallel import DeviceMesh
 
-from .accuracy import Accuracy, vocab_parallel_argmax
+from .accuracy import Accuracy
+from .kernels.argmax import vocab_parallel_argmax
 from .base import Metric
 from .collection import MetricCollection
 from .data_format import InputFeature, ModelOutput
@@ -19,4 +20,4 @@ __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", 
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
            "PPOMetric", "vocab_parallel_argmax"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -7,11 +7,12 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from parallel import comm_device, group_rank, group_size
+from parallel import group_rank, group_size
 
 from . import exchange
 from ._checks import nan_policy as check_nan_policy, nonfinite
 from .base import Metric
+from .kernels import entropy
 from .microbatch import has_field, microbatches
 from .rl_inputs import (_float, as_tensor, common_length, cp_sum, float_tensor, keep_bits, masked, per_token,
                         split_side_input, token_mask)
@@ -226,7 +227,7 @@ class GRPOMetric(Metric):
             checks = []
             if tp_group is not None:
                 # TP peers must reduce the same rows in the same precision (or all none).
-                wide = int(any(_work_dtype(c) == torch.float64 for c in chunks))
+                wide = int(any(entropy.work_dtype(c) == torch.float64 for c in chunks))
                 checks.append((tp_group, rows * 2 + wide, "TP", "vocab-parallel logits (token rows x 2 "
                                "+ fp64)", "the same tokens with its own vocab shard"))
             if cp_group is not None:
@@ -244,7 +245,8 @@ class GRPOMetric(Metric):
         if jobs:
             device = jobs[0][2].device
             ents = dict(zip((job[0] for job in jobs),
-                            self._entropy(chunks, shapes, tp_group if rows else None, device)))
+                            entropy.token_entropy(chunks, shapes, self.temperature,
+                                                 tp_group if rows else None, device)))
         acc, parts = self._sums(batch, ents)
         if parts is not None:
             acc.update(self._sequence_clip(parts))
@@ -332,137 +334,20 @@ class GRPOMetric(Metric):
         seq_parts: List[torch.Tensor] = []
         candidates: List[torch.Tensor] = []
         seq_start = 0
-        skip = self.nan_policy == "skip"
         for i, item in enumerate(batch["items"]):
-            feat, lp, m = item["feat"], item["lp"], item["m"]
-            ent, em, adv, has_adv = item["ent"], item["em"], item["adv"], item["has_adv"]
-            ref, has_ref, old, has_old = item["ref"], item["has_ref"], item["old"], item["has_old"]
-            if i in logit_ents:
-                ent, em = logit_ents[i], m
-            cache = {}
-
-            def keep(x, mask):  # x with masked-out positions +0.0; one bit mask per (mask, width)
-                key = (id(mask), x.element_size())
-                if key not in cache:
-                    cache[key] = keep_bits(mask, x.dtype)
-                return masked(x, cache[key])
-
-            # Tokens that count and hold a NaN/inf in any input (padding at masked positions
-            # is not counted: every term is gated by the tokens the value belongs to).
-            present = [(x, has) for x, has in ((adv, has_adv), (ref, has_ref), (old, has_old), (ent, em))
-                       if x is not None]
-            if all(has is m and x.dim() == 2 and x.shape[0] == m.shape[0] and x.shape[1] in (1, m.shape[1])
-                   for x, has in present):
-                # Every input covers the counted tokens (the dense case): one probe, x * 0
-                # added per input (0 where finite, NaN where not), one isnan.
-                probe = lp * 0.0
-                for x, _ in present:
-                    probe = probe.add_(x, alpha=0) if x.dtype == probe.dtype else probe.add(x, alpha=0)
-                bad = torch.isnan(probe) & m
-            else:
-                bad = nonfinite(lp) & m
-                for x, has in present:
-                    b = nonfinite(x) & has
-                    bad |= b if b.shape == bad.shape else _pad_cols(b, bad.shape[1])
-            _add(acc, "n_bad", bad.sum())
-            if skip:  # drop those tokens from every mask; zero their values (no NaN * 0 below)
-                ok, m0 = ~bad, m
-                m = m & ok
-
-                def drop(has):
-                    return has if has is None else m if has is m0 else has & ok[:, :has.shape[1]]
-
-                has_adv, has_ref, has_old, em = drop(has_adv), drop(has_ref), drop(has_old), drop(em)
-                lp, adv, ref, old, ent = (x if x is None else x.nan_to_num(0.0, 0.0, 0.0)
-                                          for x in (lp, adv, ref, old, ent))
-
-            n_tok = m.sum()
-            lpm = keep(lp, m)
-            _add(acc, "n_tok", n_tok)
-            _add(acc, "sum_new", lpm.sum(dtype=torch.float64))
-            if ent is not None:
-                if em is m:
-                    _add(acc, "n_ent", n_tok)
-                    _add(acc, "sum_ent", keep(ent, m).sum(dtype=torch.float64))
-                else:
-                    _add(acc, "n_ent", em.sum())
-                    _add(acc, "sum_ent", torch.where(em, ent, 0.0).sum(dtype=torch.float64))
-            if m.numel() == 0:
-                seq_start += m.shape[0]
-                continue
-            if adv is not None:
-                n_adv = n_tok if has_adv is m else has_adv.sum()
-                _add(acc, "n_adv", n_adv)
-                if adv.shape[1] == 1 and m.shape[1] != 1:  # one value per sequence: per-row counts
-                    rows = has_adv.sum(1, dtype=torch.float64)
-                    # where: the value of a row without tokens (maybe NaN) must not count
-                    _add(acc, "sum_adv", torch.where(rows > 0, adv[:, 0].to(torch.float64) * rows, 0.0).sum())
-                    lo, hi = _extremes(adv[:, 0], rows > 0)
-                else:
-                    adv = keep(adv, has_adv)  # aligned values may be NaN where masked
-                    _add(acc, "sum_adv", adv.sum(dtype=torch.float64))
-                    lo, hi = _extremes(adv, has_adv)
-                _min(acc, "adv_min", lo)
-                _max(acc, "adv_max", hi)
-            lp64 = None
-            if ref is not None:
-                if has_ref is m:
-                    n_ref = n_tok
-                    lp64 = lpr = lpm.to(torch.float64)
-                else:
-                    n_ref = has_ref.sum()
-                    lpr = keep(lp, has_ref).to(torch.float64)
-                dr = keep(ref, has_ref).to(torch.float64)
-                dr.sub_(lpr)  # 0 outside has_ref
-                sum_dr = dr.sum()
-                _add(acc, "n_ref", n_ref)
-                _add(acc, "sum_ref_kl", dr.expm1_().sum() - sum_dr)
-            if old is not None:
-                if has_old is m:
-                    n_old = n_tok
-                    lpo = lp64 if lp64 is not None else lpm.to(torch.float64)
-                else:
-                    n_old = has_old.sum()
-                    lpo = keep(lp, has_old).to(torch.float64)
-                oldm = keep(old, has_old)
-                d = lpo.clone() if lpo is lp64 else lpo
-                d.sub_(oldm)  # exact in float64; 0 outside has_old
-                sum_d = d.sum()
-                _add(acc, "n_old", n_old)
-                _add(acc, "sum_old", oldm.sum(dtype=torch.float64))
-                _add(acc, "sum_diff", sum_d)
-                # exp is monotone and k3 convex with its minimum at d = 0: the extremes of
-                # d give ratio_min/max and kl_max (in compute), with no [b, s] r or k3.
-                lo, hi = _extremes(d, has_old)
-                _min(acc, "logr_min", lo)
-                _max(acc, "logr_max", hi)
-                if adv is not None:
-                    gate = has_old if has_adv is m else has_old & has_adv
-                    if not skip:
-                        # Under 'propagate' a NaN/inf d or A must not vanish in a comparison
-                        # (NaN < x is False): 0, or NaN when a gated token holds one.
-                        # (d + A is NaN/inf iff either is; * 0 turns inf into NaN)
-                        _add(acc, "clip_nan", torch.where(gate, d + adv, 0.0).sum() * 0.0)
-                    if self.sequence_level_clip:
-                        g = gate.to(torch.float64)
-                        seq_parts.append(torch.stack([(d * g).sum(1), g.sum(1),
-                                                      torch.where(gate, adv.to(torch.float64), 0.0).sum(1)], 1))
-                    else:
-                        extra = None if self._zero_unclipped else has_old
-                        if has_adv is not m:
-                            extra = has_adv if extra is None else extra & has_adv
-                        low, high = self._clip_counts(d, adv, extra)
-                        _add(acc, "clip_n", n_old if gate is has_old else gate.sum())
-                        _add(acc, "clip_low", low)
-                        _add(acc, "clip_high", high)
-                # r - 1, in place unless the top-k records still need d
-                em = torch.expm1(d) if self.top_k_kl else d.expm1_()
-                sum_em = em.sum()
-                _add(acc, "sum_kl", sum_em - sum_d)  # sum of k3 = (r - 1) - d
-                _add(acc, "sum_ratio", sum_em + n_old)
-                if self.top_k_kl:
-                    candidates.append(self._candidates(feat, m, lp, old, d, em, has_old, seq_start))
-            seq_start += m.shape[0]
+            mb = _Microbatch(item, logit_ents.get(i))
+            self._count_nonfinite(acc, mb)
+            self._token_sums(acc, mb)
+            if mb.m.numel():
+                if mb.adv is not None:
+                    self._advantage_sums(acc, mb)
+                if mb.ref is not None:
+                    self._ref_sums(acc, mb)
+                if mb.old is not None:
+                    self._ratio_sums(acc, mb, seq_parts)
+                    if self.top_k_kl:
+                        candidates.append(self._candidates(mb, seq_start))
+            seq_start += mb.m.shape[0]
 
         if self.top_k_kl:
             mesh = self.resolve_mesh()
@@ -475,6 +360,132 @@ class GRPOMetric(Metric):
                 acc["topk"] = _topk_rows(torch.cat(candidates), self.top_k_kl)
         parts = torch.cat(seq_parts) if self.sequence_level_clip and seq_parts else None
         return acc, parts
+
+    def _count_nonfinite(self, acc, mb: "_Microbatch") -> None:
+        """Count the tokens that count and hold a NaN/inf in any input (padding at masked
+        positions is not counted: every term is gated by the tokens the value belongs
+        to); under ``nan_policy='skip'`` drop them from every mask and zero their values."""
+        m = mb.m
+        present = [(x, has) for x, has in ((mb.adv, mb.has_adv), (mb.ref, mb.has_ref), (mb.old, mb.has_old),
+                                           (mb.ent, mb.em)) if x is not None]
+        if all(has is m and x.dim() == 2 and x.shape[0] == m.shape[0] and x.shape[1] in (1, m.shape[1])
+               for x, has in present):
+            # Every input covers the counted tokens (the dense case): one probe, x * 0
+            # added per input (0 where finite, NaN where not), one isnan.
+            probe = mb.lp * 0.0
+            for x, _ in present:
+                probe = probe.add_(x, alpha=0) if x.dtype == probe.dtype else probe.add(x, alpha=0)
+            bad = torch.isnan(probe) & m
+        else:
+            bad = nonfinite(mb.lp) & m
+            for x, has in present:
+                b = nonfinite(x) & has
+                bad |= b if b.shape == bad.shape else _pad_cols(b, bad.shape[1])
+        _add(acc, "n_bad", bad.sum())
+        if self.nan_policy == "skip":  # no NaN * 0 below
+            ok = ~bad
+            mb.m = m & ok
+
+            def drop(has):
+                return has if has is None else mb.m if has is m else has & ok[:, :has.shape[1]]
+
+            mb.has_adv, mb.has_ref, mb.has_old, mb.em = drop(mb.has_adv), drop(mb.has_ref), drop(mb.has_old), \
+                drop(mb.em)
+            mb.lp, mb.adv, mb.ref, mb.old, mb.ent = (x if x is None else x.nan_to_num(0.0, 0.0, 0.0)
+                                                     for x in (mb.lp, mb.adv, mb.ref, mb.old, mb.ent))
+
+    def _token_sums(self, acc, mb: "_Microbatch") -> None:
+        """Token count, sum of new log-probs, entropy."""
+        m = mb.m
+        mb.n_tok = m.sum()
+        mb.lpm = mb.keep(mb.lp, m)
+        _add(acc, "n_tok", mb.n_tok)
+        _add(acc, "sum_new", mb.lpm.sum(dtype=torch.float64))
+        if mb.ent is not None:
+            if mb.em is m:
+                _add(acc, "n_ent", mb.n_tok)
+                _add(acc, "sum_ent", mb.keep(mb.ent, m).sum(dtype=torch.float64))
+            else:
+                _add(acc, "n_ent", mb.em.sum())
+                _add(acc, "sum_ent", torch.where(mb.em, mb.ent, 0.0).sum(dtype=torch.float64))
+
+    def _advantage_sums(self, acc, mb: "_Microbatch") -> None:
+        """Advantage count, sum, extremes: per token, or one value per sequence."""
+        adv, has_adv = mb.adv, mb.has_adv
+        _add(acc, "n_adv", mb.n_tok if has_adv is mb.m else has_adv.sum())
+        if adv.shape[1] == 1 and mb.m.shape[1] != 1:  # one value per sequence: per-row counts
+            rows = has_adv.sum(1, dtype=torch.float64)
+            # where: the value of a row without tokens (maybe NaN) must not count
+            _add(acc, "sum_adv", torch.where(rows > 0, adv[:, 0].to(torch.float64) * rows, 0.0).sum())
+            lo, hi = _extremes(adv[:, 0], rows > 0)
+        else:
+            mb.adv = adv = mb.keep(adv, has_adv)  # aligned values may be NaN where masked
+            _add(acc, "sum_adv", adv.sum(dtype=torch.float64))
+            lo, hi = _extremes(adv, has_adv)
+        _min(acc, "adv_min", lo)
+        _max(acc, "adv_max", hi)
+
+    def _ref_sums(self, acc, mb: "_Microbatch") -> None:
+        """k3 KL to the reference policy: sum of expm1(ref - logp) - (ref - logp)."""
+        if mb.has_ref is mb.m:
+            n_ref = mb.n_tok
+            mb.lp64 = lpr = mb.lpm.to(torch.float64)
+        else:
+            n_ref = mb.has_ref.sum()
+            lpr = mb.keep(mb.lp, mb.has_ref).to(torch.float64)
+        dr = mb.keep(mb.ref, mb.has_ref).to(torch.float64)
+        dr.sub_(lpr)  # 0 outside has_ref
+        sum_dr = dr.sum()
+        _add(acc, "n_ref", n_ref)
+        _add(acc, "sum_ref_kl", dr.expm1_().sum() - sum_dr)
+
+    def _ratio_sums(self, acc, mb: "_Microbatch", seq_parts: List[torch.Tensor]) -> None:
+        """Log-ratio d = logp - old_logp: its sums and extremes, clip counts (or GSPO's
+        per-sequence parts), ratio and k3 KL sums."""
+        m, adv, has_adv, has_old = mb.m, mb.adv, mb.has_adv, mb.has_old
+        if has_old is m:
+            n_old = mb.n_tok
+            lpo = mb.lp64 if mb.lp64 is not None else mb.lpm.to(torch.float64)
+        else:
+            n_old = has_old.sum()
+            lpo = mb.keep(mb.lp, has_old).to(torch.float64)
+        oldm = mb.keep(mb.old, has_old)
+        d = lpo.clone() if lpo is mb.lp64 else lpo
+        d.sub_(oldm)  # exact in float64; 0 outside has_old
+        sum_d = d.sum()
+        _add(acc, "n_old", n_old)
+        _add(acc, "sum_old", oldm.sum(dtype=torch.float64))
+        _add(acc, "sum_diff", sum_d)
+        # exp is monotone and k3 convex with its minimum at d = 0: the extremes of
+        # d give ratio_min/max and kl_max (in compute), with no [b, s] r or k3.
+        lo, hi = _extremes(d, has_old)
+        _min(acc, "logr_min", lo)
+        _max(acc, "logr_max", hi)
+        if adv is not None:
+            gate = has_old if has_adv is m else has_old & has_adv
+            if self.nan_policy != "skip":
+                # Under 'propagate' a NaN/inf d or A must not vanish in a comparison
+                # (NaN < x is False): 0, or NaN when a gated token holds one.
+                # (d + A is NaN/inf iff either is; * 0 turns inf into NaN)
+                _add(acc, "clip_nan", torch.where(gate, d + adv, 0.0).sum() * 0.0)
+            if self.sequence_level_clip:
+                g = gate.to(torch.float64)
+                seq_parts.append(torch.stack([(d * g).sum(1), g.sum(1),
+                                              torch.where(gate, adv.to(torch.float64), 0.0).sum(1)], 1))
+            else:
+                extra = None if self._zero_unclipped else has_old
+                if has_adv is not m:
+                    extra = has_adv if extra is None else extra & has_adv
+                low, high = self._clip_counts(d, adv, extra)
+                _add(acc, "clip_n", n_old if gate is has_old else gate.sum())
+                _add(acc, "clip_low", low)
+                _add(acc, "clip_high", high)
+        # r - 1, in place unless the top-k records still need d
+        em = torch.expm1(d) if self.top_k_kl else d.expm1_()
+        sum_em = em.sum()
+        _add(acc, "sum_kl", sum_em - sum_d)  # sum of k3 = (r - 1) - d
+        _add(acc, "sum_ratio", sum_em + n_old)
+        mb.d, mb.ratio_m1 = d, em
 
     #: clip counts gated by the advantage sign (GRPO/PPO); CISPO clips the weight itself
     clip_by_advantage_sign = True
@@ -526,8 +537,9 @@ class GRPOMetric(Metric):
         low, high = self._clip_counts(logr, adv, valid)
         return {"clip_n": valid.sum(), "clip_low": low, "clip_high": high}
 
-    def _candidates(self, feat, m, lp, old, d, em, has_old, seq_start) -> torch.Tensor:
+    def _candidates(self, mb: "_Microbatch", seq_start: int) -> torch.Tensor:
         """This microbatch's top-k rows [k, fields] with sequence indices offset so far."""
+        feat, m, lp, old, d, em, has_old = mb.feat, mb.m, mb.lp, mb.old, mb.d, mb.ratio_m1, mb.has_old
         b, s = m.shape
         k3 = em - d
         key = torch.where(has_old & (k3 > 0), k3, -math.inf).reshape(-1)
@@ -563,53 +575,12 @@ class GRPOMetric(Metric):
                 raise ValueError(f"{name}: outputs['logits'] of microbatch {i} has shape "
                                  f"{list(z.shape)}; expected [{m.shape[0]}, >= {m.shape[1]}, vocab] "
                                  "aligned with the log-probs")
-            blocks.append(_row_blocks(z[:, :m.shape[1]]))
+            blocks.append(entropy.row_blocks(z[:, :m.shape[1]]))
             shapes.append(m.shape)
         chunks = [c for job in blocks for block in job
-                  for c in torch.split(block, self._entropy_rows(block, job))]
+                  for c in torch.split(block, entropy.rows_per_chunk(
+                      block, sum(b.shape[0] for b in job), self.entropy_chunk_bytes, self.entropy_chunk_size))]
         return chunks, shapes
-
-    def _entropy(self, chunks, shapes, tp_group, device) -> List[torch.Tensor]:
-        """Per-token entropy [b, s] (float64) of each job from its chunks; vocab-parallel
-        over ``tp_group`` (agreed on before: every rank holds the same rows).
-
-        Two collectives per call however many jobs and chunks: the row maxima of
-        every job are all-reduced at once (MAX), then every chunk's partial
-        ``(S, sum e*y)`` is collected and all-reduced at once (SUM).
-        """
-        t = self.temperature
-        zmax = None
-        if tp_group is not None:
-            import torch.distributed as dist
-
-            # max(z) / T == max(z / T) (T > 0, rounding is monotone): no scaled copy.
-            zmax = torch.cat([c.amax(-1).to(_work_dtype(c)) / t for c in chunks]) if chunks else \
-                torch.zeros(0, device=device)
-            dev = comm_device(tp_group)
-            zmax_c = zmax.to(dev)
-            dist.all_reduce(zmax_c, op=dist.ReduceOp.MAX, group=tp_group)          # collective 1
-            zmax = zmax_c.to(zmax.device)
-        stats, start = [], 0
-        for c in chunks:
-            stats.append(_entropy_partials(c, t, None if zmax is None else zmax[start:start + c.shape[0]]))
-            start += c.shape[0]
-        st = torch.cat(stats) if stats else torch.zeros(0, 2, dtype=torch.float64, device=device)
-        if tp_group is not None:
-            dev = comm_device(tp_group)
-            st_c = st.to(dev)
-            dist.all_reduce(st_c, op=dist.ReduceOp.SUM, group=tp_group)              # collective 2
-            st = st_c.to(st.device)
-        h = torch.log(st[:, 0]) - st[:, 1] / st[:, 0]  # H = log S - sum(e y) / S, y = z/T - max
-        return [e.reshape(shape) for e, shape in zip(torch.split(h, [math.prod(s) for s in shapes]), shapes)]
-
-    def _entropy_rows(self, block: torch.Tensor, job) -> int:
-        """Rows per chunk: the byte budget (one working buffer), capped by entropy_chunk_size."""
-        row = block.shape[-1] * torch.finfo(_work_dtype(block)).bits // 8
-        budget = self.entropy_chunk_bytes
-        if budget is None:  # 1/64 of this job's logits (in the working dtype), at least 1 MiB
-            budget = max(sum(b.shape[0] for b in job) * row // 64, 1 << 20)
-        rows = max(1, budget // max(row, 1))  # never less than one token's row
-        return min(rows, self.entropy_chunk_size) if self.entropy_chunk_size else rows
 
     def tp_mismatch_hint(self):
         """Why TP replicas may disagree (used by ``calculate()``'s check)."""
@@ -703,6 +674,27 @@ class CISPOMetric(GRPOMetric):
     clip_by_advantage_sign = False
 
 
+class _Microbatch:
+    """One prepared microbatch's tensors while ``_sums`` works through it: the inputs
+    (masks may be narrowed by the NaN policy) and values shared between its steps."""
+
+    def __init__(self, item: Dict[str, Any], logit_ent: Optional[torch.Tensor]):
+        self.feat, self.lp, self.m = item["feat"], item["lp"], item["m"]
+        self.ent, self.em = (item["ent"], item["em"]) if logit_ent is None else (logit_ent, item["m"])
+        self.adv, self.has_adv = item["adv"], item["has_adv"]
+        self.ref, self.has_ref = item["ref"], item["has_ref"]
+        self.old, self.has_old = item["old"], item["has_old"]
+        self.n_tok = self.lpm = self.lp64 = self.d = self.ratio_m1 = None
+        self._bits: Dict[tuple, torch.Tensor] = {}
+
+    def keep(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``x`` with masked-out positions +0.0; one bit mask per (mask, element width)."""
+        key = (id(mask), x.element_size())
+        if key not in self._bits:
+            self._bits[key] = keep_bits(mask, x.dtype)
+        return masked(x, self._bits[key])
+
+
 def _floating(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_floating_point() else x.to(torch.float64)
 
@@ -737,35 +729,6 @@ def _k3(d: float) -> float:
 
 def _nan_first(v: float):
     return (v != v, v)  # max() picks a NaN if there is one
-
-
-def _work_dtype(z: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(z.dtype, torch.float32)
-
-
-def _row_blocks(z: torch.Tensor) -> List[torch.Tensor]:
-    """``[b, s, V]`` as contiguous ``[rows, V]`` views (per sequence when a slice is strided)."""
-    if z.is_contiguous():
-        return [z.reshape(-1, z.shape[-1])]
-    return [z[i] if z[i].is_contiguous() else z[i].contiguous() for i in range(z.shape[0])]
-
-
-def _entropy_partials(c: torch.Tensor, t: float, zmax: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[rows, 2]`` float64 ``(S, sum e*y)`` of one chunk, with y = z/T - max, e = exp(y).
-
-    Two buffers of the chunk's size: y (the chunk's own copy, clamped in place so
-    that a -inf logit gives e = 0 and e*y = 0, never 0 * -inf) and e; ``sum e*y``
-    is a batched dot product, not a third buffer. ``zmax`` is the global row max
-    under TP (None: this chunk's own).
-    """
-    y = c.to(_work_dtype(c), copy=True)
-    if t != 1.0:
-        y.div_(t)
-    m = y.amax(-1) if zmax is None else zmax.to(y.dtype)
-    y.sub_(m[:, None]).clamp_(min=torch.finfo(y.dtype).min)
-    e = torch.exp(y)
-    ey = torch.bmm(e.unsqueeze(1), y.unsqueeze(2)).reshape(-1)
-    return torch.stack([e.sum(-1), ey], 1).to(torch.float64)
 
 
 def _add(acc, key, value):

@@ -1,0 +1,6 @@
+"""The compute paths that read logits: per-token entropy and vocab-parallel argmax.
+
+Kept apart from the metrics so that a metric file reads as its states, ``update``
+and ``compute``, and so that device-specific implementations of these paths have
+one place to live beside the torch ones.
+"""

@@ -1,0 +1,117 @@
+"""Vocab-parallel argmax: ``torch.argmax`` over the whole vocab from TP shards.
+
+The argmax of each shard is packed with its value into one int64 key whose MAX
+over the shards is the global argmax, so one ``all_reduce`` per ``accumulate``
+finds it with no gather of the logits. This is the torch implementation, used on
+every device.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from parallel import comm_device
+
+_NAME = "vocab_parallel_argmax"
+_LOW32 = (1 << 32) - 1
+#: the largest global vocab the packed 32-bit index holds
+INDEX_LIMIT = _LOW32
+
+
+def _ordered_f32(values: torch.Tensor) -> torch.Tensor:
+    """float32 -> int32 with the same order (NaN above +inf, -0.0 == +0.0)."""
+    v = values.to(torch.float32) + 0.0          # -0.0 + 0.0 == +0.0: argmax sees them equal
+    bits = v.view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return torch.where(torch.isnan(v), torch.full_like(ordered, 0x7FFFFFFF), ordered)
+
+
+def _ordered_f64(values: torch.Tensor) -> torch.Tensor:
+    v = values.to(torch.float64) + 0.0
+    bits = v.view(torch.int64)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFFFFFFFFFF)
+    return torch.where(torch.isnan(v), torch.full_like(ordered, 0x7FFFFFFFFFFFFFFF), ordered)
+
+
+def argmax_keys(values: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int64 keys whose MAX over shards picks what ``torch.argmax`` over the whole vocab
+    picks: the value made order-preserving in the high 32 bits (NaN largest, -0.0 ==
+    +0.0), the reversed global ``index`` in the low 32 bits (lowest index wins a tie).
+    For 16/32-bit values; ``vocab`` is the global vocab size."""
+    return _ordered_f32(values).to(torch.int64) * (1 << 32) + (vocab - 1 - index)
+
+
+def argmax_of_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The global index a MAX-reduced ``argmax_keys`` key stands for."""
+    return (vocab - 1) - (keys & _LOW32)
+
+
+def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_size: int) -> List[torch.Tensor]:
+    """Global ``argmax(-1)`` of vocab-sharded logits, exactly as ``torch.argmax`` on the full vocab.
+
+    Each rank holds ``[..., V / tp]`` (shard ``tp_rank`` of equal shards). Ties go to
+    the lowest global index and NaN counts as the largest value (first NaN wins),
+    as ``torch.argmax`` does. No full-vocab gather, no host read.
+
+    Cost: one int64 ``all_reduce(MAX)`` over ``group`` of one value per token for
+    16/32-bit logits (the value, made order-preserving, in the high 32 bits; the
+    reversed global index in the low 32 bits, so the max picks the lowest index
+    among equal values); fp64 logits need two (MAX of the value, then MIN of the
+    index among shards holding it) because a 64-bit value leaves no room for the
+    index. Every rank of ``group`` must call it the same number of times, also with
+    an empty list (a one-element dummy collective then keeps the ranks in step).
+
+    Args:
+        logits: per-microbatch local shards; all reduced in one collective.
+        group: the TP group (``None``: a single shard, plain argmax).
+    """
+    if group is None or tp_size == 1:
+        return [x.argmax(-1) for x in logits]
+    local_vocab = {int(x.shape[-1]) for x in logits}
+    if len(local_vocab) > 1:
+        raise ValueError(f"{_NAME}: vocab-parallel logits shards have different widths {sorted(local_vocab)}; "
+                         "every microbatch must hold the same vocab shard")
+    v_local = local_vocab.pop() if local_vocab else 1
+    v_global = v_local * tp_size
+    if v_global > INDEX_LIMIT:
+        raise ValueError(f"{_NAME}: vocab size {v_global} does not fit the packed 32-bit index")
+    offset = tp_rank * v_local
+    wide = any(x.dtype == torch.float64 for x in logits)
+    keys, idx_all, ord_all, shapes = [], [], [], []
+    for x in logits:
+        idx = x.argmax(-1)                                   # one read of the logits
+        val = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1)    # [...]: no [.., V] copy
+        gidx = idx + offset
+        shapes.append(idx.shape)
+        if wide:
+            ord_all.append(_ordered_f64(val).reshape(-1))
+            idx_all.append(gidx.reshape(-1))
+        else:
+            keys.append(argmax_keys(val, gidx, v_global).reshape(-1))
+    device = logits[0].device if logits else comm_device(group)
+    if not wide:
+        packed = _cat_or_dummy(keys, device)
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+        flat = argmax_of_keys(packed, v_global)
+    else:
+        ordered = _cat_or_dummy(ord_all, device)
+        best = ordered.clone()
+        dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+        gidx = _cat_or_dummy(idx_all, device)
+        cand = torch.where(ordered == best, gidx, torch.full_like(gidx, v_global))
+        dist.all_reduce(cand, op=dist.ReduceOp.MIN, group=group)
+        flat = cand
+    out, start = [], 0
+    for shp in shapes:
+        n = shp.numel()
+        out.append(flat[start:start + n].reshape(shp))
+        start += n
+    return out
+
+
+def _cat_or_dummy(parts: List[torch.Tensor], device) -> torch.Tensor:
+    if parts and sum(p.numel() for p in parts):
+        return torch.cat(parts)
+    return torch.zeros(1, dtype=torch.int64, device=device)

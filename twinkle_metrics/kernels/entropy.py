@@ -1,0 +1,87 @@
+"""Per-token entropy of the softmax of logits, in row chunks, optionally vocab-parallel.
+
+``H = log S - sum(e * y) / S`` with ``y = z / T - max``, ``e = exp(y)``, ``S = sum e``:
+each chunk of rows yields the partials ``(S, sum e*y)``, which add over vocab
+shards once every shard subtracted the same (global) row max. This is the torch
+implementation, used on every device; working memory is two buffers of one chunk.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel import comm_device
+
+
+def work_dtype(z: torch.Tensor) -> torch.dtype:
+    """float32 for 16/32-bit logits, float64 for float64 ones."""
+    return torch.promote_types(z.dtype, torch.float32)
+
+
+def row_blocks(z: torch.Tensor) -> List[torch.Tensor]:
+    """``[b, s, V]`` as contiguous ``[rows, V]`` views (per sequence when a slice is strided)."""
+    if z.is_contiguous():
+        return [z.reshape(-1, z.shape[-1])]
+    return [z[i] if z[i].is_contiguous() else z[i].contiguous() for i in range(z.shape[0])]
+
+
+def rows_per_chunk(block: torch.Tensor, job_rows: int, chunk_bytes: Optional[int],
+                   chunk_rows: Optional[int]) -> int:
+    """Rows per chunk: the byte budget of one working buffer (``None``: 1/64 of the
+    job's logits in the working dtype, at least 1 MiB), capped by ``chunk_rows``."""
+    row = block.shape[-1] * torch.finfo(work_dtype(block)).bits // 8
+    budget = chunk_bytes if chunk_bytes is not None else max(job_rows * row // 64, 1 << 20)
+    rows = max(1, budget // max(row, 1))  # never less than one token's row
+    return min(rows, chunk_rows) if chunk_rows else rows
+
+
+def partials(c: torch.Tensor, t: float, zmax: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[rows, 2]`` float64 ``(S, sum e*y)`` of one chunk, with y = z/T - max, e = exp(y).
+
+    Two buffers of the chunk's size: y (the chunk's own copy, clamped in place so
+    that a -inf logit gives e = 0 and e*y = 0, never 0 * -inf) and e; ``sum e*y``
+    is a batched dot product, not a third buffer. ``zmax`` is the global row max
+    under TP (None: this chunk's own).
+    """
+    y = c.to(work_dtype(c), copy=True)
+    if t != 1.0:
+        y.div_(t)
+    m = y.amax(-1) if zmax is None else zmax.to(y.dtype)
+    y.sub_(m[:, None]).clamp_(min=torch.finfo(y.dtype).min)
+    e = torch.exp(y)
+    ey = torch.bmm(e.unsqueeze(1), y.unsqueeze(2)).reshape(-1)
+    return torch.stack([e.sum(-1), ey], 1).to(torch.float64)
+
+
+def token_entropy(chunks: Sequence[torch.Tensor], shapes: Sequence[torch.Size], temperature: float,
+                  tp_group, device) -> List[torch.Tensor]:
+    """Per-token entropy (float64), one tensor of each shape in ``shapes``, from the row
+    ``chunks`` of their logits in order; vocab-parallel over ``tp_group`` (every rank
+    of it must hold the same rows, agreed before: ``None`` for whole-vocab logits).
+
+    Two collectives under TP however many chunks: the row maxima of every chunk
+    are all-reduced at once (MAX), then every chunk's partials at once (SUM).
+    """
+    t = temperature
+    zmax = None
+    if tp_group is not None:
+        # max(z) / T == max(z / T) (T > 0, rounding is monotone): no scaled copy.
+        zmax = torch.cat([c.amax(-1).to(work_dtype(c)) / t for c in chunks]) if chunks else \
+            torch.zeros(0, device=device)
+        zmax_c = zmax.to(comm_device(tp_group))
+        dist.all_reduce(zmax_c, op=dist.ReduceOp.MAX, group=tp_group)          # collective 1
+        zmax = zmax_c.to(zmax.device)
+    stats, start = [], 0
+    for c in chunks:
+        stats.append(partials(c, t, None if zmax is None else zmax[start:start + c.shape[0]]))
+        start += c.shape[0]
+    st = torch.cat(stats) if stats else torch.zeros(0, 2, dtype=torch.float64, device=device)
+    if tp_group is not None:
+        st_c = st.to(comm_device(tp_group))
+        dist.all_reduce(st_c, op=dist.ReduceOp.SUM, group=tp_group)              # collective 2
+        st = st_c.to(st.device)
+    h = torch.log(st[:, 0]) - st[:, 1] / st[:, 0]
+    return [e.reshape(shape) for e, shape in zip(torch.split(h, [math.prod(s) for s in shapes]), shapes)]
