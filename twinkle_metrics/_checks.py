@@ -1,4 +1,5 @@
-"""Input checks shared by the built-in metrics: clear errors, no device reads."""
+"""Input checks and coercion shared by every built-in metric: clear errors naming the
+metric and the field, no device reads, device tensors kept where they are."""
 from __future__ import annotations
 
 import numbers
@@ -27,7 +28,45 @@ def int_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
     return value
 
 
-def float_tensor(metric: str, field: str, value) -> torch.Tensor:
+def as_tensor(value, device=None, dtype=None) -> torch.Tensor:
+    """``torch.as_tensor`` that keeps device tensors where they are (asynchronous move)."""
+    if isinstance(value, torch.Tensor):
+        if device is not None and value.device != torch.device(device):
+            value = value.to(device, non_blocking=True)
+        return value if dtype is None else value.to(dtype)
+    return from_host(torch.as_tensor(value, dtype=dtype), device)
+
+
+def from_host(t: torch.Tensor, device=None) -> torch.Tensor:
+    """A tensor built from host data, moved to ``device`` without waiting.
+
+    ``torch.tensor(data, device=cuda)`` copies and then synchronises the stream;
+    building on the host and copying with ``non_blocking=True`` does not (the source
+    is pageable memory, staged by the copy before it returns).
+    """
+    if device is None or torch.device(device).type == "cpu":
+        return t
+    return t.to(device, non_blocking=True)
+
+
+def float_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
+    """``value`` as a tensor: tensors as they are, other numbers as float64.
+
+    Python floats are float64 already; ``torch.as_tensor`` would round them to
+    float32. Anything that is not a rectangular array of numbers is a ``TypeError``
+    naming ``metric`` and ``field``.
+    """
+    if isinstance(value, torch.Tensor):
+        return as_tensor(value, device)
+    try:
+        return from_host(torch.as_tensor(value, dtype=torch.float64), device)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{metric}: {field} must be a tensor or a rectangular (nested) list of numbers, "
+                        f"got {type(value).__name__} ({e}); pass a [batch, seq] tensor") from None
+
+
+def floating_tensor(metric: str, field: str, value) -> torch.Tensor:
+    """``value`` itself, which must be a floating-point tensor (model outputs such as logits)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{metric}: outputs[{field!r}] must be a tensor, got {type(value).__name__}")
     if not value.is_floating_point():

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from . import exchange
-from ._checks import float_tensor, int_tensor, right_align
+from ._checks import floating_tensor, int_tensor, right_align
 from .base import Metric
 from .kernels.argmax import INDEX_LIMIT, vocab_parallel_argmax
 from .microbatch import has_field, microbatches
@@ -114,7 +114,7 @@ class Accuracy(Metric):
             if logits is None:
                 continue  # Twinkle skips calls without logits
             where = f"microbatch {i}" if len(pairs) > 1 else "the batch"
-            logits = float_tensor(_NAME, "logits", logits)
+            logits = floating_tensor(_NAME, "logits", logits)
             if logits.dim() < 2:
                 raise ValueError(f"{_NAME}: logits must be [..., vocab], got shape {list(logits.shape)}")
             target = list(logits.shape[:-1])

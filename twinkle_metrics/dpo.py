@@ -6,10 +6,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import exchange
-from ._checks import nan_policy as check_nan_policy, nonfinite
+from ._checks import float_tensor, nan_policy as check_nan_policy, nonfinite
 from .base import Metric
 from .microbatch import has_field, microbatches
-from .rl_inputs import common_length, cp_lead, cp_sum, float_tensor, keep_bits, masked, token_mask
+from .rl_inputs import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
 from .state import State
 
 _NAME = "DPOMetric"

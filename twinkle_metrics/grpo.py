@@ -10,12 +10,11 @@ import torch
 from parallel import group_rank, group_size
 
 from . import exchange
-from ._checks import nan_policy as check_nan_policy, nonfinite
+from ._checks import as_tensor, float_tensor, nan_policy as check_nan_policy, nonfinite
 from .base import Metric
 from .kernels import entropy
 from .microbatch import has_field, microbatches
-from .rl_inputs import (_float, as_tensor, common_length, cp_sum, float_tensor, keep_bits, masked, per_token,
-                        split_side_input, token_mask)
+from .rl_inputs import _float, common_length, cp_sum, keep_bits, masked, per_token, split_side_input, token_mask
 from .state import State
 
 # Columns of one top-k record row.

@@ -1,4 +1,5 @@
-"""Input helpers shared by the RL metrics (DPO, GRPO family).
+"""Alignment helpers shared by the RL metrics (DPO, GRPO family); coercion of single
+values is in ``_checks``.
 
 Everything here runs on the device without waiting for it: masks come from
 ``completion_mask`` or ``labels``, ragged per-sequence values are scattered onto
@@ -14,26 +15,7 @@ import torch
 
 from parallel import comm_device, group_size
 
-
-def as_tensor(value, device=None, dtype=None) -> torch.Tensor:
-    """``torch.as_tensor`` that keeps device tensors where they are (asynchronous move)."""
-    if isinstance(value, torch.Tensor):
-        if device is not None and value.device != torch.device(device):
-            value = value.to(device, non_blocking=True)
-        return value if dtype is None else value.to(dtype)
-    return from_host(torch.as_tensor(value, dtype=dtype), device)
-
-
-def from_host(t: torch.Tensor, device=None) -> torch.Tensor:
-    """A tensor built from host data, moved to ``device`` without waiting.
-
-    ``torch.tensor(data, device=cuda)`` copies and then synchronises the stream;
-    building on the host and copying with ``non_blocking=True`` does not (the source
-    is pageable memory, staged by the copy before it returns).
-    """
-    if device is None or torch.device(device).type == "cpu":
-        return t
-    return t.to(device, non_blocking=True)
+from ._checks import as_tensor, float_tensor, from_host
 
 
 def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tensor:
@@ -72,22 +54,6 @@ def _ne(x: torch.Tensor, value) -> torch.Tensor:
         return x != value
     out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     return torch.ne(x, value, out=out).view(torch.bool)
-
-
-def float_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
-    """``value`` as a tensor: tensors as they are, other numbers as float64.
-
-    Python floats are float64 already; ``torch.as_tensor`` would round them to
-    float32. Anything that is not a rectangular array of numbers is a ``TypeError``
-    naming ``metric`` and ``field``.
-    """
-    if isinstance(value, torch.Tensor):
-        return as_tensor(value, device)
-    try:
-        return from_host(torch.as_tensor(value, dtype=torch.float64), device)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise TypeError(f"{metric}: {field} must be a tensor or a rectangular (nested) list of numbers, "
-                        f"got {type(value).__name__} ({e}); pass a [batch, seq] tensor") from None
 
 
 def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
