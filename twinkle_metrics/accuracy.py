@@ -46,6 +46,14 @@ class Accuracy(Metric):
     Args:
         vocab_parallel: logits are sharded along the vocab over the mesh's TP group.
         ignore_index: label value of tokens without a target.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[[0.1, 2.0, 0.3], [1.0, 0.0, 0.0], [0.0, 0.0, 5.0]]])
+        >>> m = Accuracy()
+        >>> _ = m.accumulate({"labels": torch.tensor([[1, 2, -100]])}, {"logits": logits})
+        >>> m.calculate()
+        {'accuracy': 0.5, 'correct_tokens': 1, 'total_tokens': 2}
     """
 
     correct = State("sum", torch.int64)

@@ -45,6 +45,27 @@ class Metric:
             data. ``None``: ``DeviceMesh.current()`` at the first ``calculate()``
             (Megatron's groups when initialised, else WORLD as pure data parallel).
         process_group: overrides the mesh's data group (DP x CP) for the reduction.
+
+    A metric declares its states, folds one call's contributions in ``update`` and
+    turns the reduced states into results in ``compute``; the base does the rest
+    (no autograd, detaching, the fused sync, ``reset``, ``state_dict``).
+
+    Example:
+        >>> import torch
+        >>> class MaskedMax(Metric):
+        ...     peak = State("max")                 # the max over calls and ranks
+        ...     count = State("sum", torch.int64)
+        ...     def update(self, inputs, outputs, **kwargs):
+        ...         mask = inputs["labels"] != -100
+        ...         v = torch.where(mask, outputs["values"].double(), -torch.inf)
+        ...         return {"peak": v.amax(), "count": mask.sum()}
+        ...     def compute(self, s):
+        ...         return {"max": s["peak"], "tokens": s["count"]} if s["count"] else {}
+        >>> m = MaskedMax()
+        >>> _ = m.accumulate({"labels": torch.tensor([1, -100])}, {"values": torch.tensor([9.0, 50.0])})
+        >>> _ = m.accumulate({"labels": torch.tensor([2, 3])}, {"values": torch.tensor([1.0, 2.0])})
+        >>> m.calculate()
+        {'max': 9.0, 'tokens': 3}
     """
 
     _class_states: ClassVar[Dict[str, State]] = {}

@@ -64,6 +64,16 @@ class DPOMetric(Metric):
         beta: DPO's beta, scaling the implicit rewards.
         ignore_index: label value of tokens that do not count.
         nan_policy: ``'propagate'`` or ``'skip'`` (see above).
+
+    Example:
+        >>> import torch
+        >>> m = DPOMetric(beta=0.1)  # rows: chosen, rejected
+        >>> _ = m.accumulate({"labels": torch.tensor([[1, 2], [1, 3]])},
+        ...                  {"logps": torch.tensor([[-1.0, -1.0], [-2.0, -2.0]])},
+        ...                  ref_outputs={"logps": torch.tensor([[-1.5, -1.5], [-1.5, -1.5]])})
+        >>> m.calculate()  # doctest: +NORMALIZE_WHITESPACE
+        {'logps/chosen': -2.0, 'logps/rejected': -4.0, 'logps/ref_chosen': -3.0, 'logps/ref_rejected': -3.0,
+         'rewards/chosen': 0.1, 'rewards/rejected': -0.1, 'rewards/margins': 0.2, 'rewards/accuracies': 1.0}
     """
 
     pairs = State("sum", torch.int64)

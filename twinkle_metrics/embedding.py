@@ -77,6 +77,14 @@ class EmbeddingMetric(Metric):
             row-count exchange; defaults to the mesh's ``cpu_data_group``.
         eps: lower bound of the norm in the cosine.
         nan_policy: ``'propagate'`` or ``'skip'`` (see above).
+
+    Example:
+        >>> import torch
+        >>> emb = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
+        >>> m = EmbeddingMetric()  # rows 0 and 2 are anchors, rows 1 and 3 their positives
+        >>> _ = m.accumulate({"labels": torch.tensor([1, 0, 1, 0])}, {"embeddings": emb})
+        >>> {k: round(v, 4) for k, v in m.calculate().items()}
+        {'pos_sim': 0.9, 'pos_sim_min': 0.8, 'pos_sim_max': 1.0, 'in_batch_accuracy': 1.0, 'neg_sim': 0.3, 'margin': 0.6}
     """
 
     pos_sum = State("sum")

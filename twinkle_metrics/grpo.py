@@ -125,6 +125,17 @@ class GRPOMetric(Metric):
             working buffer of the entropy computation; two are live at once.
             None: 1/64 of the call's logits, at least 1 MiB. Never less than one
             token's row.
+
+    Example:
+        >>> import torch
+        >>> m = GRPOMetric()  # epsilon=0.2: ratios above 1.2 with A > 0 are clipped
+        >>> _ = m.accumulate({"labels": torch.tensor([[5, 6, 7, -100]])},
+        ...                  {"logps": torch.tensor([[-0.5, -1.0, -0.2, 0.0]], dtype=torch.float64)},
+        ...                  old_logps=torch.tensor([[-0.75, -1.0, -0.5, 0.0]], dtype=torch.float64),
+        ...                  advantages=torch.tensor([1.0]))
+        >>> out = m.calculate()
+        >>> round(out["train/ratio_max"], 4), round(out["train/clip_ratio_high"], 4)
+        (1.3499, 0.6667)
     """
 
     n_tok = State("sum", torch.int64)
@@ -650,7 +661,18 @@ class GRPOMetric(Metric):
 
 
 class PPOMetric(GRPOMetric):
-    """PPO policy metric: the same token-level ratio and clip statistics as GRPO."""
+    """PPO policy metric: the same token-level ratio and clip statistics as GRPO.
+
+    Example:
+        >>> import torch
+        >>> m = PPOMetric(epsilon=0.3)
+        >>> _ = m.accumulate({"labels": torch.tensor([[5, 6, 7]])},
+        ...                  {"logps": torch.tensor([[-0.5, -1.0, -0.2]], dtype=torch.float64)},
+        ...                  old_logps=torch.tensor([[-0.75, -1.0, -0.5]], dtype=torch.float64),
+        ...                  advantages=torch.tensor([1.0]))
+        >>> round(m.calculate()["train/clip_ratio_high"], 4)  # only exp(0.3) > 1.3
+        0.3333
+    """
 
 
 class GSPOMetric(GRPOMetric):
@@ -661,6 +683,16 @@ class GSPOMetric(GRPOMetric):
     ``train/clip_ratio*`` count sequences. Under CP the per-sequence sums are
     completed over the CP group first (one agreement and one all_reduce in ``accumulate``; every CP
     rank must call it the same number of times). Other keys are as GRPOMetric.
+
+    Example:
+        >>> import torch
+        >>> m = GSPOMetric(epsilon=0.1, epsilon_high=0.1)
+        >>> _ = m.accumulate({"labels": torch.tensor([[5, 6, 7], [5, 6, 7]])},
+        ...                  {"logps": torch.tensor([[-0.5, -1.0, -0.2], [-1.0, -1.0, -1.0]], dtype=torch.float64)},
+        ...                  old_logps=torch.tensor([[-0.75, -1.0, -0.5], [-1.0, -1.0, -1.0]], dtype=torch.float64),
+        ...                  advantages=torch.tensor([1.0, 1.0]))
+        >>> m.calculate()["train/clip_ratio_high"]  # sequence 0: exp(0.55 / 3) > 1.1
+        0.5
     """
 
     sequence_level_clip = True
@@ -668,7 +700,19 @@ class GSPOMetric(GRPOMetric):
 
 class CISPOMetric(GRPOMetric):
     """GRPO metrics with CISPO's clip statistics: r < 1 - epsilon or r > 1 + epsilon_high
-    per token, not gated by the advantage sign (CISPO clips the importance weight itself)."""
+    per token, not gated by the advantage sign (CISPO clips the importance weight itself).
+
+    Example:
+        >>> import torch
+        >>> m = CISPOMetric(epsilon=0.2, epsilon_high=0.2)
+        >>> _ = m.accumulate({"labels": torch.tensor([[5, 6, 7]])},
+        ...                  {"logps": torch.tensor([[-0.5, -1.0, -0.5]], dtype=torch.float64)},
+        ...                  old_logps=torch.tensor([[-0.75, -1.0, -0.2]], dtype=torch.float64),
+        ...                  advantages=torch.tensor([1.0]))
+        >>> out = m.calculate()  # not gated by the advantage sign: exp(-0.3) < 0.8 counts
+        >>> round(out["train/clip_ratio_low"], 4), round(out["train/clip_ratio_high"], 4)
+        (0.3333, 0.3333)
+    """
 
     clip_by_advantage_sign = False
 

@@ -59,6 +59,14 @@ class LossMetric(Metric):
         loss_key: key of Megatron's report dicts.
         ignore_index: label value of tokens without a target.
         nan_policy: ``'propagate'`` or ``'skip'`` (see above).
+
+    Example:
+        >>> import torch
+        >>> m = LossMetric()  # loss_reduction="mean": one mean loss per call
+        >>> _ = m.accumulate({"labels": torch.tensor([[1, 2, -100]])}, {"loss": torch.tensor(1.5)})
+        >>> _ = m.accumulate({"labels": torch.tensor([[3, -100, -100]])}, {"loss": torch.tensor(0.5)})
+        >>> m.calculate()
+        {'loss': 1.0}
     """
 
     loss_total = State("sum")

@@ -101,6 +101,13 @@ class CompletionRewardMetric(Metric):
         m.accumulate(rewards={"accuracy": acc, "format": fmt}, completion_lengths=lens,
                      generate_time=12.3, weight_sync_time=0.8)
         m.calculate()   # {'train/accuracy_reward': ..., 'train/accuracy_reward_std': ..., ...}
+
+    Example:
+        >>> m = CompletionRewardMetric(reward_names=["acc"])
+        >>> _ = m.accumulate(None, None, rewards={"acc": [1.0, 0.0, 1.0]}, completion_lengths=[10, 20, 30])
+        >>> {k: round(v, 4) for k, v in m.calculate().items()}  # doctest: +NORMALIZE_WHITESPACE
+        {'train/acc_reward': 0.6667, 'train/acc_reward_std': 0.5774, 'train/completion_length': 20.0,
+         'train/completion_length_min': 10.0, 'train/completion_length_max': 30.0}
     """
 
     len_count = State("sum", torch.int64)

@@ -55,6 +55,13 @@ class TrainMetric(Metric):
         peak_flops: peak FLOP/s of one device; also per call.
         num_devices: devices sharing the work for MFU; default the world size.
         max_param_groups: capacity of the learning-rate state.
+
+    Example:
+        >>> m = TrainMetric()
+        >>> _ = m.accumulate(None, None, lr=[1e-4], tokens=512)
+        >>> out = m.calculate()
+        >>> out["learning rate"], sorted(out)
+        (0.0001, ['learning rate', 'tokens/s', 'total time elapse'])
     """
 
     lr_groups = State("max", torch.int64, local="last")
