@@ -166,3 +166,43 @@ def cpu_twin(group: ProcessGroup, timeout=None) -> ProcessGroup:
         return None
     _twins[key] = twin
     return twin
+
+
+_private = {}  # tuple(ranks) -> group used by nothing but background metric syncs
+
+
+def private_twins(groups) -> dict:
+    """Second groups over the ranks of each of ``groups``, with their backends, that only
+    one user issues collectives on (the background thread of an asynchronous
+    calculate): their collectives cannot interleave with the training loop's on the
+    originals, whatever the timing. Returns ``{id(group): twin}`` (``None`` for groups
+    of one rank); cached.
+
+    Creating groups is collective over WORLD: when this rank lacks a twin, every rank
+    lists its own groups (one ``all_gather_object`` over WORLD) and all create the
+    twins of every listed group, in one order, as ``new_group`` requires. So every
+    rank must come here at the same point of its program, the first time it uses a
+    set of groups (meshes are built alike on every rank, and so are the calls).
+    """
+    out, missing = {}, False
+    for g in groups:
+        if g is None or group_size(g) <= 1:
+            out[id(g)] = None
+            continue
+        twin = _private.get(tuple(group_ranks(g)))
+        if twin is None or not group_alive(twin):
+            missing = True
+        out[id(g)] = twin
+    if not missing:
+        return out
+    mine = [(tuple(group_ranks(g)), str(dist.get_backend(g))) for g in groups
+            if g is not None and group_size(g) > 1]
+    everyone: list = [None] * world_size()
+    dist.all_gather_object(everyone, mine)
+    timeout = default_timeout()
+    for ranks, backend in sorted({entry for entries in everyone for entry in entries}):
+        twin = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+        if global_rank() in ranks:
+            _private[ranks] = twin
+    return {id(g): None if g is None or group_size(g) <= 1 else _private[tuple(group_ranks(g))]
+            for g in groups}

@@ -11,6 +11,7 @@ from .embedding import EmbeddingMetric
 from .grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
 from .loss import LossMetric
 from .microbatch import microbatches
+from .pending import CalculateHandle
 from .reward import CompletionRewardMetric
 from .state import State
 from .sync import MetricSyncError
@@ -19,5 +20,5 @@ from .train import TrainMetric
 __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
-           "PPOMetric", "vocab_parallel_argmax"]
+           "PPOMetric", "vocab_parallel_argmax", "CalculateHandle"]
 __version__ = "0.2.0"

@@ -25,6 +25,7 @@ import torch
 from parallel import DeviceMesh, dist_ready, group_size
 
 from .state import State, _as_tensor
+from . import pending
 from .exchange import join_failed
 from .sync import sync_and_compute
 
@@ -241,12 +242,19 @@ class Metric:
         specs = self._specs
         return {name: (specs.get(name) or self.dynamic_state(name)).merge(r) for name, r in rows.items()}
 
-    def calculate(self, reset: bool = True) -> Dict[str, Any]:
+    def calculate(self, reset: bool = True, async_op: bool = False):
         """Reduce over the data group and return plain numbers, the same on every rank.
 
         Collective over the mesh: every rank calls it, pipeline stages included.
         Resets the metric afterwards (as Twinkle does) unless ``reset=False``.
+
+        ``async_op=True`` returns a ``CalculateHandle`` at once instead: the
+        interval's states are handed off (the metric is reset now, so ``accumulate``
+        goes on into the next interval), the sync runs in the background, and
+        ``handle.wait()`` returns the same dict (see ``twinkle_metrics.pending``).
         """
+        if async_op:
+            return pending.submit([self], lambda results: results[0], reset, type(self).__name__)
         return sync_and_compute([self], reset=reset)[0]
 
     def resolve_mesh(self) -> DeviceMesh:

@@ -5,6 +5,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from parallel import DeviceMesh
 
+from . import pending
 from .base import Metric
 from .exchange import join_failed
 from .sync import sync_and_compute
@@ -76,9 +77,21 @@ class MetricCollection:
             m._commit(s)
         return self
 
-    def calculate(self, reset: bool = True) -> Dict[str, Any]:
-        """Results of every metric, reduced together; the same on every rank."""
-        per_metric = sync_and_compute([m for _, m in self._items], reset=False)
+    def calculate(self, reset: bool = True, async_op: bool = False):
+        """Results of every metric, reduced together; the same on every rank.
+
+        ``async_op=True``: a ``CalculateHandle`` at once, as ``Metric.calculate``.
+        """
+        metrics = [m for _, m in self._items]
+        if async_op:
+            return pending.submit(metrics, self._combine, reset, "MetricCollection")
+        out = self._combine(sync_and_compute(metrics, reset=False))
+        if reset:
+            self.reset()
+        return out
+
+    def _combine(self, per_metric: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """One dict from the per-metric results, keys prefixed by the metrics' names."""
         out: Dict[str, Any] = {}
         for (name, m), results in zip(self._items, per_metric):
             for key, value in results.items():
@@ -87,8 +100,6 @@ class MetricCollection:
                     raise ValueError(f"MetricCollection: key {full!r} comes from two metrics; pass "
                                      "the metrics as a dict {name: metric} to prefix their keys")
                 out[full] = value
-        if reset:
-            self.reset()
         return out
 
     def reset(self) -> "MetricCollection":

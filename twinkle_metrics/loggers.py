@@ -168,22 +168,43 @@ class MonitorLogger(Logger):
 
 
 class LoggerGroup(Logger):
-    """Fans every call out to several loggers."""
+    """Fans every call out to several loggers.
+
+    ``log`` also takes the handle of an asynchronous ``calculate()`` and never
+    blocks on it: entries are written in call order as soon as they are ready
+    (checked at every ``log``/``flush``); ``close()`` waits for the pending ones.
+    """
 
     def __init__(self, loggers: Iterable[Logger] = ()):
         self.loggers: List[Logger] = list(loggers)
+        self._queue: List[tuple] = []  # (results or handle, step), in call order
 
     def add(self, logger: Logger) -> "LoggerGroup":
         self.loggers.append(logger)
         return self
 
     def log(self, results, step):
-        for logger in self.loggers:
-            logger.log(results, step)
+        self._queue.append((results, step))
+        self.flush(wait=False)
+
+    def flush(self, wait: bool = False) -> None:
+        """Write the queued entries that are ready (``wait=True``: all of them)."""
+        while self._queue:
+            item, step = self._queue[0]
+            if hasattr(item, "wait"):
+                if not (wait or item.done()):
+                    return
+                item = item.wait()
+            self._queue.pop(0)
+            for logger in self.loggers:
+                logger.log(item, step)
 
     def close(self):
-        for logger in self.loggers:
-            logger.close()
+        try:
+            self.flush(wait=True)
+        finally:
+            for logger in self.loggers:
+                logger.close()
 
 
 def build_loggers(sinks: Sequence[str], run_dir: str, *, enabled: bool = True,

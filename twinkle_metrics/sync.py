@@ -175,10 +175,12 @@ def _groups_key(metric) -> Tuple:
 
 
 # ---------------------------------------------------------------------- entry points
-def sync_and_compute(metrics: Sequence, reset: bool = True) -> List[Dict[str, Any]]:
+def sync_and_compute(metrics: Sequence, reset: bool = True, groups=None) -> List[Dict[str, Any]]:
     """Reduce the states of ``metrics`` globally and return each one's results.
 
     Metrics that share the same data and TP x PP groups sync together in one pass.
+    ``groups``: a function mapping ``(data group, TP x PP group)`` to the groups the
+    collectives run on instead (an asynchronous calculate uses private twins).
     """
     buckets: Dict[Tuple, List[int]] = {}
     for i, m in enumerate(metrics):
@@ -186,7 +188,7 @@ def sync_and_compute(metrics: Sequence, reset: bool = True) -> List[Dict[str, An
     results: List[Dict[str, Any]] = [{} for _ in metrics]
     for idx in buckets.values():
         group_metrics = [metrics[i] for i in idx]
-        reduced = sync_states(group_metrics)
+        reduced = sync_states(group_metrics, groups)
         for i, m, states in zip(idx, group_metrics, reduced):
             results[i] = m.compute(states)
     if reset:  # only once every metric computed: an error above keeps every interval intact
@@ -195,18 +197,21 @@ def sync_and_compute(metrics: Sequence, reset: bool = True) -> List[Dict[str, An
     return results
 
 
-def sync_states(metrics: Sequence) -> List[Dict[str, Any]]:
+def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
     """Globally reduced states of each metric as plain Python numbers (lists if shaped).
 
     All ``metrics`` must share one data group and one TP x PP group. Collective over
-    the mesh. Does not change the metrics' local states (it may create states that
-    other ranks created on the fly, holding their identity).
+    the mesh (or over ``groups(data group, TP x PP group)``). Does not change the
+    metrics' local states (it may create states that other ranks created on the fly,
+    holding their identity).
     """
     lead = metrics[0]
     mesh = lead.resolve_mesh()
     mesh.check_live("calculate()")
     data_group = lead.data_group()
     share_group = mesh.result_group
+    if groups is not None:
+        data_group, share_group = groups(data_group, share_group)
     configs = tuple(m.fingerprint() for m in metrics)
     if data_group is None and share_group is None:
         plan = _local_plan(metrics, configs)

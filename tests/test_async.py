@@ -1,0 +1,104 @@
+"""Asynchronous calculate() in one process: same results, hand-off at the call, errors in wait()."""
+import threading
+
+import pytest
+import torch
+
+from tests.rlref import make_rl_batch, ragged
+from twinkle_metrics import Accuracy, DPOMetric, GRPOMetric, LossMetric, MetricCollection, pending
+from twinkle_metrics.loggers import Logger, LoggerGroup
+
+
+def _collection():
+    return MetricCollection({"grpo": GRPOMetric(top_k_kl=3), "dpo": DPOMetric(beta=0.2),
+                             "acc": Accuracy(), "loss": LossMetric()})
+
+
+def _feed(coll, b, rows):
+    rows = torch.tensor(rows)
+    lab = b["labels"][rows]
+    coll["grpo"].accumulate({"labels": lab}, {"logps": b["logps"][rows]},
+                            old_logps=ragged(b["old"][rows], lab), advantages=b["adv"][rows])
+    coll["dpo"].accumulate({"labels": lab}, {"logps": b["logps"][rows]}, ref_outputs={"logps": b["ref"][rows]})
+    coll["acc"].accumulate({"labels": lab}, {"logits": b["logits"][rows]})
+    coll["loss"].accumulate({"labels": lab}, {"loss": b["logps"][rows].mean()})
+
+
+def test_async_equals_sync_and_hands_the_interval_off():
+    b = make_rl_batch(3, 8, 6)
+    sync, asyn = _collection(), _collection()
+    handles, expected = [], []
+    for rows in ([0, 1, 2, 3], [4, 5], [6, 7]):
+        _feed(sync, b, rows)
+        _feed(asyn, b, rows)
+        expected.append(sync.calculate())
+        handles.append(asyn.calculate(async_op=True))  # next interval starts now: no wait
+    got = [h.wait() for h in handles]
+    assert got == expected  # exactly, key order included
+    assert all(h.done() for h in handles)
+    assert asyn.calculate() == {}  # every interval went to its handle
+
+
+def test_async_reset_false_keeps_the_interval():
+    b = make_rl_batch(3, 8, 6)
+    m = _collection()
+    _feed(m, b, [0, 1, 2, 3])
+    first = m.calculate(async_op=True, reset=False).wait()
+    assert m.calculate() == first
+
+
+def test_async_error_surfaces_from_wait():
+    coll = MetricCollection([LossMetric(), LossMetric()])  # two metrics report 'loss'
+    for m in coll:
+        m.accumulate({"labels": torch.tensor([[1, -100]])}, {"loss": torch.tensor(2.0)})
+    handle = coll.calculate(async_op=True)
+    with pytest.raises(ValueError, match="comes from two metrics"):
+        handle.wait()
+    with pytest.raises(ValueError, match="comes from two metrics"):  # every wait() says so
+        handle.wait()
+
+
+def test_wait_timeout_and_call_order(monkeypatch):
+    release = threading.Event()
+    real = pending.sync_and_compute
+
+    def held(*args, **kwargs):
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pending, "sync_and_compute", held)
+    m = LossMetric()
+    handles = []
+    for loss in (1.0, 2.0, 3.0):
+        m.accumulate({"labels": torch.tensor([[1]])}, {"loss": torch.tensor(loss)})
+        handles.append(m.calculate(async_op=True))
+    assert not handles[0].done()
+    with pytest.raises(TimeoutError, match="did not complete within 0.05 s"):
+        handles[0].wait(timeout=0.05)
+    release.set()
+    assert [h.wait(timeout=30)["loss"] for h in handles] == [1.0, 2.0, 3.0]
+
+
+class _Recorder(Logger):
+    def __init__(self):
+        self.lines = []
+
+    def log(self, results, step):
+        self.lines.append((step, dict(results)))
+
+
+def test_logger_group_writes_handles_in_order_when_they_complete(monkeypatch):
+    release = threading.Event()
+    real = pending.sync_and_compute
+    monkeypatch.setattr(pending, "sync_and_compute", lambda *a, **k: (release.wait(30), real(*a, **k))[1])
+    rec = _Recorder()
+    group = LoggerGroup([rec])
+    m = LossMetric()
+    for step, loss in ((10, 1.0), (20, 2.0)):
+        m.accumulate({"labels": torch.tensor([[1]])}, {"loss": torch.tensor(loss)})
+        group.log(m.calculate(async_op=True), step)  # never blocks
+    group.log({"note": 1.0}, 25)  # a plain dict waits behind the pending handles
+    assert rec.lines == []
+    release.set()
+    group.close()  # waits for what is pending, then writes in call order
+    assert rec.lines == [(10, {"loss": 1.0}), (20, {"loss": 2.0}), (25, {"note": 1.0})]

@@ -1,0 +1,111 @@
+"""Asynchronous calculate() on 8 real gloo ranks: equal to the synchronous one, exactly;
+errors from wait() on every rank; processes exit with syncs still pending."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import DeviceMesh
+from parallel.groups import free_port
+from tests.test_metrics_rl_dist import N_SEQ, SEQ_LEN, SEED, _accumulate, _metrics
+from tests.refmetric import cp_slice, dp_shards
+from tests.rlref import make_rl_batch
+from twinkle_metrics import LossMetric, MetricSyncError
+
+pytestmark = pytest.mark.xdist_group("dist")
+
+
+def _feed(coll, mesh, b, part):
+    """Interval ``part`` (0, 1, 2): a third of every rank's sequences and pairs."""
+    if not mesh.is_last_stage:
+        for m in coll:
+            m.accumulate([], {})
+        return
+    rows = list(dp_shards(N_SEQ, mesh.dp_size)[mesh.dp_rank])
+    pairs = list(dp_shards(N_SEQ // 2, mesh.dp_size)[mesh.dp_rank])
+    rows = rows[part::3] or rows[:1]
+    pairs = pairs[part::3] or pairs[:1]
+    dpo_rows = [r for p in pairs for r in (2 * p, 2 * p + 1)]
+    _accumulate(coll, b, rows, cp_slice(SEQ_LEN, mesh.cp_size, mesh.cp_rank), dpo_rows, 1.0 + part)
+
+
+def case_async_equals_sync(sizes):
+    mesh = DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
+    b = make_rl_batch(SEED, N_SEQ, SEQ_LEN)
+    sync, asyn = _metrics(mesh), _metrics(mesh)
+    expected, handles, call_s, sync_s = [], [], [], []
+    for part in range(3):
+        _feed(sync, mesh, b, part)
+        _feed(asyn, mesh, b, part)
+        t0 = time.perf_counter()
+        handles.append(asyn.calculate(async_op=True))   # two pending before the first wait
+        call_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        expected.append(sync.calculate())              # the training groups, meanwhile
+        sync_s.append(time.perf_counter() - t0)
+    got = [h.wait(timeout=120) for h in handles]
+    return got, expected, asyn.calculate()
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2, pp=2, dp=2), dict(tp=2, cp=2, dp=2)])
+def test_async_equals_sync_on_every_rank(dist_pool, sizes):
+    out = dist_pool.run(case_async_equals_sync, sizes)
+    for got, expected, after in out:
+        assert got == expected  # exactly: same buffer, same merge, same compute
+        assert after == {}
+        assert len(expected[0]) > 20
+    assert all(o[0] == out[0][0] for o in out)
+
+
+def case_sync_error_from_wait():
+    mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2)
+    m = LossMetric(mesh, loss_reduction="sum" if dist.get_rank() == 5 else "mean")
+    m.accumulate({"labels": torch.tensor([[1, 2]])}, {"loss": torch.tensor(1.0)})
+    handle = m.calculate(async_op=True)
+    try:
+        handle.wait(timeout=120)
+    except MetricSyncError as e:
+        return str(e)
+    return None
+
+
+def test_sync_error_surfaces_from_wait_on_every_rank(dist_pool):
+    for err in dist_pool.run(case_sync_error_from_wait):
+        assert err is not None and "ranks hold different metrics or arguments" in err, err
+
+
+_EXIT_SCRIPT = r"""
+import os, sys, torch, torch.distributed as dist
+from datetime import timedelta
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+from twinkle_metrics import LossMetric
+m = LossMetric()
+m.accumulate({"labels": torch.tensor([[1]])}, {"loss": torch.tensor(1.0)})
+assert m.calculate(async_op=True).wait(timeout=60) == {"loss": 1.0}
+m.accumulate({"labels": torch.tensor([[1]])}, {"loss": torch.tensor(2.0)})
+if dist.get_rank() == 0 or sys.argv[1] == "all":
+    m.calculate(async_op=True)   # never waited on; in "rank0" rank 1 never joins its sync
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("who", ["all", "rank0"])
+def test_processes_exit_with_pending_handles(tmp_path, who):
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   PYTHONPATH=root, TWINKLE_METRICS_EXIT_WAIT_S="2", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(script), who], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        out, _ = p.communicate(timeout=90)  # exits: bounded by the exit wait, not the 60 s timeout
+        assert p.returncode == 0, out
+        assert "exiting" in out
