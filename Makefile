@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.py requirements-lock.txt 2>/dev/nu
 # CPU build of torch, pinned first so nothing pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-fast test-twinkle demo bench clean
 
 $(STAMP):
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH bash launch/demo.sh
+
+# tests/test_twinkle_compat.py against the real twinkle-kit too (installed only in benchmarks/.venv).
+test-twinkle:
+	[ -x benchmarks/.venv/bin/python ] || bash benchmarks/setup_env.sh
+	benchmarks/.venv/bin/python -c "import pytest" 2>/dev/null || benchmarks/.venv/bin/python -m pip install -q pytest
+	benchmarks/.venv/bin/python -m pytest -q -p no:cacheprovider tests/test_twinkle_compat.py
 
 # Benchmarks run in their own environment (benchmarks/.venv: peers twinkle-kit, torchmetrics).
 bench:

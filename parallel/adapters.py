@@ -252,7 +252,8 @@ def from_twinkle(twinkle_mesh, *, timeout: Optional[timedelta] = None) -> Device
     """
     key = _twinkle_key(twinkle_mesh)
     cached = getattr(twinkle_mesh, _CACHE_ATTR, None)
-    if cached is not None and cached[0] == key and _is_live(cached[1]):
+    # a mesh built without torch.distributed holds no groups that could have died
+    if cached is not None and cached[0] == key and (not key[-2] or _is_live(cached[1])):
         return cached[1]
     mesh = _build_from_twinkle(twinkle_mesh, key, timeout)
     try:

@@ -2,7 +2,7 @@
 from parallel import DeviceMesh
 
 from .accuracy import Accuracy, vocab_parallel_argmax
-from .base import Metric
+from .base import Metric, UnknownArgumentWarning
 from .collection import MetricCollection
 from .data_format import InputFeature, ModelOutput
 from .dpo import DPOMetric
@@ -18,5 +18,5 @@ from .train import TrainMetric
 __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
-           "PPOMetric", "vocab_parallel_argmax"]
+           "PPOMetric", "UnknownArgumentWarning", "vocab_parallel_argmax"]
 __version__ = "0.1.0"
