@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py | cksum | cut -d
 # CPU build of torch, pinned first so nothing pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install lint test test-fast demo bench clean
+.PHONY: install lint test test-fast test-twinkle demo bench clean
 
 $(STAMP):
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,12 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH bash launch/demo.sh
+
+# tests/test_twinkle_compat.py against the real twinkle-kit too (installed only in benchmarks/.venv).
+test-twinkle:
+	[ -x benchmarks/.venv/bin/python ] || bash benchmarks/setup_env.sh
+	benchmarks/.venv/bin/python -c "import pytest" 2>/dev/null || benchmarks/.venv/bin/python -m pip install -q pytest
+	benchmarks/.venv/bin/python -m pytest -q -p no:cacheprovider tests/test_twinkle_compat.py
 
 # Benchmarks run in their own environment (benchmarks/.venv: peers twinkle-kit, torchmetrics).
 bench:

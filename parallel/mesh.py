@@ -11,7 +11,11 @@ Constructors, each giving every rank the groups it belongs to::
     DeviceMesh.from_megatron(pg_collection)  # or a ProcessGroupCollection
     DeviceMesh.from_deepspeed(engine)    # engine, PipelineParallelGrid or ProcessTopology
     DeviceMesh.from_torch(torch_mesh)    # torch.distributed.DeviceMesh with named axes
+    DeviceMesh.from_twinkle(tw_mesh)     # ModelScope Twinkle's DeviceMesh
     DeviceMesh.current()                 # Megatron if initialised, else WORLD as pure DP
+
+The framework adapters (from_megatron, from_deepspeed, from_torch, from_twinkle)
+live in ``parallel.adapters``; this module holds the mesh and ``from_sizes``.
 
 Without torch.distributed, or with one rank, every size is 1 and no collective runs.
 """
@@ -151,144 +155,50 @@ class DeviceMesh:
         if create_groups is None:
             create_groups = ready and G.world_size() > 1
         if not create_groups:
-            mesh = cls({}, layout=layout, vpp_size=layout.vpp, source="layout")
-            mesh._layout_only = True
-            return mesh
+            return cls.layout_only(layout)
         if not ready:
             raise RuntimeError("DeviceMesh.from_sizes(create_groups=True) needs torch.distributed "
                                "to be initialised first (init_process_group)")
-        found, twins = _create_groups(layout, backend, timeout)
+        found, twins = create_layout_groups(layout, backend, timeout)
         mesh = cls(found, layout=layout, vpp_size=layout.vpp, source="sizes")
         mesh._cpu_twins.update(twins)
         return mesh
 
     @classmethod
+    def layout_only(cls, layout: Layout, source: str = "layout") -> "DeviceMesh":
+        """Sizes and ranks of ``layout`` without process groups (for printing; its
+        ``check_live`` raises, so it never reduces)."""
+        mesh = cls({}, layout=layout, vpp_size=layout.vpp, source=source)
+        mesh._layout_only = True
+        return mesh
+
+    @classmethod
     def from_megatron(cls, pg_collection=None) -> "DeviceMesh":
-        """Reuse megatron-core's groups (from ``parallel_state`` or a ``ProcessGroupCollection``).
+        """Reuse megatron-core's groups (``parallel.adapters.from_megatron``)."""
+        from . import adapters
 
-        Creates no new groups.
-        """
-        from megatron.core import parallel_state as ps
-
-        if pg_collection is not None:
-            found = {name: getattr(pg_collection, name, None) for name in GROUP_NAMES}
-            if found["dp_cp"] is None and found["cp"] is not None and G.group_size(found["cp"]) > 1:
-                raise ValueError("DeviceMesh.from_megatron: the ProcessGroupCollection has cp > 1 "
-                                 "but no 'dp_cp' group; set pg_collection.dp_cp")
-            if found["dp_cp"] is None:
-                found.pop("dp_cp")
-            vpp = 1
-        else:
-            if not ps.model_parallel_is_initialized():
-                raise RuntimeError("DeviceMesh.from_megatron: megatron-core parallel_state is not "
-                                   "initialised; call initialize_model_parallel(...) first or pass "
-                                   "a ProcessGroupCollection")
-            found = {
-                "tp": ps.get_tensor_model_parallel_group(),
-                "pp": ps.get_pipeline_model_parallel_group(),
-                "cp": ps.get_context_parallel_group(),
-                "dp": ps.get_data_parallel_group(with_context_parallel=False),
-                "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
-                "mp": ps.get_model_parallel_group(),
-                "ep": ps.get_expert_model_parallel_group(check_initialized=False),
-                "expt_dp": ps.get_expert_data_parallel_group(check_initialized=False),
-                "dp_cp_cpu": _megatron_gloo_data_group(ps),
-            }
-            vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-        return cls(found, vpp_size=vpp, source="megatron")
+        return adapters.from_megatron(pg_collection)
 
     @classmethod
     def from_deepspeed(cls, obj=None, *, timeout: Optional[timedelta] = None) -> "DeviceMesh":
-        """From a DeepSpeed engine, ``PipelineParallelGrid`` or ``ProcessTopology``.
+        """From a DeepSpeed engine, grid or topology (``parallel.adapters.from_deepspeed``)."""
+        from . import adapters
 
-        The TP group is the grid's *slice* group (``get_model_parallel_group()`` on a
-        grid is pipe x model, not TP). Under Ulysses sequence parallelism the
-        sequence group plays the CP role and the data group is sequence x data.
-        A bare ``ProcessTopology`` has no groups, so they are created here (collective),
-        with ``timeout`` (default: the one given to ``init_process_group``).
-        """
-        from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
-        from deepspeed.utils import groups as ds_groups
-
-        grid = getattr(obj, "grid", None) if obj is not None else None
-        if isinstance(obj, PipelineParallelGrid):
-            grid = obj
-        if isinstance(obj, ProcessTopology):
-            sizes = dict(zip(obj.get_axis_names(), obj.dims))
-            unknown = set(sizes) - {"pipe", "data", "model"}
-            if unknown:
-                raise ValueError(f"DeviceMesh.from_deepspeed: topology axes {sorted(unknown)} are "
-                                 "not supported; use pipe/data/model")
-            layout = Layout(tp=sizes.get("model", 1), dp=sizes.get("data", 1),
-                            pp=sizes.get("pipe", 1), order="tp-cp-ep-dp-pp")
-            _check_topology(obj, layout)
-            found, twins = _create_groups(layout, None, timeout)
-            mesh = cls(found, layout=layout, source="deepspeed")
-            mesh._cpu_twins.update(twins)
-            return mesh
-        # Ulysses sequence parallelism through deepspeed.initialize(config with
-        # sequence_parallel_size) keeps a torch DeviceMesh ("data_parallel", "sequence_parallel").
-        mesh_device = getattr(obj, "mesh_device", None) or getattr(ds_groups, "mesh_device", None)
-        if grid is None and mesh_device is not None:
-            mesh = cls.from_torch(mesh_device, timeout=timeout)
-            mesh.source = "deepspeed"
-            return mesh
-        found: Dict[str, G.ProcessGroup] = {}
-        if grid is not None:
-            found["dp"] = grid.get_data_parallel_group()
-            found["pp"] = grid.get_pipe_parallel_group()
-            found["tp"] = grid.get_slice_parallel_group()
-            found["mp"] = grid.get_model_parallel_group()  # pipe x model: TP x PP, as wanted here
-        else:
-            mpu = getattr(obj, "mpu", None)
-            if mpu is not None and hasattr(mpu, "get_tensor_model_parallel_group"):
-                found["tp"] = mpu.get_tensor_model_parallel_group()
-            if mpu is not None and hasattr(mpu, "get_sequence_data_parallel_group"):
-                # Ulysses through an mpu: tokens are split over the sequence group, so the
-                # data group for token sums is sequence x data.
-                found["cp"] = mpu.get_sequence_parallel_group()
-                found["dp_cp"] = mpu.get_sequence_data_parallel_group()
-                found["dp"] = (mpu.get_data_parallel_group()
-                               if hasattr(mpu, "get_data_parallel_group") else None)
-            else:
-                found["dp"] = ds_groups._get_data_parallel_group()
-        return cls(found, source="deepspeed")
+        return adapters.from_deepspeed(obj, timeout=timeout)
 
     @classmethod
     def from_torch(cls, device_mesh, *, timeout: Optional[timedelta] = None) -> "DeviceMesh":
-        """From a ``torch.distributed.DeviceMesh`` whose axis names include dp/tp/pp/cp/ep.
+        """From a named torch ``DeviceMesh`` (``parallel.adapters.from_torch``)."""
+        from . import adapters
 
-        ``dp_replicate``/``dp_shard``/``fsdp`` axes all count as data parallel.
-        Combined groups (dp x cp) are created here, so every rank must call this; they
-        take ``timeout`` (default: the one given to ``init_process_group``).
-        """
-        names = tuple(device_mesh.mesh_dim_names or ())
-        if not names:
-            raise ValueError("DeviceMesh.from_torch: the torch DeviceMesh has no mesh_dim_names; "
-                             "build it with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
-        aliases = {"dp": "dp", "dp_replicate": "dp", "dp_shard": "dp", "fsdp": "dp", "ddp": "dp",
-                   "data_parallel": "dp", "tp": "tp", "tensor_parallel": "tp", "pp": "pp",
-                   "cp": "cp", "sequence_parallel": "cp", "ep": "ep"}
-        unknown = [n for n in names if n not in aliases]
-        if unknown:
-            raise ValueError(f"DeviceMesh.from_torch: axis names {unknown} are not known; use "
-                             f"{sorted(aliases)}")
-        mesh = device_mesh.mesh
-        me = G.global_rank()
-        timeout = timeout or G.default_timeout()
-        found = {}
-        for role in ("tp", "pp", "ep"):
-            axes = [i for i, n in enumerate(names) if aliases[n] == role]
-            if axes:
-                found[role] = _torch_mesh_group(mesh, axes, me, timeout)
-        dp_axes = [i for i, n in enumerate(names) if aliases[n] == "dp"]
-        cp_axes = [i for i, n in enumerate(names) if aliases[n] == "cp"]
-        found["dp"] = _torch_mesh_group(mesh, dp_axes, me, timeout)
-        found["cp"] = _torch_mesh_group(mesh, cp_axes, me, timeout)
-        found["dp_cp"] = _torch_mesh_group(mesh, dp_axes + cp_axes, me, timeout)
-        mp_axes = [i for i, n in enumerate(names) if aliases[n] in ("tp", "pp")]
-        found["mp"] = _torch_mesh_group(mesh, mp_axes, me, timeout)
-        return cls(found, source="torch")
+        return adapters.from_torch(device_mesh, timeout=timeout)
+
+    @classmethod
+    def from_twinkle(cls, twinkle_mesh, *, timeout: Optional[timedelta] = None) -> "DeviceMesh":
+        """From ModelScope Twinkle's ``DeviceMesh`` (``parallel.adapters.from_twinkle``)."""
+        from . import adapters
+
+        return adapters.from_twinkle(twinkle_mesh, timeout=timeout)
 
     @classmethod
     def current(cls) -> "DeviceMesh":
@@ -341,33 +251,106 @@ class DeviceMesh:
         """Global ranks of this rank's group along ``name``."""
         return G.group_ranks(self.get_group(name))
 
-    data_group = property(lambda self: self._groups["dp_cp"], doc="DP x CP: metric reduction group")
-    cpu_data_group = property(lambda self: self._groups["dp_cp_cpu"],
-                              doc="a CPU (gloo) group over the data-group ranks, or None")
-    mp_group = property(lambda self: self._groups["mp"], doc="TP x PP: results are shared over it")
-    tp_group = property(lambda self: self._groups["tp"])
-    pp_group = property(lambda self: self._groups["pp"])
-    cp_group = property(lambda self: self._groups["cp"])
-    dp_group = property(lambda self: self._groups["dp"])
-    ep_group = property(lambda self: self._groups["ep"])
+    @property
+    def data_group(self) -> G.ProcessGroup:
+        """DP x CP: the group metric states are reduced over."""
+        return self._groups["dp_cp"]
 
-    tp_size = property(lambda self: self.size("tp"))
-    pp_size = property(lambda self: self.size("pp"))
-    cp_size = property(lambda self: self.size("cp"))
-    dp_size = property(lambda self: self.size("dp"))
-    ep_size = property(lambda self: self.size("ep"))
-    data_size = property(lambda self: self.size("dp_cp"))
-    tp_rank = property(lambda self: self.get_local_rank("tp"))
-    pp_rank = property(lambda self: self.get_local_rank("pp"))
-    cp_rank = property(lambda self: self.get_local_rank("cp"))
-    dp_rank = property(lambda self: self.get_local_rank("dp"))
-    ep_rank = property(lambda self: self.get_local_rank("ep"))
-    data_rank = property(lambda self: self.get_local_rank("dp_cp"))
+    @property
+    def cpu_data_group(self) -> G.ProcessGroup:
+        """A CPU (gloo) group over the data-group ranks, or None."""
+        return self._groups["dp_cp_cpu"]
 
-    dp_enabled = property(lambda self: self.dp_size > 1)
-    tp_enabled = property(lambda self: self.tp_size > 1)
-    pp_enabled = property(lambda self: self.pp_size > 1)
-    cp_enabled = property(lambda self: self.cp_size > 1)
+    @property
+    def mp_group(self) -> G.ProcessGroup:
+        """TP x PP: reduced results are shared over it."""
+        return self._groups["mp"]
+
+    @property
+    def tp_group(self) -> G.ProcessGroup:
+        return self._groups["tp"]
+
+    @property
+    def pp_group(self) -> G.ProcessGroup:
+        return self._groups["pp"]
+
+    @property
+    def cp_group(self) -> G.ProcessGroup:
+        return self._groups["cp"]
+
+    @property
+    def dp_group(self) -> G.ProcessGroup:
+        return self._groups["dp"]
+
+    @property
+    def ep_group(self) -> G.ProcessGroup:
+        return self._groups["ep"]
+
+    @property
+    def tp_size(self) -> int:
+        return self.size("tp")
+
+    @property
+    def pp_size(self) -> int:
+        return self.size("pp")
+
+    @property
+    def cp_size(self) -> int:
+        return self.size("cp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.size("dp")
+
+    @property
+    def ep_size(self) -> int:
+        return self.size("ep")
+
+    @property
+    def data_size(self) -> int:
+        """Ranks in the data group (DP x CP)."""
+        return self.size("dp_cp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.get_local_rank("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.get_local_rank("pp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.get_local_rank("cp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.get_local_rank("dp")
+
+    @property
+    def ep_rank(self) -> int:
+        return self.get_local_rank("ep")
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index in the data group."""
+        return self.get_local_rank("dp_cp")
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp_size > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp_size > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp_size > 1
 
     @property
     def is_last_stage(self) -> bool:
@@ -494,7 +477,7 @@ def _layout_size(layout: Optional[Layout], name: str) -> int:
             "pp": layout.pp, "ep": layout.ep, "expt_dp": layout.expert_dp}[name]
 
 
-def _create_groups(layout: Layout, backend, timeout=None):
+def create_layout_groups(layout: Layout, backend, timeout=None):
     """Create every group of the layout, on every rank, in one fixed order.
 
     Returns ``({name: group of this rank}, {ranks: gloo twin})``: the twins are CPU
@@ -537,47 +520,3 @@ def _create_groups(layout: Layout, backend, timeout=None):
                         if axes == "dp-cp":
                             out["dp_cp_cpu"] = group
     return out, twins
-
-
-def _megatron_gloo_data_group(ps):
-    """Megatron's gloo DP x CP group when it created one (create_gloo_process_groups=True)."""
-    try:
-        return ps.get_data_parallel_group_gloo(with_context_parallel=True)
-    except Exception:  # not created: megatron asserts
-        return None
-
-
-def _check_topology(topo, layout: Layout) -> None:
-    for axis, ours in (("data", "dp"), ("pipe", "pp"), ("model", "tp")):
-        if axis not in topo.get_axis_names():
-            continue
-        theirs = sorted(sorted(g) for g in topo.get_axis_comm_lists(axis))
-        mine = sorted(layout.all_groups(ours))
-        if theirs != mine:
-            raise ValueError(f"DeviceMesh.from_deepspeed: topology axis order {topo.get_axis_names()} "
-                             "is not pipe-data-model; reorder the topology axes")
-
-
-def _torch_mesh_group(mesh, axes, me, timeout=None):
-    """Group of ``me`` varying ``axes`` of a torch mesh tensor; created on all ranks in order."""
-    if not axes:
-        return None
-    shape = list(mesh.shape)
-    other = [i for i in range(mesh.dim()) if i not in axes]
-    perm = mesh.permute(*other, *axes).reshape(-1, _prod(shape[i] for i in axes))
-    mine = None
-    for row in perm.tolist():
-        if len(row) == 1:
-            continue
-        group = (dist.new_group(ranks=sorted(row), timeout=timeout) if len(row) < G.world_size()
-                 else dist.group.WORLD)
-        if me in row:
-            mine = group
-    return mine
-
-
-def _prod(xs):
-    out = 1
-    for x in xs:
-        out *= x
-    return out

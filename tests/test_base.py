@@ -6,7 +6,7 @@ import torch
 
 from parallel import DeviceMesh, Layout
 from tests.refmetric import TokenStats, make_batch
-from twinkle_metrics import Metric, MetricCollection, State, microbatches
+from twinkle_metrics import Metric, MetricCollection, State, UnknownArgumentWarning, microbatches
 from twinkle_metrics.testing import DeviceWaitError, assert_results_close, forbid_device_waits
 
 
@@ -240,9 +240,11 @@ def test_collection_state_dict():
     assert_results_close(other.calculate(), coll.calculate())
 
 
-def test_unknown_constructor_arguments_are_errors():
-    with pytest.raises(TypeError, match="TokenStats: unexpected arguments"):
-        TokenStats(None, None, bogus=1)
+def test_unknown_constructor_arguments_warn_and_bad_meshes_raise():
+    # Twinkle's metrics ignore unknown constructor arguments; ours warn and ignore them
+    with pytest.warns(UnknownArgumentWarning, match="TokenStats: ignoring unknown constructor argument 'bogus'"):
+        m = TokenStats(None, None, bogus=1)
+    assert "bogus" not in m.fingerprint() and not hasattr(m, "bogus")
     with pytest.raises(TypeError, match="device_mesh must be a parallel.DeviceMesh"):
         TokenStats("dp")
 

@@ -3,7 +3,7 @@ from parallel import DeviceMesh
 
 from .accuracy import Accuracy
 from .kernels.argmax import vocab_parallel_argmax
-from .base import Metric
+from .base import Metric, UnknownArgumentWarning
 from .collection import MetricCollection
 from .data_format import InputFeature, ModelOutput
 from .dpo import DPOMetric
@@ -20,5 +20,5 @@ from .train import TrainMetric
 __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
-           "PPOMetric", "vocab_parallel_argmax", "CalculateHandle"]
+           "PPOMetric", "UnknownArgumentWarning", "vocab_parallel_argmax", "CalculateHandle"]
 __version__ = "0.2.0"

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Union
+import warnings
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
-from parallel import DeviceMesh, dist_ready, group_size
+from parallel import DeviceMesh, as_device_mesh, dist_ready, group_size
 
 from .state import State, _as_tensor
 from . import pending
@@ -36,6 +37,13 @@ _KNOWN_KWARGS: Set[str] = set()
 _PLAIN = (bool, int, float, str, type(None))
 #: key of the schema fingerprint in a metric's ``state_dict()``
 FINGERPRINT_KEY = "__fingerprint__"
+#: (metric class, argument) pairs already warned about: one warning each per process
+_WARNED: Set[Tuple[type, str]] = set()
+
+
+class UnknownArgumentWarning(UserWarning):
+    """A metric constructor got an argument it does not know and ignored it, as
+    Twinkle's metrics do."""
 
 
 class Metric:
@@ -43,9 +51,14 @@ class Metric:
 
     Args:
         device_mesh: the ``parallel.DeviceMesh`` that says which ranks hold disjoint
-            data. ``None``: ``DeviceMesh.current()`` at the first ``calculate()``
-            (Megatron's groups when initialised, else WORLD as pure data parallel).
+            data, or Twinkle's ``DeviceMesh`` (converted by
+            ``DeviceMesh.from_twinkle``, collective the first time). ``None``:
+            ``DeviceMesh.current()`` at the first ``calculate()`` (Megatron's groups
+            when initialised, else WORLD as pure data parallel).
         process_group: overrides the mesh's data group (DP x CP) for the reduction.
+        **kwargs: arguments this metric does not know are ignored, as Twinkle's
+            metrics ignore them, with one ``UnknownArgumentWarning`` per class and
+            name; they never enter the fingerprint.
 
     A metric declares its states, folds one call's contributions in ``update`` and
     turns the reduced states into results in ``compute``; the base does the rest
@@ -95,12 +108,8 @@ class Metric:
 
     def __init__(self, device_mesh: Optional[DeviceMesh] = None, process_group=None, **kwargs):
         if kwargs:
-            raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(kwargs)}")
-        if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
-            raise TypeError(f"{type(self).__name__}: device_mesh must be a parallel.DeviceMesh, "
-                            f"got {type(device_mesh).__name__}; build one with DeviceMesh.from_megatron() "
-                            "or DeviceMesh.from_sizes(...)")
-        self.device_mesh = device_mesh
+            _warn_unknown_arguments(self, kwargs)
+        self.device_mesh = as_device_mesh(device_mesh, type(self).__name__)
         self.process_group = process_group
         self._specs: Dict[str, State] = dict(self._class_states)
         self._device = torch.device("cpu")
@@ -472,6 +481,51 @@ def _constructor_arguments(cls) -> List[str]:
             if name not in skip and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
             and not isinstance(getattr(cls, name, None), property)]
     return names
+
+
+def constructor_keywords(cls) -> Optional[List[str]]:
+    """Keyword arguments ``cls``'s constructor names besides the mesh and the process
+    group; ``None`` if it cannot be told.
+
+    Walks the ``__init__`` chain while each one forwards ``**kwargs`` to its parent,
+    down to ``Metric.__init__``, so the named parameters seen on the way are all the
+    arguments the metric uses.
+    """
+    names: List[str] = []
+    for klass in cls.__mro__:
+        if klass is object or "__init__" not in vars(klass):
+            continue
+        forwards = False
+        for p in inspect.signature(klass.__init__).parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                forwards = True
+            elif p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                if p.name not in ("device_mesh", "process_group") and p.name not in names:
+                    names.append(p.name)
+        if klass is Metric or not forwards:
+            return names
+    return None
+
+
+def _warn_unknown_arguments(metric: Metric, kwargs: Mapping[str, Any]) -> None:
+    """Warn once per (class, name) about constructor arguments ``metric`` ignores,
+    pointing at the line that built the metric."""
+    cls = type(metric)
+    fresh = [k for k in sorted(kwargs) if (cls, k) not in _WARNED]
+    if not fresh:
+        return
+    level, frame = 3, inspect.currentframe().f_back.f_back  # Metric.__init__'s caller
+    while frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is metric:
+        level, frame = level + 1, frame.f_back  # a subclass __init__: look past it
+    known = constructor_keywords(cls) or []
+    for key in fresh:
+        _WARNED.add((cls, key))
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        warnings.warn(f"{cls.__name__}: ignoring unknown constructor argument {key!r}{hint}; "
+                      f"it changes nothing, as in Twinkle's metrics. Known arguments: {known}",
+                      UnknownArgumentWarning, stacklevel=level)
+    del frame  # a frame held in a local keeps every frame below it alive
 
 
 def _check_kwargs(metric: Metric, kwargs: Mapping[str, Any]) -> None:

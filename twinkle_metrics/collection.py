@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
-from parallel import DeviceMesh
+from parallel import DeviceMesh, as_device_mesh
 
 from . import pending
 from .base import Metric
@@ -18,7 +18,8 @@ class MetricCollection:
         metrics: a list (result keys are merged as they are) or a dict
             ``{name: metric}`` (keys become ``"{name}/{key}"``; an empty name keeps
             keys as they are).
-        device_mesh: given to every metric that has none, so they share groups.
+        device_mesh: given to every metric that has none, so they share groups
+            (ours or Twinkle's ``DeviceMesh``, as for a metric).
 
     Example::
 
@@ -33,6 +34,7 @@ class MetricCollection:
             items = list(metrics.items())
         else:
             items = [("", m) for m in metrics]
+        device_mesh = as_device_mesh(device_mesh, "MetricCollection")
         for name, m in items:
             if not isinstance(m, Metric):
                 raise TypeError(f"MetricCollection: {name or type(m).__name__} is not a Metric")

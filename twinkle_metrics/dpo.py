@@ -89,8 +89,8 @@ class DPOMetric(Metric):
     n_bad = State("sum", torch.int64)  # non-finite pairs
 
     def __init__(self, device_mesh=None, process_group=None, *, beta: float = 0.1,
-                 ignore_index: int = -100, nan_policy: str = "propagate"):
-        super().__init__(device_mesh, process_group)
+                 ignore_index: int = -100, nan_policy: str = "propagate", **kwargs):
+        super().__init__(device_mesh, process_group, **kwargs)
         self.beta = float(beta)
         self.ignore_index = ignore_index
         self.nan_policy = check_nan_policy(_NAME, nan_policy)

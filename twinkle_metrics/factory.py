@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Type
 
 from parallel import DeviceMesh
 
-from .base import Metric
+from .base import Metric, constructor_keywords
 from .collection import MetricCollection
 
 _REGISTRY: Dict[str, Type[Metric]] = {}
@@ -87,24 +87,11 @@ def resolve_metric(type_name: str) -> Type[Metric]:
 def metric_kwargs(cls: Type[Metric]) -> Optional[List[str]]:
     """Keyword arguments ``cls`` accepts besides the mesh; ``None`` if it cannot be told.
 
-    Walks the ``__init__`` chain while each one forwards ``**kwargs`` to its parent;
-    ``Metric.__init__`` rejects whatever is left, so the named parameters seen on the
-    way are the complete list.
+    The named parameters of the ``__init__`` chain (``base.constructor_keywords``).
+    A metric built directly ignores other arguments with a warning, as Twinkle's do;
+    a config is stricter: ``build_metric`` rejects them, since there they are typos.
     """
-    names: List[str] = []
-    for klass in cls.__mro__:
-        if klass is object or "__init__" not in vars(klass):
-            continue
-        forwards = False
-        for p in inspect.signature(klass.__init__).parameters.values():
-            if p.kind is p.VAR_KEYWORD:
-                forwards = True
-            elif p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-                if p.name not in _RESERVED_KWARGS and p.name not in names:
-                    names.append(p.name)
-        if klass is Metric or not forwards:
-            return names
-    return None
+    return constructor_keywords(cls)
 
 
 def build_metric(entry: Mapping[str, Any], device_mesh: Optional[DeviceMesh] = None) -> Metric:

@@ -170,8 +170,8 @@ class GRPOMetric(Metric):
                  temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
                  top_k_kl: int = 0, entropy_from_logits: bool = False, vocab_parallel: bool = False,
                  entropy_chunk_size: Optional[int] = None, entropy_chunk_bytes: Optional[int] = None,
-                 nan_policy: str = "propagate"):
-        super().__init__(device_mesh, process_group)
+                 nan_policy: str = "propagate", **kwargs):
+        super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.nan_policy = check_nan_policy(name, nan_policy)
         if temperature <= 0:

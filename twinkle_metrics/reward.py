@@ -129,8 +129,8 @@ class CompletionRewardMetric(Metric):
                  max_completion_length: Optional[int] = None,
                  num_generations: Optional[int] = None,
                  zero_std_reward: Optional[str] = None,
-                 nan_policy: str = "skip"):
-        super().__init__(device_mesh, process_group)
+                 nan_policy: str = "skip", **kwargs):
+        super().__init__(device_mesh, process_group, **kwargs)
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
         if num_generations is not None and (not isinstance(num_generations, int) or num_generations < 1):
             raise ValueError(f"{_NAME}: num_generations must be a positive int, got {num_generations!r}")
