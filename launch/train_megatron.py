@@ -20,8 +20,8 @@ token counts and a token-weighted loss differs from a mean of means. Per step:
    the step metrics (LossMetric, TrainMetric); every ``interval`` steps all ranks call
    ``calculate()`` and the logging rank writes the numbers.
 
-On a machine without CUDA, ``launch/cpu_compat.py`` patches the few CUDA assumptions
-of megatron-core's schedules (gloo backend); with CUDA nothing is patched.
+On a machine without CUDA, ``twinkle_metrics.megatron_cpu`` patches the few CUDA
+assumptions of megatron-core's schedules (gloo backend); with CUDA nothing is patched.
 """
 from __future__ import annotations
 
@@ -154,9 +154,9 @@ def main(argv=None):
     env = read_env(args.local_rank)
     init_torch_distributed(env)
 
-    import cpu_compat
+    from twinkle_metrics import megatron_cpu
 
-    on_cpu = cpu_compat.enable()  # no-op when CUDA is present
+    on_cpu = megatron_cpu.enable()  # no-op when CUDA is present
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -1,6 +1,20 @@
-"""CPU compatibility shim for megatron-core schedules (active only when CUDA is absent).
+"""Run megatron-core 0.16 training steps on CPU (gloo): a shim active only when CUDA is absent.
 
-megatron-core 0.16 assumes CUDA in a few places the metrics demo goes through:
+Use it to test a Megatron training script, metrics included, on a machine without GPUs::
+
+    from twinkle_metrics import megatron_cpu
+
+    torch.distributed.init_process_group("gloo")           # (or nothing, for one process)
+    megatron_cpu.enable()                                  # 1. before the seed call below
+    parallel_state.initialize_model_parallel(tp, pp)
+    model_parallel_cuda_manual_seed(1234)                  # 2. now fills the CPU RNG tracker
+
+Order matters: ``model_parallel_cuda_manual_seed`` creates Megatron's CUDA RNG tracker
+and seeds it through ``torch.cuda`` (which fails without CUDA), unless ``enable()``
+installed the CPU tracker first; ``enable()`` raises if a seeded tracker is already
+there. Do not pass ``force_reset_rng=True`` afterwards (it would drop the CPU tracker).
+
+megatron-core 0.16 assumes CUDA in a few places a training step goes through:
 
 * ``pipeline_parallel/schedules.py`` allocates ``total_num_tokens`` with ``device="cuda"``;
 * ``pipeline_parallel/p2p_communication.py`` allocates receive buffers on
@@ -9,6 +23,9 @@ megatron-core 0.16 assumes CUDA in a few places the metrics demo goes through:
   ``torch.cuda.current_device()`` (sequence-parallel paths; patched for safety);
 * ``utils.py``'s ``GlobalMemoryBuffer`` (attention's matmul buffer) allocates on
   ``torch.cuda.current_device()``;
+* ``transformer/utils.py`` builds the default causal mask (``attention_mask=None`` with
+  a causal attention mask type, e.g. the local layer spec) and the sliding-window mask
+  with ``device="cuda"``;
 * attention forks the CUDA RNG tracker (``tensor_parallel/random.py``) even with dropout 0.
 
 ``enable()`` replaces the name ``torch`` *inside those modules only* with a thin proxy
@@ -31,6 +48,7 @@ _PATCHED_MODULES = (
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.utils",
+    "megatron.core.transformer.utils",
 )
 _enabled = False
 log = logging.getLogger(__name__)
@@ -138,12 +156,19 @@ def enable(force: bool = False) -> bool:
         return True
     if torch.cuda.is_available() and not force:
         return False
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER
+    if (mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED and not isinstance(tracker, CpuRngTracker)
+            and tracker.is_initialized()):
+        # Its seeded streams would be lost silently: dropout would no longer follow the seed.
+        raise RuntimeError("megatron_cpu.enable(): Megatron's RNG tracker is already seeded (by "
+                           "model_parallel_cuda_manual_seed); call enable() before "
+                           "model_parallel_cuda_manual_seed")
     proxy = _CpuTorch()
     for name in _PATCHED_MODULES:
         module = importlib.import_module(name)
         module.torch = proxy
-    from megatron.core.tensor_parallel import random as mrandom
-
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _enabled = True
