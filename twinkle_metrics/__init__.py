@@ -10,7 +10,9 @@ from .embedding import EmbeddingMetric
 from .grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
 from .loss import LossMetric
 from .microbatch import microbatches
+from .ppo_value import PPOValueMetric
 from .reward import CompletionRewardMetric
+from .rollout import RolloutMismatchMetric
 from .state import State
 from .sync import MetricSyncError
 from .train import TrainMetric
@@ -18,5 +20,5 @@ from .train import TrainMetric
 __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
-           "PPOMetric", "vocab_parallel_argmax"]
+           "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "vocab_parallel_argmax"]
 __version__ = "0.1.0"
