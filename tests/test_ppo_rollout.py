@@ -317,3 +317,20 @@ def test_factory_builds_both_by_name():
                           {"type": "RolloutMismatchMetric", "kwargs": {"is_threshold": 3.0}}])
     assert [type(m).__name__ for m in coll] == ["PPOValueMetric", "RolloutMismatchMetric"]
     assert coll[0].epsilon == 0.1 and coll[1].is_threshold == 3.0
+
+
+@pytest.mark.parametrize("cls", [PPOValueMetric, RolloutMismatchMetric])
+def test_docstring_example_runs(cls):
+    from parallel import DeviceMesh
+
+    doc = cls.__doc__
+    block = doc[doc.index("Example::") + len("Example::"):]
+    code = "\n".join(line[8:] for line in block.strip("\n").splitlines())
+    b = make_ppo_batch(14)
+    env = {cls.__name__: cls, "mesh": DeviceMesh.single(), "labels": b["labels"], "values": b["values"],
+           "old_values": b["old"], "returns": b["returns"], "advantages": b["adv"],
+           "old_logps": b["train"], "vllm_logps": b["rollout"]}
+    exec(compile(code.replace("m.calculate()", "result = m.calculate()"), "docstring", "exec"), env)
+    want = (ref_ppo_value(b["labels"], b["values"], b["old"], b["returns"], b["adv"]) if cls is PPOValueMetric
+            else ref_rollout(b["labels"], b["train"], b["rollout"]))
+    assert_results_close(env["result"], want, rel=REL)
