@@ -88,6 +88,7 @@ def test_ppo_value_reports_what_the_inputs_define():
     m.accumulate({"labels": lab}, {"values": b["values"]}, returns=b["returns"])
     assert set(m.calculate()) == {"train/value_mean", "train/return_mean", "train/explained_variance"}
     m.accumulate({"labels": lab}, None, returns=b["returns"])  # no outputs: nothing
+    m.accumulate({"labels": lab}, {"logps": b["train"]}, advantages=b["adv"])  # a policy step: not ours
     assert m.calculate() == {}
 
 
@@ -250,7 +251,7 @@ def test_errors_name_metric_field_and_expected():
          r"PPOValueMetric: returns has shape \[5, 8\] but the batch holds 12 sequences"),
         (v, ({"labels": lab}, {"values": b["values"]}), {"old_values": [[1.0]] * 3}, ValueError,
          r"PPOValueMetric: old_values has 3 entries; expected one per microbatch \(1\) or one per sequence \(12\)"),
-        (v, ({"labels": lab}, {"logps": b["values"]}), {}, ValueError,
+        (v, ({"labels": lab}, {"logps": b["values"]}), {"returns": b["returns"]}, ValueError,
          r"PPOValueMetric: outputs of microbatch 0 have no 'values'"),
         (v, (None, {"values": b["values"]}), {}, ValueError, r"PPOValueMetric: outputs\['values'\] given but inputs is None"),
         (v, ({"labels": lab}, {"values": "x"}), {}, TypeError, r"PPOValueMetric: outputs\['values'\] must be a tensor"),

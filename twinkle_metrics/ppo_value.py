@@ -7,6 +7,7 @@ import torch
 
 from ._checks import nan_policy as check_nan_policy, nonfinite
 from .base import Metric
+from .microbatch import has_field
 from .moments import chan, moments, moments_state
 from .rl_inputs import aligned_microbatches
 from .state import State
@@ -27,6 +28,10 @@ class PPOValueMetric(Metric):
       = 1 - Var(R - v) / max(Var(R), 1e-8), population variances;
     * with ``advantages``: ``train/advantage_mean`` and ``train/advantage_std``
       (population).
+
+    A call without ``outputs['values']``, ``old_values`` and ``returns`` adds
+    nothing (a policy step of a shared ``MetricCollection``); values are required
+    whenever old values or returns are given.
 
     Each statistic counts the tokens that have its inputs (a ragged side input
     shorter than a sequence's valid tokens leaves the rest out). Twinkle skips a
@@ -85,6 +90,9 @@ class PPOValueMetric(Metric):
 
     def update(self, inputs, outputs, *, old_values=None, returns=None, advantages=None,
                **kwargs) -> Dict[str, Any]:
+        if old_values is None and returns is None and not has_field(outputs, "values"):
+            # a call for other metrics of a collection (a policy step sharing advantages)
+            return {}
         items = aligned_microbatches(type(self).__name__, inputs, outputs, "values", self.ignore_index,
                                      {"old_values": (old_values, True), "returns": (returns, True),
                                       "advantages": (advantages, True)})

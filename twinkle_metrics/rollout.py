@@ -84,6 +84,7 @@ class RolloutMismatchMetric(Metric):
     are split over the CP ranks: its sum of d is completed over the CP group in
     ``accumulate`` (one host-side agreement and one all_reduce, as GSPOMetric; every
     CP rank must call it the same number of times), then counted on CP rank 0 only.
+    With ``process_group`` given, each rank's sequences are taken as whole.
 
     Non-finite values (``nan_policy``): a counted token whose trainer or rollout
     log-prob is NaN/inf. ``'propagate'`` (default): it flows into every key
