@@ -11,6 +11,7 @@ Workloads (what the brief fixes):
   GRPOMetric  16 x 2048 tokens: logps, old logps, advantages, entropies (fp32)
   Accuracy    logits 4 x 1024 x 32000 (fp32); ours with vocab_parallel=True (TP1 here)
   DPOMetric   16 x 2048 (8 interleaved chosen/rejected pairs) with reference logps
+  PPOValueMetric  16 x 2048 tokens: values, old values, returns, advantages (fp32)
 
 Twinkle takes advantages only as a per-sequence list of floats, so it gets that;
 old logps go to both as a tensor shaped like the logps (Twinkle's fast path).
@@ -56,7 +57,13 @@ def workloads(seed=0):
     old = grpo["kwargs"]["old_logps"]
     ragged = dict(grpo, kwargs=dict(old_logps=[old[i][completion[i]] for i in range(b)],
                                     advantages=grpo["kwargs"]["advantages"].tolist()))
-    return {"GRPOMetric": grpo, "GRPOMetric:ragged": ragged, "Accuracy": accuracy, "DPOMetric": dpo}
+    values = torch.randn(b, s, generator=g)
+    ppo_value = dict(inputs={"labels": labels}, outputs={"values": values},
+                     kwargs=dict(old_values=values + 0.2 * torch.randn(b, s, generator=g),
+                                 returns=values + torch.randn(b, s, generator=g),
+                                 advantages=torch.randn(b, s, generator=g)))
+    return {"GRPOMetric": grpo, "GRPOMetric:ragged": ragged, "Accuracy": accuracy, "DPOMetric": dpo,
+            "PPOValueMetric": ppo_value}
 
 
 def make_ours(name):
@@ -156,7 +163,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     t_start = time.time()
     w = workloads()
-    plan = {"GRPOMetric": (16, 10), "GRPOMetric:ragged": (12, 10), "DPOMetric": (16, 20), "Accuracy": (8, 2)}
+    plan = {"GRPOMetric": (16, 10), "GRPOMetric:ragged": (12, 10), "DPOMetric": (16, 20), "Accuracy": (8, 2),
+            "PPOValueMetric": (8, 5)}
     timing = {}
     for name, (blocks, per_block) in plan.items():
         timing[name] = time_pair(name, w[name], max(2, int(blocks * args.scale)), per_block)

@@ -138,3 +138,86 @@ def ref_rewards(rewards, lengths, max_len, num_generations, gen_times):
     out["train/frac_reward_zero_std"] = sum(1 for g in groups if max(g) == min(g)) / len(groups)
     out["profiling/Time taken: generate"] = statistics.fmean(gen_times)
     return out
+
+
+def make_ppo_batch(seed: int, n_seq: int = 12, seq_len: int = 8, offset: float = 0.0):
+    """labels (ragged, seq 0 fully masked), critic values, old values, returns (around
+    ``offset``), per-token advantages, trainer and rollout log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    labels = make_rl_batch(seed, n_seq, seq_len)["labels"]
+    values = offset + torch.randn(n_seq, seq_len, generator=g, dtype=torch.float64)
+    old = values + 0.25 * torch.randn(n_seq, seq_len, generator=g, dtype=torch.float64)
+    returns = values + 0.5 * torch.randn(n_seq, seq_len, generator=g, dtype=torch.float64)
+    adv = torch.randn(n_seq, seq_len, generator=g, dtype=torch.float64)
+    train = -torch.rand(n_seq, seq_len, generator=g, dtype=torch.float64) * 3
+    rollout = train + 0.4 * torch.randn(n_seq, seq_len, generator=g, dtype=torch.float64)
+    return dict(labels=labels, values=values, old=old, returns=returns, adv=adv, train=train, rollout=rollout)
+
+
+def _tokens(labels, *tensors):
+    """Per valid token, the Python floats of each tensor ([n_seq, seq] or [n_seq] per sequence)."""
+    out = []
+    for i in range(labels.shape[0]):
+        for t in range(labels.shape[1]):
+            if labels[i, t] != -100:
+                out.append(tuple(float(x[i, t]) if x.dim() == 2 else float(x[i]) for x in tensors))
+    return out
+
+
+def ref_ppo_value(labels, values, old, returns, adv=None, eps=0.2):
+    """Twinkle's PPOValueMetric definitions with Python floats and exact (Fraction-based)
+    population variances from ``statistics``."""
+    toks = _tokens(labels, values, old, returns)
+    v = [t[0] for t in toks]
+    r = [t[2] for t in toks]
+    out = {"train/value_mean": statistics.fmean(v), "train/return_mean": statistics.fmean(r),
+           "train/value_clip_ratio": sum(1 for x, o, _ in toks if abs(x - o) > eps) / len(toks),
+           "train/explained_variance":
+               1 - statistics.pvariance([b - a for a, b in zip(v, r)]) / max(statistics.pvariance(r), 1e-8)}
+    if adv is not None:
+        a = [t[0] for t in _tokens(labels, adv)]
+        out["train/advantage_mean"] = statistics.fmean(a)
+        out["train/advantage_std"] = statistics.pstdev(a)
+    return out
+
+
+def ref_rollout(labels, train, rollout, high=2.0, low=None):
+    """RolloutMismatchMetric's definitions token by token; the sequence ESS in ``decimal``
+    (60 digits), so sequence log-ratios of any size neither overflow nor underflow."""
+    import decimal
+
+    low = 1 / high if low is None else low
+    toks, seqs = [], []
+    for i in range(labels.shape[0]):
+        ds = [float(train[i, t]) - float(rollout[i, t]) for t in range(labels.shape[1]) if labels[i, t] != -100]
+        toks += [(float(train[i, t]), float(rollout[i, t])) for t in range(labels.shape[1])
+                 if labels[i, t] != -100]
+        if ds:
+            seqs.append(ds)
+    d = [a - b for a, b in toks]
+    w = [math.exp(x) for x in d]
+    n = len(d)
+    mean_train = statistics.fmean(a for a, _ in toks)
+    mean_rollout = statistics.fmean(b for _, b in toks)
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        ws = [decimal.Decimal(math.fsum(s)).exp() for s in seqs]
+        seq_ess = float(sum(ws) ** 2 / (len(ws) * sum(x * x for x in ws)))
+    return {
+        "rollout/logp_abs_diff_mean": statistics.fmean(abs(x) for x in d),
+        "rollout/logp_abs_diff_max": max(abs(x) for x in d),
+        "rollout/is_ratio_mean": statistics.fmean(w),
+        "rollout/is_ratio_std": statistics.pstdev(w),
+        "rollout/is_ratio_min": min(w),
+        "rollout/is_ratio_max": max(w),
+        "rollout/is_fraction_high": sum(1 for x in w if x > high) / n,
+        "rollout/is_fraction_low": sum(1 for x in w if x < low) / n,
+        "rollout/token_ess": sum(w) ** 2 / (n * sum(x * x for x in w)),
+        "rollout/seq_ess": seq_ess,
+        "rollout/mismatch_kl": statistics.fmean(-x for x in d),
+        "rollout/mismatch_k3_kl": statistics.fmean(math.exp(-x) + x - 1 for x in d),
+        "rollout/training_ppl": math.exp(-mean_train),
+        "rollout/rollout_ppl": math.exp(-mean_rollout),
+        "rollout/ppl_ratio": math.exp(-mean_train) / math.exp(-mean_rollout),
+        "rollout/log_ppl_abs_diff": statistics.fmean(abs(statistics.fmean(-x for x in s)) for s in seqs),
+    }

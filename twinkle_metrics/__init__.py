@@ -12,7 +12,9 @@ from .grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
 from .loss import LossMetric
 from .microbatch import microbatches
 from .pending import CalculateHandle
+from .ppo_value import PPOValueMetric
 from .reward import CompletionRewardMetric
+from .rollout import RolloutMismatchMetric
 from .state import State
 from .sync import MetricSyncError
 from .train import TrainMetric
@@ -20,5 +22,6 @@ from .train import TrainMetric
 __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
-           "PPOMetric", "UnknownArgumentWarning", "vocab_parallel_argmax", "CalculateHandle"]
+           "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "UnknownArgumentWarning",
+           "vocab_parallel_argmax", "CalculateHandle"]
 __version__ = "0.2.0"

@@ -9,6 +9,7 @@ import torch
 
 from ._checks import nan_policy as check_nan_policy, nonfinite
 from .base import Metric
+from .moments import moments, moments_state
 from .rl_inputs import cp_lead
 from .state import State
 
@@ -16,32 +17,6 @@ _NAME = "CompletionRewardMetric"
 _PREFIX = "reward/"
 #: a group's reward std counts as zero at or below this: TRL's isclose(std, 0) (atol 1e-8)
 _ZERO_STD = 1e-8
-
-
-def _chan(rows: torch.Tensor) -> torch.Tensor:
-    """Merge ``[k, 3]`` rows of (count, mean, M2) into one (Chan et al.'s parallel merge).
-
-    Deviations are taken from the merged mean, so a large common offset (mean >> std)
-    costs no precision, unlike (sum, sum of squares).
-    """
-    n = rows[:, 0]
-    total = n.sum()
-    safe = torch.where(total > 0, total, torch.ones_like(total))
-    mean = (n * rows[:, 1]).sum() / safe
-    m2 = rows[:, 2].sum() + (n * (rows[:, 1] - mean) ** 2).sum()
-    return torch.stack([total, torch.where(total > 0, mean, torch.zeros_like(mean)), m2])
-
-
-def _moments_reduce(rows: torch.Tensor) -> torch.Tensor:
-    return _chan(rows)
-
-
-def _moments_fold(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    return _chan(torch.stack([old, new]))
-
-
-def _moments_state() -> State:
-    return State(_moments_reduce, torch.float64, shape=(3,), default=0.0, local=_moments_fold)
 
 
 class CompletionRewardMetric(Metric):
@@ -146,13 +121,13 @@ class CompletionRewardMetric(Metric):
             if not isinstance(name, str) or not name:
                 raise TypeError(f"{_NAME}: reward names must be non-empty strings, got {name!r}")
             if _PREFIX + name not in self._specs:
-                self.add_state(_PREFIX + name, _moments_state())
+                self.add_state(_PREFIX + name, moments_state())
 
     def dynamic_state(self, name: str):
         """A reward name's (count, mean, M2) state, created when a name is first seen
         (here or, at ``calculate()``, on another rank)."""
         if self._dynamic and name.startswith(_PREFIX) and len(name) > len(_PREFIX):
-            return _moments_state()
+            return moments_state()
         return None
 
     @property
@@ -174,7 +149,7 @@ class CompletionRewardMetric(Metric):
         sizes = {name: v.shape[0] for name, v in per_name.items()}
         skip = self.nan_policy == "skip"
         for name, values in per_name.items():
-            out[_PREFIX + name] = _moments(values, skip)
+            out[_PREFIX + name] = moments(values, torch.isfinite(values) if skip else None)
             out["n_bad"] = out.get("n_bad", 0) + nonfinite(values).sum()
 
         lengths = self._lengths(completion_lengths, completions)
@@ -384,17 +359,3 @@ def _reward_values(field: str, value) -> torch.Tensor:
                          f"[n, 1] (or a list of numbers); pass one reward function's values per name "
                          "(a dict of names for several functions)")
     return t.reshape(-1)
-
-
-def _moments(values: torch.Tensor, skip: bool = True) -> torch.Tensor:
-    """(count, mean, M2) of the values (the finite ones when ``skip``), in float64, on the device."""
-    x = values.to(torch.float64)
-    if not skip:
-        n = torch.full((), x.numel(), dtype=torch.float64, device=x.device)
-        mean = x.sum() / n.clamp(min=1.0)
-        return torch.stack([n, mean, ((x - mean) ** 2).sum()])
-    ok = torch.isfinite(x)
-    n = ok.sum().to(torch.float64)
-    mean = torch.where(ok, x, 0.0).sum() / n.clamp(min=1.0)
-    m2 = torch.where(ok, (x - mean) ** 2, 0.0).sum()
-    return torch.stack([n, mean, m2])

@@ -9,13 +9,14 @@ CP collective sums per-sequence partial totals on the device.
 from __future__ import annotations
 
 from numbers import Number
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from parallel import comm_device, group_size
 
 from ._checks import as_tensor, float_tensor, from_host
+from .microbatch import has_field, microbatches
 
 
 def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tensor:
@@ -255,6 +256,49 @@ def _sequence_entry(v):
     if isinstance(v, (list, tuple)) and not all(_is_scalar(x) for x in v):
         return v
     return [v]
+
+
+def aligned_microbatches(metric: str, inputs, outputs, field: str, ignore_index: int,
+                         sides: Mapping[str, Tuple[Any, bool]]) -> List[Dict[str, Any]]:
+    """One per-token output and its side inputs, validated and aligned per microbatch.
+
+    For metrics that read ``outputs[field]`` (``[b, s]`` per microbatch) with side
+    inputs such as old values or rollout log-probs. ``sides`` maps each side input's
+    keyword name to ``(value, per_sequence)``; each value is split over the
+    microbatches (``split_side_input``) and aligned to the token mask (``per_token``).
+
+    Returns one dict per microbatch: ``'feat'`` (the input feature), ``'x'`` (the
+    output, floating, at least float32, truncated to the mask), ``'m'`` (``[b, s]``
+    bool token mask), ``'full_len'``, and for each side name ``(values, has)`` or None
+    when that side input is absent for the microbatch. ``outputs=None`` or an empty
+    microbatch list gives ``[]``. Communicates nothing; raises on bad input.
+    """
+    if outputs is None:
+        return []
+    if inputs is None and has_field(outputs, field):
+        raise ValueError(f"{metric}: outputs[{field!r}] given but inputs is None; per-token values need "
+                         "the token mask: pass the InputFeature (or list of them) with labels or "
+                         "completion_mask")
+    pairs = microbatches(metric, inputs, outputs, (field,))
+    items: List[Dict[str, Any]] = []
+    for i, (feat, o) in enumerate(pairs):
+        if field not in o:
+            raise ValueError(f"{metric}: outputs of microbatch {i} have no {field!r}; pass per-token "
+                             f"{field} [batch, seq] (got fields {sorted(o)})")
+        x = float_tensor(metric, f"outputs[{field!r}]", o[field])
+        x = x.unsqueeze(0) if x.dim() == 1 else x
+        mask = token_mask(metric, feat, ignore_index, x.device)
+        full_len = mask.shape[1]
+        x, mask = common_length(metric, f"outputs[{field!r}]", x, mask)
+        items.append({"feat": feat, "x": x.to(_float(x.dtype)), "m": mask, "full_len": full_len})
+    sizes = [item["m"].shape[0] for item in items]
+    for name, (value, per_sequence) in sides.items():
+        parts = split_side_input(metric, name, value, sizes)
+        for item, part in zip(items, parts):
+            m = item["m"]
+            item[name] = None if part is None or not m.numel() else \
+                per_token(metric, name, part, m, item["full_len"], per_sequence=per_sequence)
+    return items
 
 
 def cp_sum(t: torch.Tensor, group) -> torch.Tensor:

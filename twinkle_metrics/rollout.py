@@ -1,0 +1,283 @@
+"""``RolloutMismatchMetric``: how far the inference engine's log-probs are from the trainer's."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from parallel import group_rank, group_size
+
+from . import exchange
+from ._checks import nan_policy as check_nan_policy, nonfinite
+from .base import Metric
+from .rl_inputs import aligned_microbatches, cp_sum
+from .state import State
+
+_P = "rollout/"
+
+
+def _ess_merge(rows: torch.Tensor) -> torch.Tensor:
+    """Merge ``[k, 3]`` rows of (shift m, A = sum e^(s - m), B = sum e^(2 (s - m))).
+
+    A row with A = 0 is empty (the identity, (0, 0, 0)). Rescaling to the largest
+    shift keeps every term <= 1: sequence log-ratios of hundreds (long sequences, a
+    biased engine) neither overflow nor underflow to 0/0. NaN anywhere stays NaN.
+    """
+    m, a, b = rows[:, 0], rows[:, 1], rows[:, 2]
+    live = a != 0  # NaN != 0: a NaN row takes part and poisons the result
+    top = torch.where(live, m, -math.inf).amax()
+    scale = torch.where(live, torch.exp(m - top), 0.0)
+    a_sum, b_sum = (a * scale).sum(), (b * scale * scale).sum()
+    return torch.stack([torch.where(a_sum != 0, top, 0.0), a_sum, b_sum])
+
+
+def _ess_fold(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return _ess_merge(torch.stack([old, new]))
+
+
+class RolloutMismatchMetric(Metric):
+    """Mismatch between the trainer's and the rollout engine's log-probs of the same tokens.
+
+    ``outputs['logps']`` are the trainer's per-token log-probs under the weights the
+    rollout sampled with (the old log-probs of GRPO/PPO; the current ones on the first,
+    on-policy step); ``rollout_logps=`` are the inference engine's (vLLM, SGLang) for
+    the same tokens, dense ``[N, s]`` or ragged per sequence like GRPOMetric's
+    ``old_logps``. Over valid tokens (``completion_mask``, else ``labels !=
+    ignore_index``) that have a rollout log-prob, with d = logp_train - logp_rollout
+    and the importance weight w = exp(d):
+
+    * ``rollout/logp_abs_diff_mean``, ``_max``: mean and max |d| (TRL's
+      ``sampling/sampling_logp_difference/mean``, ``/max``);
+    * ``rollout/is_ratio_mean``, ``_std`` (population), ``_min``, ``_max`` of w (verl's
+      ``rollout_corr/rollout_is_mean``, ``_std``, ``_min``, ``_max``; TRL's
+      ``sampling/importance_sampling_ratio/mean``, ``/min``, ``/max``);
+    * ``rollout/is_fraction_high`` / ``_low``: fraction of tokens with w above
+      ``is_threshold`` / below ``is_threshold_low``, those truncated (or masked)
+      importance sampling clips (verl's ``rollout_is_ratio_fraction_high`` / ``_low``);
+    * ``rollout/token_ess``: normalised effective sample size (sum w)^2 / (n sum w^2)
+      of the token weights, and ``rollout/seq_ess``: the same over sequences with
+      w_i = exp(sum of d over sequence i) (verl's ``rollout_is_eff_sample_size`` for
+      token- and sequence-level IS): 1 when all weights are equal, 1/n when one
+      dominates;
+    * ``rollout/mismatch_kl`` = mean(logp_rollout - logp_train) = -mean d, may be
+      negative (verl's ``rollout_corr/kl``, earlier ``mismatch/mismatch_kl``);
+    * ``rollout/mismatch_k3_kl`` = mean(e^r - r - 1) with r = -d, Schulman's k3 of
+      KL(rollout || train), never negative (verl's ``k3_kl``);
+    * ``rollout/training_ppl`` = exp(-mean logp_train), ``rollout/rollout_ppl`` =
+      exp(-mean logp_rollout), ``rollout/ppl_ratio`` = training / rollout (verl's
+      ``training_ppl``, ``rollout_ppl``, ``ppl_ratio``);
+    * ``rollout/log_ppl_abs_diff``: mean over sequences of |mean over the sequence of
+      (logp_rollout - logp_train)| (verl's ``log_ppl_abs_diff``).
+
+    Token means are over all tokens of the data group (verl averages its
+    perplexities per sequence; here they are token-level, so ``ppl_ratio`` =
+    exp(mismatch_kl)). Both ESS are normalised: 1 when every weight is equal, 1/n
+    when one dominates. ``is_threshold_low=None`` is 1 / ``is_threshold``, as in
+    verl. Sequences are the rows of the batch (as GSPOMetric's); a sequence counts in
+    the sequence keys when it has at least one counted token.
+
+    Exact over any layout, from mergeable states only: token statistics are sums
+    (w - 1 = expm1(d) and its square in float64, so the spread of w near 1 keeps
+    its digits), extremes are max/min of d, and the sequence ESS is a shifted sum
+    pair merged by rescaling to the largest shift. Under CP a sequence's tokens
+    are split over the CP ranks: its sum of d is completed over the CP group in
+    ``accumulate`` (one host-side agreement and one all_reduce, as GSPOMetric; every
+    CP rank must call it the same number of times), then counted on CP rank 0 only.
+    With ``process_group`` given, each rank's sequences are taken as whole.
+
+    Non-finite values (``nan_policy``): a counted token whose trainer or rollout
+    log-prob is NaN/inf. ``'propagate'`` (default): it flows into every key
+    (fractions become NaN rather than missing a NaN comparison); ``'skip'``: it is
+    dropped (a sequence keeps its other tokens). Both report
+    ``rollout/nonfinite_tokens`` when > 0.
+
+    With GRPOMetric, put both in a ``MetricCollection``; the collection passes
+    ``rollout_logps`` to this metric and ``old_logps`` / ``advantages`` to GRPO.
+
+    Args:
+        is_threshold: upper importance-weight threshold (truncated IS clips above it).
+        is_threshold_low: lower threshold; None: 1 / ``is_threshold``.
+        ignore_index: label value of tokens that do not count.
+        nan_policy: ``'propagate'`` or ``'skip'``.
+
+    Example::
+
+        m = RolloutMismatchMetric(mesh, is_threshold=2.0)
+        m.accumulate({"labels": labels}, {"logps": old_logps}, rollout_logps=vllm_logps)
+        m.calculate()  # {'rollout/mismatch_kl': ..., 'rollout/seq_ess': ..., ...}
+    """
+
+    n_tok = State("sum", torch.int64)
+    sum_abs = State("sum")
+    abs_max = State("max")
+    sum_d = State("sum")
+    d_max = State("max")  # extremes of d: w's min/max follow (exp is monotone)
+    d_min = State("min")
+    sum_em = State("sum")  # sum of w - 1
+    sum_em2 = State("sum")  # sum of (w - 1)^2
+    n_high = State("sum")  # float: NaN under 'propagate' when a compared token is non-finite
+    n_low = State("sum")
+    sum_k3 = State("sum")
+    sum_lp_train = State("sum")
+    sum_lp_rollout = State("sum")
+    n_seq = State("sum", torch.int64)
+    sum_seq_abs = State("sum")
+    seq_ess = State(_ess_merge, torch.float64, shape=(3,), default=0.0, local=_ess_fold)
+    n_bad = State("sum", torch.int64)
+
+    def __init__(self, device_mesh=None, process_group=None, *, is_threshold: float = 2.0,
+                 is_threshold_low: Optional[float] = None, ignore_index: int = -100,
+                 nan_policy: str = "propagate"):
+        super().__init__(device_mesh, process_group)
+        name = type(self).__name__
+        self.nan_policy = check_nan_policy(name, nan_policy)
+        low = None if is_threshold_low is None else _number(name, "is_threshold_low", is_threshold_low)
+        high = _number(name, "is_threshold", is_threshold)
+        if not high > 0:
+            raise ValueError(f"{name}: is_threshold must be > 0, got {is_threshold!r}; pass the upper "
+                             "importance-weight threshold, e.g. 2.0")
+        if low is None:
+            low = 1.0 / high
+        if not 0 <= low <= high:
+            raise ValueError(f"{name}: is_threshold_low must be in [0, is_threshold={high}], got {low!r}")
+        self.is_threshold = high
+        self.is_threshold_low = low
+        self.ignore_index = ignore_index
+
+    def exchange_groups(self):
+        """The CP group, over which sequence sums are completed (when it has > 1 rank)."""
+        group = self._sequence_group()
+        return [] if group is None else [group]
+
+    def _sequence_group(self):
+        if self.process_group is not None:
+            return None
+        group = self.resolve_mesh().cp_group
+        return group if group_size(group) > 1 else None
+
+    def update(self, inputs, outputs, *, rollout_logps=None, **kwargs) -> Dict[str, Any]:
+        name = type(self).__name__
+        group = self._sequence_group()
+        with exchange.guard(self):
+            items = [] if rollout_logps is None else aligned_microbatches(
+                name, inputs, outputs, "logps", self.ignore_index, {"rollout_logps": (rollout_logps, False)})
+            items = [item for item in items if item["rollout_logps"] is not None]
+            rows = sum(item["m"].shape[0] for item in items)
+            if group is not None:
+                low, high = exchange.agree_same(self, group, rows)
+                if low != high:
+                    raise ValueError(f"{name}: CP ranks hold different numbers of sequences with rollout "
+                                     f"log-probs ({low} to {high}; this rank {rows}); every rank of a CP "
+                                     "group must pass the same sequences; nothing was accumulated")
+        # Validated and agreed: nothing below raises.
+        acc: Dict[str, Any] = {}
+        parts: List[torch.Tensor] = []
+        for item in items:
+            parts.append(self._token_sums(acc, item))
+        if rows:
+            acc.update(self._sequence_sums(torch.cat(parts), group))
+        return acc
+
+    def _token_sums(self, acc, item) -> torch.Tensor:
+        """Add one microbatch's token sums to ``acc``; return its ``[b, 2]`` per-sequence
+        (sum of d, tokens)."""
+        lp, (roll, has) = item["x"], item["rollout_logps"]
+        bad = (nonfinite(lp) | nonfinite(roll)) & has
+        _add(acc, "n_bad", bad.sum())
+        if self.nan_policy == "skip":
+            has = has & ~bad
+        lp, roll = lp.to(torch.float64), roll.to(torch.float64)
+        # a select, not a multiply: NaN/-inf padding outside ``has`` never reaches a sum
+        d = torch.where(has, lp - roll, 0.0)
+        em = torch.expm1(d)
+        poison = (d * 0.0).sum()  # 0, or NaN when a counted d is NaN/inf ('skip' dropped those)
+        hi, lo = math.log(self.is_threshold), _log(self.is_threshold_low)
+        _add(acc, "n_tok", has.sum())
+        _add(acc, "sum_abs", d.abs().sum())
+        _add(acc, "sum_d", d.sum())
+        _add(acc, "sum_em", em.sum())
+        _add(acc, "sum_em2", (em * em).sum())
+        _add(acc, "sum_k3", (torch.expm1(-d) + d).sum())  # e^r - r - 1 with r = -d; 0 off ``has``
+        _add(acc, "n_high", ((d > hi) & has).sum() + poison)
+        _add(acc, "n_low", ((d < lo) & has).sum() + poison)
+        _add(acc, "sum_lp_train", torch.where(has, lp, 0.0).sum())
+        _add(acc, "sum_lp_rollout", torch.where(has, roll, 0.0).sum())
+        if d.numel():
+            _max(acc, "abs_max", torch.where(has, d.abs(), -math.inf).amax())
+            _max(acc, "d_max", torch.where(has, d, -math.inf).amax())
+            _min(acc, "d_min", torch.where(has, d, math.inf).amin())
+        return torch.stack([d.sum(1), has.sum(1, dtype=torch.float64)], 1)
+
+    def _sequence_sums(self, parts: torch.Tensor, group) -> Dict[str, Any]:
+        """Sequence statistics from per-sequence (sum of d, tokens), completed over CP."""
+        parts = cp_sum(parts, group)
+        if group is not None and group_rank(group) != 0:
+            return {}  # every CP rank holds the same totals now; count each sequence once
+        s, n = parts[:, 0], parts[:, 1]
+        valid = n > 0
+        top = torch.where(valid, s, -math.inf).amax()
+        e = torch.where(valid, torch.exp(s - top), 0.0)
+        a = e.sum()
+        ess = torch.stack([torch.where(a != 0, top, 0.0), a, (e * e).sum()])
+        mean_d = s / torch.where(valid, n, 1.0)
+        return {"n_seq": valid.sum(), "sum_seq_abs": torch.where(valid, mean_d.abs(), 0.0).sum(),
+                "seq_ess": ess}
+
+    def compute(self, s):
+        out: Dict[str, Any] = {_P + "nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
+        n = s["n_tok"]
+        if n:
+            s1, s2 = s["sum_em"], s["sum_em2"]
+            spread = n * s2 - s1 * s1  # n^2 Var(w), from w - 1: no cancellation of the 1s
+            mean_train, mean_rollout = s["sum_lp_train"] / n, s["sum_lp_rollout"] / n
+            out.update({
+                _P + "logp_abs_diff_mean": s["sum_abs"] / n,
+                _P + "logp_abs_diff_max": s["abs_max"],
+                _P + "is_ratio_mean": 1.0 + s1 / n,
+                _P + "is_ratio_std": (max(spread, 0.0) ** 0.5) / n,  # max(NaN, 0) is NaN
+                _P + "is_ratio_min": _exp(s["d_min"]),
+                _P + "is_ratio_max": _exp(s["d_max"]),
+                _P + "is_fraction_high": s["n_high"] / n,
+                _P + "is_fraction_low": s["n_low"] / n,
+                _P + "token_ess": 1.0 - spread / (n * (n + 2 * s1 + s2)),
+                _P + "mismatch_kl": -s["sum_d"] / n,
+                _P + "mismatch_k3_kl": s["sum_k3"] / n,
+                _P + "training_ppl": _exp(-mean_train),
+                _P + "rollout_ppl": _exp(-mean_rollout),
+                _P + "ppl_ratio": _exp(mean_rollout - mean_train),
+            })
+        if s["n_seq"]:
+            _, a, b = s["seq_ess"]
+            out[_P + "seq_ess"] = a * a / (s["n_seq"] * b)
+            out[_P + "log_ppl_abs_diff"] = s["sum_seq_abs"] / s["n_seq"]
+        return out
+
+
+def _number(metric, field, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{metric}: {field} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
+
+
+def _exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def _add(acc, key, value):
+    acc[key] = acc[key] + value if key in acc else value
+
+
+def _max(acc, key, value):
+    acc[key] = torch.maximum(acc[key], value) if key in acc else value
+
+
+def _min(acc, key, value):
+    acc[key] = torch.minimum(acc[key], value) if key in acc else value
