@@ -325,7 +325,7 @@ def test_docstring_example_runs(cls):
     from parallel import DeviceMesh
 
     doc = cls.__doc__
-    block = doc[doc.index("Example::") + len("Example::"):]
+    block = doc[doc.index("In a training step::") + len("In a training step::"):]
     code = "\n".join(line[8:] for line in block.strip("\n").splitlines())
     b = make_ppo_batch(14)
     env = {cls.__name__: cls, "mesh": DeviceMesh.single(), "labels": b["labels"], "values": b["values"],

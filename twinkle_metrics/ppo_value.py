@@ -61,7 +61,18 @@ class PPOValueMetric(Metric):
         ignore_index: label value of tokens that do not count.
         nan_policy: ``'propagate'`` or ``'skip'``.
 
-    Example::
+    Example:
+        >>> import torch
+        >>> m = PPOValueMetric(epsilon=0.2)
+        >>> _ = m.accumulate({"labels": torch.tensor([[5, 6, 7, -100]])},
+        ...                  {"values": torch.tensor([[1.0, 0.5, 0.25, 9.0]], dtype=torch.float64)},
+        ...                  old_values=torch.tensor([[0.5, 0.5, 0.25, 0.0]], dtype=torch.float64),
+        ...                  returns=torch.tensor([[1.0, 0.75, 0.0, 0.0]], dtype=torch.float64))
+        >>> {k: round(v, 4) for k, v in m.calculate().items()}  # doctest: +NORMALIZE_WHITESPACE
+        {'train/value_mean': 0.5833, 'train/value_clip_ratio': 0.3333, 'train/return_mean': 0.5833,
+         'train/explained_variance': 0.7692}
+
+    In a training step::
 
         m = PPOValueMetric(mesh, epsilon=0.2)
         m.accumulate({"labels": labels}, {"values": values},
@@ -79,8 +90,8 @@ class PPOValueMetric(Metric):
     n_bad = State("sum", torch.int64)
 
     def __init__(self, device_mesh=None, process_group=None, epsilon: float = 0.2, ignore_index: int = -100,
-                 *, nan_policy: str = "propagate"):
-        super().__init__(device_mesh, process_group)
+                 *, nan_policy: str = "propagate", **kwargs):
+        super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.nan_policy = check_nan_policy(name, nan_policy)
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon >= 0:

@@ -101,7 +101,17 @@ class RolloutMismatchMetric(Metric):
         ignore_index: label value of tokens that do not count.
         nan_policy: ``'propagate'`` or ``'skip'``.
 
-    Example::
+    Example:
+        >>> import torch
+        >>> m = RolloutMismatchMetric(is_threshold=1.2)
+        >>> _ = m.accumulate({"labels": torch.tensor([[5, 6, 7, -100]])},
+        ...                  {"logps": torch.tensor([[-0.5, -1.0, -0.2, 0.0]], dtype=torch.float64)},
+        ...                  rollout_logps=torch.tensor([[-0.75, -1.0, -0.1, 0.0]], dtype=torch.float64))
+        >>> out = m.calculate()  # w = exp(0.25), 1, exp(-0.1): one above 1.2
+        >>> round(out["rollout/is_ratio_max"], 4), round(out["rollout/is_fraction_high"], 4)
+        (1.284, 0.3333)
+
+    In a training step::
 
         m = RolloutMismatchMetric(mesh, is_threshold=2.0)
         m.accumulate({"labels": labels}, {"logps": old_logps}, rollout_logps=vllm_logps)
@@ -128,8 +138,8 @@ class RolloutMismatchMetric(Metric):
 
     def __init__(self, device_mesh=None, process_group=None, *, is_threshold: float = 2.0,
                  is_threshold_low: Optional[float] = None, ignore_index: int = -100,
-                 nan_policy: str = "propagate"):
-        super().__init__(device_mesh, process_group)
+                 nan_policy: str = "propagate", **kwargs):
+        super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.nan_policy = check_nan_policy(name, nan_policy)
         low = None if is_threshold_low is None else _number(name, "is_threshold_low", is_threshold_low)
