@@ -201,6 +201,17 @@ class _Wrapped(torch.nn.Module):
         dense = [p for p in module.parameters() if getattr(p, "allreduce", True)]
         self.buffers = [_Buffer(dense, mesh.data_group, bucket_numel=20)]
         self.expert_parallel_buffers = [_Buffer(expert, mesh.get_group("expt_dp"), bucket_numel=10)]
+        for buf in self.buffers + self.expert_parallel_buffers:
+            rank = buf.data_parallel_group.rank()
+            for p, (start, end, bucket_id) in buf.param_index_map.items():
+                # After the reduce-scatter only the range this rank owns holds the reduced
+                # gradient; elsewhere main_grad keeps this rank's unreduced (here: wrong) values.
+                bucket = buf.buckets[bucket_id]
+                shard = bucket.grad_data.numel() // buf.data_parallel_world_size
+                lo = bucket.offset + rank * shard
+                owned = torch.zeros(p.numel(), dtype=torch.bool)
+                owned[max(lo - start, 0):max(min(lo + shard, end) - start, 0)] = True
+                p.main_grad = torch.where(owned, p.grad.reshape(-1), 100.0 + rank).view_as(p)
 
 
 def _logical_model(mesh):
