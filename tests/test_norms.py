@@ -139,3 +139,22 @@ def test_bad_arguments_raise_clear_errors():
         ModelNormMetric(distributed_optimizer="yes")
     with pytest.raises(ValueError, match="DistributedDataParallel-wrapped"):
         ModelNormMetric(model=torch.nn.Linear(2, 2), distributed_optimizer=True).accumulate(None, None)
+
+
+def test_readme_snippet_runs_in_a_collection():
+    """The README's ModelNormMetric block, executed as written on a single-rank mesh."""
+    import os
+    import re
+
+    from twinkle_metrics import Accuracy, DeviceMesh, LossMetric, MetricCollection, TrainMetric
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "ModelNormMetric(mesh" in b)
+    model = _trained(7)
+    mesh = DeviceMesh.single()
+    scope = {"mesh": mesh, "model_chunks": [model], "MetricCollection": MetricCollection,
+             "loss_m": LossMetric(mesh), "acc_m": Accuracy(mesh), "train_m": TrainMetric(mesh)}
+    exec(block, scope)  # noqa: S102 - the documented example, run as a user would copy it
+    scope["norms"].accumulate(None, None)
+    got = scope["metrics"].calculate()
+    assert math.isclose(got["norm/grad"], _norm(p.grad for p in model.parameters()), rel_tol=1e-12)
