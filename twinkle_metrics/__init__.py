@@ -13,6 +13,7 @@ from .loss import LossMetric
 from .microbatch import microbatches
 from .pending import CalculateHandle
 from .ppo_value import PPOValueMetric
+from .norms import ModelNormMetric
 from .reward import CompletionRewardMetric
 from .rollout import RolloutMismatchMetric
 from .state import State
@@ -22,6 +23,6 @@ from .train import TrainMetric
 __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
-           "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "UnknownArgumentWarning",
+           "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "ModelNormMetric", "UnknownArgumentWarning",
            "vocab_parallel_argmax", "CalculateHandle"]
 __version__ = "0.2.0"
