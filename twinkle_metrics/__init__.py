@@ -10,6 +10,7 @@ from .embedding import EmbeddingMetric
 from .grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
 from .loss import LossMetric
 from .microbatch import microbatches
+from .moe import MoERoutingMetric, register_router_hooks
 from .reward import CompletionRewardMetric
 from .state import State
 from .sync import MetricSyncError
@@ -18,5 +19,5 @@ from .train import TrainMetric
 __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
-           "PPOMetric", "vocab_parallel_argmax"]
+           "PPOMetric", "MoERoutingMetric", "register_router_hooks", "vocab_parallel_argmax"]
 __version__ = "0.1.0"
