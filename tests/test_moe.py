@@ -204,3 +204,13 @@ def test_router_hooks_on_a_tiny_megatron_moe_model():
     assert out["dropped_any"] and out["layers"] == [0, 1]
     assert out["eval_results"] == {}          # when='train': an eval forward is not counted
     assert out["after_remove"] == {} and out["gating_restored"]
+
+
+def test_readme_example_runs_as_written():
+    import re
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "MoERoutingMetric(num_layers" in b)
+    scope = {}
+    exec(block, scope)  # noqa: S102 - the documented example, run as a user would copy it
+    assert math.isclose(scope["results"]["moe/router_entropy"], math.log(4), rel_tol=1e-6)  # float32 logits

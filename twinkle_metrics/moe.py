@@ -33,8 +33,9 @@ class MoERoutingMetric(Metric):
       softmax of ``router_logits`` or the rows of ``router_probs`` normalised to sum 1
       (pass the router's full scores: megatron-core's ``probs`` output holds only the
       top-k weights, so its entropy is at most ``log k``);
-    * ``tokens_dropped`` (assignments over expert capacity) and ``drop_fraction``
-      (dropped / assignments before dropping);
+    * ``tokens_dropped`` (token-to-expert assignments dropped over expert capacity; 0
+      when no call reported drops) and ``drop_fraction`` (dropped / assignments before
+      dropping);
     * ``aux_loss`` and ``z_loss``: means over the calls that reported them (the values
       as given, e.g. megatron-core's losses unscaled by their coefficients).
 
