@@ -14,6 +14,7 @@ from .microbatch import microbatches
 from .pending import CalculateHandle
 from .ppo_value import PPOValueMetric
 from .norms import ModelNormMetric
+from .moe import MoERoutingMetric, register_router_hooks
 from .reward import CompletionRewardMetric
 from .rollout import RolloutMismatchMetric
 from .state import State
@@ -23,6 +24,6 @@ from .train import TrainMetric
 __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
-           "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "ModelNormMetric", "UnknownArgumentWarning",
-           "vocab_parallel_argmax", "CalculateHandle"]
+           "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "ModelNormMetric", "MoERoutingMetric",
+           "register_router_hooks", "UnknownArgumentWarning", "vocab_parallel_argmax", "CalculateHandle"]
 __version__ = "0.2.0"

@@ -1,0 +1,554 @@
+"""``MoERoutingMetric``: MoE routing health per layer (load balance, dead experts,
+router entropy, dropped tokens, aux and z losses), and ``register_router_hooks`` that
+feeds it from a megatron-core model in one line."""
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ._checks import nan_policy as check_nan_policy
+from .base import Metric
+from .state import State
+
+_NAME = "MoERoutingMetric"
+_FIELDS = ("routing_map", "expert_counts", "router_logits", "router_probs", "token_mask",
+           "tokens_dropped", "aux_loss", "z_loss")
+
+
+class MoERoutingMetric(Metric):
+    """MoE routing health over an interval, per MoE layer and over all layers.
+
+    From the count matrix ``c[layer, expert]`` of token-to-expert assignments (a token
+    routed to k experts counts k times) accumulated over the interval:
+
+    * ``load_imbalance``: ``max_e c / mean_e c`` (1 is perfect balance, E is one expert
+      taking everything);
+    * ``cv``: coefficient of variation ``std_e c / mean_e c`` (population std);
+    * ``dead_expert_fraction``: share of experts that got no token in the interval;
+    * ``router_entropy``: mean over tokens of ``-sum_e p_e log p_e`` (nats), ``p`` the
+      softmax of ``router_logits`` or the rows of ``router_probs`` normalised to sum 1
+      (pass the router's full scores: megatron-core's ``probs`` output holds only the
+      top-k weights, so its entropy is at most ``log k``);
+    * ``tokens_dropped`` (token-to-expert assignments dropped over expert capacity; 0
+      when no call reported drops) and ``drop_fraction`` (dropped / assignments before
+      dropping);
+    * ``aux_loss`` and ``z_loss``: means over the calls that reported them (the values
+      as given, e.g. megatron-core's losses unscaled by their coefficients).
+
+    Keys: ``moe/layer{i}/{name}`` for each layer ``i`` that saw data in the interval
+    (``i`` is the layer index given to ``accumulate``: 0-based, global over pipeline
+    stages; megatron-core's ``layer_number - 1``), and ``moe/{name}`` over layers: the
+    mean over those layers of the per-layer values (expert ``e`` of one layer has
+    nothing to do with expert ``e`` of another, so counts are never summed across
+    layers), except ``tokens_dropped`` (total) and ``drop_fraction`` (total dropped /
+    total assignments). ``moe/load_imbalance_max`` is the worst layer's imbalance.
+    ``{}`` when nothing was accumulated.
+
+    Placement: every state is per layer and layers live on different pipeline stages,
+    so every stage contributes (``State(scope="stage")``); TP ranks route the same
+    tokens without sequence parallelism (replicas, counted once, checked to agree) and
+    disjoint tokens with it (``sequence_parallel=True``: every TP rank contributes,
+    ``scope="model"``). Data-parallel and context-parallel ranks route disjoint tokens
+    and add up; expert parallelism does not change where routing happens (the router
+    runs on every data-parallel rank for its own tokens).
+
+    Input (``accumulate(inputs, outputs, layer=i)``, or ``observe(i, **fields)``);
+    ``inputs`` is not read. ``outputs`` is a dict (or a list of them) with any of:
+
+    * ``routing_map`` ``[..., E]`` bool/0-1 (needs ``layer``): counted per expert;
+    * ``expert_counts`` ``[E]`` (with ``layer``) or ``[L, E]`` (without): integer counts;
+    * ``router_logits`` / ``router_probs`` ``[..., E]`` float (need ``layer``): entropy;
+      probs rows that sum to 0 (a token every expert dropped) are left out;
+    * ``token_mask`` ``[...]`` (the leading dims of the tensors above): tokens to count
+      (False: padding);
+    * ``tokens_dropped``: a number or 0-d tensor (with ``layer``) or ``[L]`` (without);
+    * ``aux_loss``, ``z_loss``: a number or 0-d tensor (need ``layer``), one call each.
+
+    Without ``layer``, keys other than these are ignored (a ``MetricCollection`` passes
+    the same outputs to every metric); with ``layer`` they raise.
+
+    Example:
+        >>> import torch
+        >>> m = MoERoutingMetric(num_layers=1, num_experts=4, per_layer=False)
+        >>> routing_map = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+        >>> m.observe(0, routing_map=routing_map)  # counts 3, 2, 1, 0: one dead expert
+        >>> {k: round(v, 4) for k, v in m.calculate().items()}  # doctest: +NORMALIZE_WHITESPACE
+        {'moe/load_imbalance': 2.0, 'moe/cv': 0.7454, 'moe/dead_expert_fraction': 0.25,
+         'moe/load_imbalance_max': 2.0, 'moe/tokens_dropped': 0, 'moe/drop_fraction': 0.0}
+
+    With a megatron-core model::
+
+        moe = MoERoutingMetric(mesh, num_layers=4, num_experts=8, sequence_parallel=True)
+        hooks = register_router_hooks(model, moe)      # megatron-core TopKRouter modules
+        ...                                            # train as usual
+        results = moe.calculate()                      # {'moe/load_imbalance': ..., ...}
+
+    Args:
+        num_layers: number of layer slots (megatron-core's ``config.num_layers``; dense
+            layers simply stay empty and report nothing).
+        num_experts: experts per MoE layer.
+        sequence_parallel: TP ranks route disjoint tokens (Megatron sequence
+            parallelism, required by megatron-core for MoE training with TP > 1).
+        per_layer: also report the ``moe/layer{i}/...`` keys.
+        nan_policy: ``'propagate'`` (default): a non-finite router logit/prob or loss
+            shows as NaN/inf in the keys it feeds; ``'skip'``: that token's entropy or
+            that loss value is left out. Both report ``moe/nonfinite`` (tokens + losses)
+            when > 0.
+    """
+
+    fingerprint_exclude = ("per_layer",)
+
+    def __init__(self, device_mesh=None, process_group=None, *, num_layers: int, num_experts: int,
+                 sequence_parallel: bool = False, per_layer: bool = True,
+                 nan_policy: str = "propagate", **kwargs):
+        super().__init__(device_mesh, process_group, **kwargs)
+        for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{_NAME}: {name} must be a positive int, got {value!r}")
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.sequence_parallel = bool(sequence_parallel)
+        self.per_layer = bool(per_layer)
+        self.nan_policy = check_nan_policy(_NAME, nan_policy)
+        # Declared per instance: the scope depends on sequence_parallel.
+        scope = "model" if self.sequence_parallel else "stage"
+        L, E = num_layers, num_experts
+        for name, dtype, shape in (("counts", torch.int64, (L, E)), ("dropped", torch.int64, (L,)),
+                                   ("entropy_sum", torch.float64, (L,)),
+                                   ("entropy_tokens", torch.int64, (L,)),
+                                   ("aux_sum", torch.float64, (L,)), ("aux_calls", torch.int64, (L,)),
+                                   ("z_sum", torch.float64, (L,)), ("z_calls", torch.int64, (L,)),
+                                   ("nonfinite", torch.int64, (L,))):
+            self.add_state(name, State("sum", dtype, shape=shape, scope=scope))
+
+    # ------------------------------------------------------------------ input
+    def observe(self, layer: int, **fields) -> "MoERoutingMetric":
+        """One layer's routing: ``observe(3, routing_map=m, router_logits=x, aux_loss=a)``."""
+        return self.accumulate(None, fields, layer=layer)
+
+    def update(self, inputs, outputs, layer: Optional[int] = None):
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)
+                                  or not 0 <= layer < self.num_layers):
+            raise ValueError(f"{_NAME}: layer must be an int in [0, {self.num_layers}), got {layer!r}; "
+                             "pass the global 0-based MoE layer index (megatron-core: "
+                             "layer_number - 1) and size num_layers to the whole model")
+        if outputs is None:
+            return None
+        items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        out: Dict[str, torch.Tensor] = {}
+        for i, item in enumerate(items):
+            where = f"outputs[{i}]" if isinstance(outputs, (list, tuple)) else "outputs"
+            if not isinstance(item, Mapping):
+                raise TypeError(f"{_NAME}: {where} must be a dict of routing fields {list(_FIELDS)}, "
+                                f"got {type(item).__name__}")
+            for name, value in self._one(item, layer, where).items():
+                out[name] = value if name not in out else out[name] + value
+        return out or None
+
+    def _one(self, o: Mapping, layer: Optional[int], where: str) -> Dict[str, torch.Tensor]:
+        if layer is not None:
+            unknown = [k for k in o if k not in _FIELDS]
+            if unknown:
+                close = difflib.get_close_matches(str(unknown[0]), _FIELDS, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"{_NAME}: unknown field {unknown[0]!r} in {where}{hint}; expected "
+                                 f"any of {list(_FIELDS)}")
+        fields = {k: o[k] for k in _FIELDS if o.get(k) is not None}
+        if not fields:
+            return {}
+        if layer is None:
+            per_layer = [k for k in fields if k in ("routing_map", "router_logits", "router_probs",
+                                                    "token_mask", "aux_loss", "z_loss")]
+            if per_layer:
+                raise ValueError(f"{_NAME}: {where}[{per_layer[0]!r}] belongs to one layer but no layer "
+                                 "was given; pass accumulate(..., layer=i) or observe(i, ...)")
+        L, E = self.num_layers, self.num_experts
+        device = next((v.device for v in fields.values() if isinstance(v, torch.Tensor)), self._device)
+        out: Dict[str, torch.Tensor] = {}
+
+        def row(values: torch.Tensor, dtype) -> torch.Tensor:
+            """A [L, ...] contribution with ``values`` in the row of ``layer``."""
+            full = torch.zeros((L,) + tuple(values.shape), dtype=dtype, device=values.device)
+            full[layer] = values.to(dtype)
+            return full
+
+        lead = None  # leading (token) dims shared by routing_map, logits, probs, mask
+        for key in ("routing_map", "router_logits", "router_probs"):
+            if key in fields:
+                t = _tensor(key, fields[key], where)
+                if t.dim() < 1 or t.shape[-1] != E:
+                    raise ValueError(f"{_NAME}: {where}[{key!r}] must be [..., num_experts={E}], got "
+                                     f"shape {list(t.shape)}; pass the router's [tokens, experts] "
+                                     "tensor of this layer")
+                if lead is not None and tuple(t.shape[:-1]) != lead[1]:
+                    raise ValueError(f"{_NAME}: {where}[{key!r}] has tokens {list(t.shape[:-1])} but "
+                                     f"{lead[0]} has {list(lead[1])}; pass tensors of the same tokens")
+                lead = lead or (key, tuple(t.shape[:-1]))
+                fields[key] = t
+        mask = None
+        if "token_mask" in fields:
+            mask = _tensor("token_mask", fields["token_mask"], where)
+            if mask.is_floating_point() or mask.is_complex():
+                raise TypeError(f"{_NAME}: {where}['token_mask'] must be bool or integer (True: count "
+                                f"the token), got {mask.dtype}")
+            if lead is None or tuple(mask.shape) != lead[1]:
+                want = list(lead[1]) if lead else "the tokens of routing_map/router_logits/router_probs"
+                raise ValueError(f"{_NAME}: {where}['token_mask'] has shape {list(mask.shape)}, expected "
+                                 f"{want}; pass one flag per routed token")
+            mask = (mask != 0).reshape(-1).to(device)
+
+        if "routing_map" in fields:
+            m = fields["routing_map"]
+            if m.is_floating_point() or m.is_complex():
+                raise TypeError(f"{_NAME}: {where}['routing_map'] must be bool or integer 0/1, got "
+                                f"{m.dtype}; pass the router's boolean routing_map")
+            m = (m != 0).reshape(-1, E)
+            if mask is not None:
+                m = m & mask.unsqueeze(-1)
+            out["counts"] = row(m.sum(0, dtype=torch.int64), torch.int64)
+        if "expert_counts" in fields:
+            c = _tensor("expert_counts", fields["expert_counts"], where)
+            want = (E,) if layer is not None else (L, E)
+            if c.is_floating_point() or c.is_complex() or tuple(c.shape) != want:
+                raise ValueError(f"{_NAME}: {where}['expert_counts'] must be an integer tensor of shape "
+                                 f"{list(want)} ({'one layer' if layer is not None else 'every layer'}), "
+                                 f"got {c.dtype} {list(c.shape)}")
+            c = c.to(torch.int64)
+            c = row(c, torch.int64) if layer is not None else c
+            out["counts"] = c if "counts" not in out else out["counts"] + c
+        for key in ("router_logits", "router_probs"):
+            if key not in fields:
+                continue
+            if "router_logits" in fields and key == "router_probs":
+                raise ValueError(f"{_NAME}: {where} has both router_logits and router_probs; pass one "
+                                 "(the entropy is taken from it)")
+            x = fields[key]
+            if not x.is_floating_point():
+                raise TypeError(f"{_NAME}: {where}[{key!r}] must be a floating tensor, got {x.dtype}")
+            h, valid, bad = _entropy(x.reshape(-1, E), key == "router_logits")
+            keep = valid if mask is None else valid & mask
+            if self.nan_policy == "skip":
+                n_bad = (bad & keep).sum()
+                keep = keep & ~bad
+                out["nonfinite"] = row(n_bad, torch.int64)
+            else:
+                out["nonfinite"] = row((bad & keep).sum(), torch.int64)
+            h = torch.where(keep, h, torch.zeros((), dtype=h.dtype, device=h.device))
+            out["entropy_sum"] = row(h.sum(dtype=torch.float64), torch.float64)
+            out["entropy_tokens"] = row(keep.sum(), torch.int64)
+        if "tokens_dropped" in fields:
+            d = fields["tokens_dropped"]
+            if isinstance(d, torch.Tensor):
+                want = () if layer is not None else (L,)
+                if d.is_floating_point() or d.is_complex() or tuple(d.shape) != want:
+                    raise ValueError(f"{_NAME}: {where}['tokens_dropped'] must be an integer "
+                                     f"{'scalar' if layer is not None else f'tensor [{L}]'}, got "
+                                     f"{d.dtype} {list(d.shape)}")
+                d = d.to(torch.int64)
+            elif isinstance(d, bool) or not isinstance(d, int) or layer is None:
+                raise TypeError(f"{_NAME}: {where}['tokens_dropped'] must be an int (with layer) or an "
+                                f"integer tensor [{L}] (without), got {d!r}")
+            else:
+                d = torch.full((), d, dtype=torch.int64, device=device)  # a fill: no host copy
+            out["dropped"] = row(d, torch.int64) if layer is not None else d
+        for key, s_name, n_name in (("aux_loss", "aux_sum", "aux_calls"), ("z_loss", "z_sum", "z_calls")):
+            if key not in fields:
+                continue
+            v = fields[key]
+            if isinstance(v, torch.Tensor):
+                if v.numel() != 1 or not v.is_floating_point():
+                    raise ValueError(f"{_NAME}: {where}[{key!r}] must be one float value (a number or a "
+                                     f"0-d tensor), got {v.dtype} {list(v.shape)}")
+                v = v.detach().reshape(()).to(torch.float64)
+            elif isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{_NAME}: {where}[{key!r}] must be a number or a 0-d tensor, got "
+                                f"{type(v).__name__}")
+            else:
+                v = torch.full((), float(v), dtype=torch.float64, device=device)
+            ok = torch.isfinite(v)
+            if self.nan_policy == "skip":
+                v = torch.where(ok, v, torch.zeros_like(v))
+                calls = ok.to(torch.int64)
+            else:
+                calls = torch.ones((), dtype=torch.int64, device=v.device)
+            bad = row((~ok).to(torch.int64), torch.int64)
+            out["nonfinite"] = bad if "nonfinite" not in out else out["nonfinite"] + bad
+            out[s_name] = row(v, torch.float64)
+            out[n_name] = row(calls, torch.int64)
+        return out
+
+    def tp_mismatch_hint(self):
+        if not self.sequence_parallel:
+            return ("TP ranks routed different tokens: under sequence parallelism build the metric "
+                    "with sequence_parallel=True")
+        return None
+
+    # ---------------------------------------------------------------- results
+    def compute(self, s):
+        per: List[Tuple[int, Dict[str, float]]] = []
+        for i in range(self.num_layers):
+            r = _layer_stats(s, i, self.num_experts)
+            if r:
+                per.append((i, r))
+        if not per:
+            return {}
+        out: Dict[str, Any] = {}
+        names = ("load_imbalance", "cv", "dead_expert_fraction", "router_entropy", "aux_loss", "z_loss")
+        for name in names:
+            vals = [r[name] for _, r in per if name in r]
+            if vals:
+                out[f"moe/{name}"] = sum(vals) / len(vals)
+        imb = [r["load_imbalance"] for _, r in per if "load_imbalance" in r]
+        if imb:
+            out["moe/load_imbalance_max"] = max(imb)
+        routed = sum(sum(s["counts"][i]) for i, _ in per)
+        dropped = sum(s["dropped"][i] for i, _ in per)
+        if routed or dropped:
+            out["moe/tokens_dropped"] = dropped
+            out["moe/drop_fraction"] = dropped / (routed + dropped)
+        bad = sum(s["nonfinite"])
+        if bad:
+            out["moe/nonfinite"] = bad
+        if self.per_layer:
+            for i, r in per:
+                out.update({f"moe/layer{i}/{k}": v for k, v in r.items()})
+        return out
+
+
+def _layer_stats(s: Dict[str, Any], i: int, E: int) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    c = s["counts"][i]
+    total, dropped = sum(c), s["dropped"][i]
+    if total:
+        mean = total / E
+        var = sum((x - mean) ** 2 for x in c) / E
+        out["load_imbalance"] = max(c) / mean
+        out["cv"] = math.sqrt(var) / mean
+        out["dead_expert_fraction"] = sum(1 for x in c if x == 0) / E
+    if total or dropped:
+        out["tokens_dropped"] = dropped
+        out["drop_fraction"] = dropped / (total + dropped)
+    if s["entropy_tokens"][i]:
+        out["router_entropy"] = s["entropy_sum"][i] / s["entropy_tokens"][i]
+    if s["aux_calls"][i]:
+        out["aux_loss"] = s["aux_sum"][i] / s["aux_calls"][i]
+    if s["z_calls"][i]:
+        out["z_loss"] = s["z_sum"][i] / s["z_calls"][i]
+    return out
+
+
+def _tensor(key: str, value, where: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{_NAME}: {where}[{key!r}] must be a tensor, got {type(value).__name__}")
+    return value.detach()
+
+
+def _entropy(x: torch.Tensor, from_logits: bool):
+    """Per-token entropy (nats) of ``[tokens, E]`` logits or probabilities, with a
+    mask of tokens that have a distribution and one of non-finite results."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    if from_logits:
+        logp = torch.log_softmax(x, dim=-1)
+        p = logp.exp()
+        # 0 * log 0 = 0 for experts masked with -inf logits; NaN stays NaN (NaN != 0)
+        h = -torch.where(p == 0, torch.zeros((), dtype=p.dtype, device=p.device), p * logp).sum(-1)
+        valid = torch.ones(h.shape, dtype=torch.bool, device=h.device)
+    else:
+        total = x.sum(-1, keepdim=True)
+        valid = total.squeeze(-1) != 0
+        p = x / torch.where(total == 0, torch.ones_like(total), total)
+        h = -torch.special.xlogy(p, p).sum(-1)
+    return h, valid, ~torch.isfinite(h)
+
+
+# ------------------------------------------------------------------- megatron-core hooks
+#: megatron-core's router load-balancing types -> (tracker name, group its value is a part of)
+_AUX_TYPES = {"aux_loss": ("load_balancing_loss", "tp_cp_group"),
+              "seq_aux_loss": ("seq_load_balancing_loss", "tp_cp_group"),
+              "global_aux_loss": ("global_load_balancing_loss", "tp_dp_cp_group")}
+_WHEN = ("train", "always")
+
+
+class RouterHooks:
+    """What ``register_router_hooks`` installed; ``remove()`` takes all of it off.
+
+    Attributes:
+        layers: the layer index of each hooked router, in module order.
+    """
+
+    def __init__(self):
+        self.layers: List[int] = []
+        self._undo: List[Any] = []
+
+    def remove(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+def register_router_hooks(model, metric: MoERoutingMetric, *, when: str = "train") -> RouterHooks:
+    """Feed ``metric`` from every megatron-core ``TopKRouter`` of ``model`` (one line).
+
+    For each router call: the ``routing_map`` it returns (after capacity dropping;
+    tokens its ``padding_mask`` marks as padding are left out), the entropy of its
+    full score distribution (softmax of the gating logits, or the normalised sigmoid
+    scores for ``moe_router_score_function='sigmoid'``, as megatron-core's aux loss
+    scores them), the assignments dropped over capacity (``topk x tokens - routed``;
+    not reported with ``moe_pad_expert_input_to_capacity``), and the aux and z losses
+    the router itself computed (read from megatron-core's aux-loss tracker, unscaled by
+    their coefficients; enabled load-balancing types are summed into ``aux_loss``).
+
+    Megatron splits a loss over the ranks that share its tokens (the TP x CP group)
+    so that their values add up to the loss; each value is multiplied by that group's
+    size here, so that the mean over ranks and calls the metric reports is the loss of
+    a microbatch, averaged over microbatches and data-parallel ranks as Megatron logs
+    ``load_balancing_loss``. (Megatron's logged ``z_loss`` is the logging rank's value
+    divided by TP x CP size; ours is the mean over ranks of the undivided one.)
+
+    The layer index is ``router.layer_number - 1`` (global over pipeline stages), or
+    the router's position in ``model`` when no layer number was set (global only when
+    ``model`` holds every layer).
+
+    Args:
+        model: a module or a list of modules (virtual-pipeline chunks).
+        metric: the ``MoERoutingMetric`` to feed; ``num_experts`` must match the routers.
+        when: ``'train'`` (default): only calls in training mode with autograd enabled,
+            as megatron-core counts its aux losses, so evaluation passes are left out and
+            a token is counted once under activation recomputation (the checkpointed
+            first pass runs without autograd); ``'always'``: every call.
+
+    Returns:
+        ``RouterHooks``; ``.remove()`` takes the hooks off (also as a context manager).
+    """
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if not isinstance(metric, MoERoutingMetric):
+        raise TypeError(f"register_router_hooks: metric must be a MoERoutingMetric, got "
+                        f"{type(metric).__name__}")
+    if when not in _WHEN:
+        raise ValueError(f"register_router_hooks: when must be one of {list(_WHEN)}, got {when!r}")
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+    if not routers:
+        raise ValueError("register_router_hooks: no megatron-core TopKRouter in the model; build it with "
+                         "num_moe_experts set (or pass the model chunks that hold the MoE layers)")
+    hooks = RouterHooks()
+    try:
+        for pos, router in enumerate(routers):
+            layer = router.layer_number - 1 if router.layer_number is not None else pos
+            if not 0 <= layer < metric.num_layers:
+                raise ValueError(f"register_router_hooks: a router has layer index {layer} but the metric "
+                                 f"has num_layers={metric.num_layers}; build the metric with "
+                                 "num_layers = config.num_layers (plus MTP layers)")
+            if router.num_experts != metric.num_experts:
+                raise ValueError(f"register_router_hooks: router of layer {layer} has "
+                                 f"{router.num_experts} experts, the metric num_experts="
+                                 f"{metric.num_experts}; build the metric with the model's num_moe_experts")
+            _hook_router(router, layer, metric, hooks, when, moe_utils)
+            hooks.layers.append(layer)
+    except BaseException:
+        hooks.remove()
+        raise
+    return hooks
+
+
+def _group_size(group) -> int:
+    return group.size() if group is not None else 1
+
+
+def _hook_router(router, layer: int, metric: MoERoutingMetric, hooks: RouterHooks, when: str,
+                 moe_utils) -> None:
+    stash: Dict[str, Any] = {}
+    cfg = router.config
+
+    def active() -> bool:
+        return when == "always" or (router.training and torch.is_grad_enabled())
+
+    def losses():
+        """(tracker name, group size, is z) of the losses this call will record."""
+        if router.layer_number is None or not (router.training and torch.is_grad_enabled()):
+            return []
+        out = [(name, _group_size(getattr(router, group)), False)
+               for kind, (name, group) in _AUX_TYPES.items() if router.get_aux_loss_coeff(kind) > 0]
+        if cfg.moe_z_loss_coeff is not None:
+            out.append(("z_loss", _group_size(router.tp_cp_group), True))
+        return out
+
+    # The gating logits are not part of the router's output: keep the ones this call makes.
+    gating = router.gating
+
+    def keep_logits(*args, **kwargs):
+        logits = gating(*args, **kwargs)
+        if active():
+            stash["logits"] = logits.detach()
+        return logits
+
+    router.gating = keep_logits
+
+    def before(module, args, kwargs):
+        stash.clear()
+        if not active():
+            return
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        stash["before"] = {name: tracker[name]["values"][layer].detach().clone()
+                           for name, _, _ in losses() if name in tracker}
+
+    def after(module, args, kwargs, output):
+        if not active():
+            return
+        _, routing_map = output
+        fields: Dict[str, Any] = {"routing_map": routing_map}
+        padding = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
+        valid = None
+        if padding is not None:  # megatron-core's router: True marks padding
+            valid = ~padding.reshape(-1).bool()
+            fields["token_mask"] = valid
+        logits = stash.pop("logits", None)
+        if logits is not None:
+            logits = logits.reshape(-1, router.num_experts)
+            if router.score_function == "sigmoid":
+                fields["router_probs"] = torch.sigmoid(logits.float())
+            else:
+                fields["router_logits"] = logits
+        if cfg.moe_expert_capacity_factor is not None and not cfg.moe_pad_expert_input_to_capacity:
+            kept = routing_map if valid is None else routing_map & valid.unsqueeze(-1)
+            tokens = routing_map.shape[0] if valid is None else valid.sum()
+            fields["tokens_dropped"] = router.topk * tokens - kept.sum()
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        start = stash.pop("before", {})
+        aux = None
+        for name, size, is_z in losses():
+            if name not in tracker:
+                continue
+            value = tracker[name]["values"][layer].detach()
+            if name in start:
+                value = value - start[name]
+            value = value * size
+            if is_z:
+                fields["z_loss"] = value
+            else:
+                aux = value if aux is None else aux + value
+        if aux is not None:
+            fields["aux_loss"] = aux
+        metric.accumulate(None, fields, layer=layer)
+
+    pre = router.register_forward_pre_hook(before, with_kwargs=True)
+    post = router.register_forward_hook(after, with_kwargs=True)
+
+    def undo():
+        pre.remove()
+        post.remove()
+        if router.__dict__.get("gating") is keep_logits:
+            del router.gating
+
+    hooks._undo.append(undo)
