@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
 
 from parallel.groups import free_port  # noqa: E402
 from tests.moeref import reference  # noqa: E402
@@ -22,19 +21,10 @@ LAYERS, EXPERTS, TOPK, VOCAB, SEQ, BATCH = 2, 4, 2, 32, 8, 3
 
 
 def cpu_megatron():
-    """megatron-core's MoE on CPU: the schedules' shim, plus the router's weight move to
-    ``torch.cuda.current_device()`` and moe_utils' unguarded use of Transformer Engine's
-    GEMM (a NameError without TE in megatron-core 0.16)."""
-    import cpu_compat
+    """megatron-core's MoE on CPU: the package's shim covers the router and moe_utils."""
+    from twinkle_metrics import megatron_cpu
 
-    cpu_compat.enable()
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    import megatron.core.transformer.moe.router as router
-
-    if not torch.cuda.is_available():
-        router.torch = cpu_compat._CpuTorch()
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    megatron_cpu.enable()
 
 
 def build():

@@ -26,7 +26,11 @@ megatron-core 0.16 assumes CUDA in a few places a training step goes through:
 * ``transformer/utils.py`` builds the default causal mask (``attention_mask=None`` with
   a causal attention mask type, e.g. the local layer spec) and the sliding-window mask
   with ``device="cuda"``;
-* attention forks the CUDA RNG tracker (``tensor_parallel/random.py``) even with dropout 0.
+* attention forks the CUDA RNG tracker (``tensor_parallel/random.py``) even with dropout 0;
+* MoE: ``transformer/moe/router.py`` moves the router weight to
+  ``torch.cuda.current_device()``, and ``transformer/moe/moe_utils.py`` names Transformer
+  Engine's GEMM without a guard (a NameError without Transformer Engine). MoE layers on
+  CPU also need ``moe_token_dispatcher_type="allgather"`` (all-to-all uses CUDA streams).
 
 ``enable()`` replaces the name ``torch`` *inside those modules only* with a thin proxy
 that sends CUDA device arguments to the CPU and makes ``torch.cuda.synchronize`` a no-op,
@@ -49,6 +53,7 @@ _PATCHED_MODULES = (
     "megatron.core.tensor_parallel.layers",
     "megatron.core.utils",
     "megatron.core.transformer.utils",
+    "megatron.core.transformer.moe.router",
 )
 _enabled = False
 log = logging.getLogger(__name__)
@@ -169,6 +174,9 @@ def enable(force: bool = False) -> bool:
     for name in _PATCHED_MODULES:
         module = importlib.import_module(name)
         module.torch = proxy
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _enabled = True

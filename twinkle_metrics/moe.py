@@ -75,7 +75,7 @@ class MoERoutingMetric(Metric):
         >>> import torch
         >>> m = MoERoutingMetric(num_layers=1, num_experts=4, per_layer=False)
         >>> routing_map = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
-        >>> m.observe(0, routing_map=routing_map)  # counts 3, 2, 1, 0: one dead expert
+        >>> _ = m.observe(0, routing_map=routing_map)  # counts 3, 2, 1, 0: one dead expert
         >>> {k: round(v, 4) for k, v in m.calculate().items()}  # doctest: +NORMALIZE_WHITESPACE
         {'moe/load_imbalance': 2.0, 'moe/cv': 0.7454, 'moe/dead_expert_fraction': 0.25,
          'moe/load_imbalance_max': 2.0, 'moe/tokens_dropped': 0, 'moe/drop_fraction': 0.0}
