@@ -6,16 +6,13 @@ what the routers themselves returned and megatron-core's aux-loss tracker holds
 """
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from parallel.groups import free_port  # noqa: E402
-from tests.moeref import reference  # noqa: E402
-from twinkle_metrics import DeviceMesh, MoERoutingMetric, register_router_hooks  # noqa: E402
+from parallel.groups import free_port
+from tests.moeref import reference
+from twinkle_metrics import DeviceMesh, MoERoutingMetric, register_router_hooks
 
 LAYERS, EXPERTS, TOPK, VOCAB, SEQ, BATCH = 2, 4, 2, 32, 8, 3
 
