@@ -49,12 +49,12 @@ def sync_check(names, dev):
     big = {k: to_dev(v, dev) for k, v in workloads().items()}
     for name in names:
         m = suite.ours_classes([name])[name]()
-        calls = [("standard batch", lambda: suite._accumulate_ours(name, m, b))]
+        calls = [("standard batch", lambda name=name, m=m: suite._accumulate_ours(name, m, b))]
         for key in (name, name + ":ragged"):
             if key in big:
                 w = big[key]
                 label = "benchmark workload" + (" (ragged host lists)" if key.endswith("ragged") else "")
-                calls.append((label, lambda w=w: m.accumulate(w["inputs"], w["outputs"], **w["kwargs"])))
+                calls.append((label, lambda w=w, m=m: m.accumulate(w["inputs"], w["outputs"], **w["kwargs"])))
         row = {}
         for label, call in calls:
             call()  # warm-up: lazy allocations outside the check

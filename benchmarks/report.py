@@ -64,7 +64,8 @@ def accumulate(doc):
 def memory(doc):
     b, s, v = doc["shape"]
     lines = [_header(doc), "", f"logits [{b}, {s}, {v}] float32, vocab-sharded over TP",
-             "", "| case | TP | implementation | logits per rank MiB | extra MiB | extra / logits |", "|---|---|---|---|---|---|"]
+             "", "| case | TP | implementation | logits per rank MiB | extra MiB | extra / logits |",
+             "|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         impl = r["impl"] + (f" (entropy_chunk_size={r['entropy_chunk_size']})" if r.get("entropy_chunk_size") else "")
         lines.append(f"| {r['case']} | {r['tp']} | {impl} | {r['logits_mib_per_rank']:.0f} | "

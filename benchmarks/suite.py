@@ -177,7 +177,8 @@ def _tm_spec(b) -> Dict[str, Dict[str, tuple]]:
                         "lr": ("max", torch.tensor(b["lr"]), None)},
         "EmbeddingMetric": {"pos_sim": ("mean", pos.mean(), pos.numel()), "pos_sim_min": ("min", pos.amin(), None),
                             "pos_sim_max": ("max", pos.amax(), None), "neg_sim": ("mean", sim.mean(), sim.numel()),
-                            "loss": ("mean", b["loss_sum"], 1), "grad_norm": ("max", torch.tensor(b["grad_norm"]), None)},
+                            "loss": ("mean", b["loss_sum"], 1),
+                            "grad_norm": ("max", torch.tensor(b["grad_norm"]), None)},
         "CompletionRewardMetric": {"reward": ("mean", rew.mean(), rew.numel()),
                                    "reward_sq": ("mean", (rew * rew).mean(), rew.numel()),
                                    "completion_length": ("mean", lens.mean(), lens.numel()),
@@ -263,9 +264,9 @@ class GatherFloor(Floor):
     label = "floor_gather"
 
     def calculate(self):
-        from parallel.groups import all_gather_rows
-
         import torch.distributed as dist
+
+        from parallel.groups import all_gather_rows
         all_gather_rows(self.buf, self.group or dist.group.WORLD)
         return {}
 

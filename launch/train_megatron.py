@@ -34,8 +34,8 @@ from functools import partial
 import common  # also puts the repository on sys.path
 import torch
 import torch.distributed as dist
-
 from common import DebugDump, init_torch_distributed, make_run_dir, print_rank0, read_env
+
 from parallel import DeviceMesh
 from twinkle_metrics.factory import build_metrics, config_path, load_config, split_feeds
 from twinkle_metrics.loggers import Progress, build_loggers

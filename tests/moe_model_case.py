@@ -46,8 +46,7 @@ def main():
     dist.init_process_group("gloo", rank=0, world_size=1)
     cpu_megatron()
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
-                                                         get_moe_layer_wise_logging_tracker)
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
     from megatron.core.transformer.moe.router import TopKRouter
 
     ps.initialize_model_parallel(create_gloo_process_groups=False)

@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from parallel import DeviceMesh
 from parallel.groups import free_port
-from tests.test_metrics_rl_dist import N_SEQ, SEQ_LEN, SEED, _accumulate, _metrics
 from tests.refmetric import cp_slice, dp_shards
 from tests.rlref import make_rl_batch
+from tests.test_metrics_rl_dist import N_SEQ, SEED, SEQ_LEN, _accumulate, _metrics
 from twinkle_metrics import LossMetric, MetricSyncError
 
 pytestmark = pytest.mark.xdist_group("dist")

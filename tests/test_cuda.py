@@ -9,8 +9,17 @@ import pytest
 import torch
 
 from tests.rlref import make_rl_batch, ragged
-from twinkle_metrics import (Accuracy, CISPOMetric, CompletionRewardMetric, DPOMetric, EmbeddingMetric,
-                             GRPOMetric, GSPOMetric, LossMetric, TrainMetric)
+from twinkle_metrics import (
+    Accuracy,
+    CISPOMetric,
+    CompletionRewardMetric,
+    DPOMetric,
+    EmbeddingMetric,
+    GRPOMetric,
+    GSPOMetric,
+    LossMetric,
+    TrainMetric,
+)
 from twinkle_metrics.testing import assert_results_close
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import DeviceMesh
-from twinkle_metrics import (Accuracy, DPOMetric, EmbeddingMetric, GRPOMetric, GSPOMetric, LossMetric,
-                             MetricCollection)
+from twinkle_metrics import Accuracy, DPOMetric, EmbeddingMetric, GRPOMetric, GSPOMetric, LossMetric, MetricCollection
 from twinkle_metrics.testing import state_dict_differences
 
 pytestmark = pytest.mark.xdist_group("dist")
@@ -133,7 +132,7 @@ def test_rejected_input_raises_on_every_rank_of_the_group(dist_pool, kind, bad_r
     out = dist_pool.run(case_reject, kind, bad_rank, bad)
     group = out[bad_rank][2]
     assert bad_rank in group and len(group) > 1
-    for rank, (outcome, unchanged, ranks, got, want) in enumerate(out):
+    for rank, (outcome, unchanged, _ranks, got, want) in enumerate(out):
         if rank == bad_rank:
             assert outcome is not None and outcome[0] in ("ValueError", "TypeError"), outcome
         elif rank in group:
@@ -151,7 +150,7 @@ def test_rejected_input_raises_on_every_rank_of_the_group(dist_pool, kind, bad_r
 
 def test_tp_peers_with_different_token_counts_both_raise(dist_pool):
     out = dist_pool.run(case_reject, "accuracy", 3, "tokens")
-    for rank, (outcome, unchanged, ranks, got, want) in enumerate(out):
+    for rank, (outcome, unchanged, _ranks, got, want) in enumerate(out):
         if rank in (2, 3):
             assert outcome is not None and outcome[0] == "ValueError", (rank, outcome)
             assert "TP ranks hold different vocab-parallel logits" in outcome[1]

@@ -12,10 +12,8 @@ import torch
 
 import twinkle_metrics
 from parallel import DeviceMesh
-from twinkle_metrics import Metric, MetricCollection, State
-from twinkle_metrics import factory, loggers
-from twinkle_metrics.factory import (apply_overrides, build_metrics, feed_of, load_config,
-                                     register_metric, split_feeds)
+from twinkle_metrics import Metric, MetricCollection, State, factory, loggers
+from twinkle_metrics.factory import apply_overrides, build_metrics, feed_of, load_config, register_metric, split_feeds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -179,7 +177,7 @@ def test_jsonl_and_fan_out(tmp_path, capsys):
     logger.log({"loss": 2.5, "accuracy": 0.25, "total_tokens": 12, "nan": float("nan")}, 4)
     logger.log({"loss": 2.0}, 8)
     logger.close()
-    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4, 8]
     assert rows[0]["loss"] == 2.5 and rows[0]["total_tokens"] == 12 and rows[0]["nan"] is None
     out = capsys.readouterr().out
@@ -211,7 +209,7 @@ def test_wandb_missing_is_skipped(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     logger = loggers.build_loggers(["wandb", "jsonl"], str(tmp_path))
-    assert [type(l) for l in logger.loggers] == [loggers.JsonlLogger]
+    assert [type(sink) for sink in logger.loggers] == [loggers.JsonlLogger]
     assert "wandb is not installed" in capsys.readouterr().err
     logger.close()
 

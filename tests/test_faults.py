@@ -13,8 +13,19 @@ import torch
 
 from tests.refmetric import TokenStats, make_batch
 from tests.rlref import make_rl_batch
-from twinkle_metrics import (Accuracy, CISPOMetric, CompletionRewardMetric, DPOMetric, EmbeddingMetric,
-                             GRPOMetric, LossMetric, Metric, MetricCollection, State, TrainMetric)
+from twinkle_metrics import (
+    Accuracy,
+    CISPOMetric,
+    CompletionRewardMetric,
+    DPOMetric,
+    EmbeddingMetric,
+    GRPOMetric,
+    LossMetric,
+    Metric,
+    MetricCollection,
+    State,
+    TrainMetric,
+)
 from twinkle_metrics.testing import merged_results, state_dict_differences
 
 

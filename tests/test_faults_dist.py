@@ -14,8 +14,17 @@ import torch.distributed as dist
 
 from parallel import DeviceMesh
 from tests.refmetric import TokenStats, make_batch, shard_for_rank
-from twinkle_metrics import (Accuracy, CompletionRewardMetric, DPOMetric, LossMetric, Metric,
-                             MetricCollection, MetricSyncError, State, TrainMetric)
+from twinkle_metrics import (
+    Accuracy,
+    CompletionRewardMetric,
+    DPOMetric,
+    LossMetric,
+    Metric,
+    MetricCollection,
+    MetricSyncError,
+    State,
+    TrainMetric,
+)
 from twinkle_metrics.testing import CollectiveCounter
 
 pytestmark = pytest.mark.xdist_group("dist")
@@ -76,7 +85,7 @@ def case_rewards_on_last_stage(source):
 def _rewards_on_last_stage(mesh):
     m = CompletionRewardMetric(mesh, num_generations=4)  # names created on first sight
     out = []
-    for interval in range(3):
+    for _interval in range(3):
         if mesh.is_last_stage:
             rewards, lens, _ = _reward_batch(mesh.dp_rank, mesh.dp_size)
             m.accumulate(rewards=rewards, completion_lengths=lens)

@@ -57,9 +57,9 @@ def test_layouts_match_megatron(dist_pool, sizes):
 
 
 def case_deepspeed_and_torch():
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
-    from torch.distributed.device_mesh import init_device_mesh
     import deepspeed
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
+    from torch.distributed.device_mesh import init_device_mesh
 
     deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing process group
     topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)

@@ -166,7 +166,7 @@ def test_loss_func_returns_megatron_triple_and_feeds_loss_metric():
         mask = (torch.rand(2, 7, generator=g) > 0.4).float()
         with forbid_device_waits():
             loss, n, report = partial(tm_megatron.loss_func, mask, metric=m)(losses)
-        want = sum(l * k for l, k in zip(losses.detach().flatten().tolist(), mask.flatten().tolist()))
+        want = sum(x * k for x, k in zip(losses.detach().flatten().tolist(), mask.flatten().tolist()))
         assert loss.requires_grad and loss.item() == pytest.approx(want, rel=1e-6)
         assert n.dtype == torch.int and int(n) == int(mask.sum())
         assert list(report) == ["lm loss"] and not report["lm loss"].requires_grad
@@ -220,8 +220,8 @@ def _check(ranks, tp):
         loss_sum = tokens = correct = 0.0
         for mb in interval["microbatches"]:
             for l_row, m_row, y_row, p_row in zip(mb["losses"], mb["mask"], mb["labels"], mb["pred"]):
-                for l, m, y, p in zip(l_row, m_row, y_row, p_row):
-                    loss_sum += l * m
+                for x, m, y, p in zip(l_row, m_row, y_row, p_row):
+                    loss_sum += x * m
                     tokens += m
                     correct += m * (p == y)
         got = interval["results"]

@@ -66,7 +66,7 @@ def case_destroyed_world():
 
 def test_created_groups_inherit_the_init_timeout_and_a_missing_rank_fails_fast(short_pool):
     out = short_pool.run(case_timeout_inherited, timeout=120)
-    for rank, (default, held, explicit, kind, text, elapsed) in enumerate(out):
+    for rank, (default, held, explicit, kind, _text, elapsed) in enumerate(out):
         assert default == timedelta(seconds=INIT_TIMEOUT_S)
         assert held == {n: default for n in held}, held
         assert explicit == timedelta(seconds=9)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from twinkle_metrics import (Accuracy, EmbeddingMetric, LossMetric, MetricCollection, TrainMetric)
+from twinkle_metrics import Accuracy, EmbeddingMetric, LossMetric, MetricCollection, TrainMetric
 from twinkle_metrics.kernels.argmax import _ordered_f32, _ordered_f64, argmax_keys, argmax_of_keys
 from twinkle_metrics.testing import assert_results_close, forbid_device_waits
 
@@ -169,7 +169,8 @@ def test_loss_errors_and_skips():
     feats = [{"labels": labels[:2]}, {"labels": labels[2:]}]
     with pytest.raises(ValueError, match=r"LossMetric: outputs\['loss'\] has 3 entries but there are 2"):
         LossMetric().accumulate(feats, {"loss": [1.0, 2.0, 3.0]})
-    with pytest.raises(ValueError, match=r"LossMetric: outputs\['num_tokens'\] has 1 entries but outputs\['loss'\] has 2"):
+    with pytest.raises(ValueError,
+                       match=r"LossMetric: outputs\['num_tokens'\] has 1 entries but outputs\['loss'\] has 2"):
         LossMetric(loss_reduction="sum").accumulate(None, {"loss": [1.0, 2.0], "num_tokens": [3]})
     with pytest.raises(ValueError, match="LossMetric: got 2 input microbatches but 3 loss reports"):
         LossMetric().accumulate(feats, [{"lm loss": torch.tensor([1.0, 2.0])}] * 3)
@@ -179,7 +180,8 @@ def test_loss_errors_and_skips():
         LossMetric(loss_reduction="avg")
     with pytest.raises(TypeError, match=r"LossMetric: outputs\['loss'\] must be a number or a tensor, got str"):
         LossMetric().accumulate(None, {"loss": "0.5"})
-    with pytest.raises(ValueError, match=r"LossMetric: outputs\['loss'\] must be a scalar, got a tensor of shape \[4, 6\]"):
+    with pytest.raises(ValueError,
+                       match=r"LossMetric: outputs\['loss'\] must be a scalar, got a tensor of shape \[4, 6\]"):
         LossMetric().accumulate(None, {"loss": torch.zeros(4, 6)})
     with pytest.raises(TypeError, match="LossMetric: labels must have an integer dtype"):
         LossMetric(loss_reduction="sum").accumulate({"labels": labels.float()}, {"loss": 1.0})

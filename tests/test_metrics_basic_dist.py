@@ -10,8 +10,7 @@ import torch
 
 from parallel import DeviceMesh
 from tests.refmetric import cp_slice
-from twinkle_metrics import (Accuracy, EmbeddingMetric, LossMetric, MetricCollection, TrainMetric,
-                             vocab_parallel_argmax)
+from twinkle_metrics import Accuracy, EmbeddingMetric, LossMetric, MetricCollection, TrainMetric, vocab_parallel_argmax
 from twinkle_metrics.testing import assert_results_close, forbid_device_waits
 
 pytestmark = pytest.mark.xdist_group("dist")
@@ -132,7 +131,7 @@ def _check(out, seed):
     whole = whole_results(seed)
     labels, _, _ = lm_batch(seed)
     n_tokens = int((labels != -100).sum())
-    for res, tp_rank, _ in out:
+    for res, _tp_rank, _ in out:
         got = {k: v for k, v in res.items() if k.split("/")[0] in ("acc", "loss", "emb")}
         assert_results_close(got, whole, rel=1e-12)
         assert res["learning rate(param group 2)"] == 1e-4 and res["iters"] == 3

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from tests.rlref import make_rl_batch, ragged, ref_dpo, ref_entropy, ref_grpo, ref_rewards
-from twinkle_metrics import (CISPOMetric, CompletionRewardMetric, DPOMetric, GRPOMetric, GSPOMetric,
-                             MetricCollection)
+from twinkle_metrics import CISPOMetric, CompletionRewardMetric, DPOMetric, GRPOMetric, GSPOMetric, MetricCollection
 from twinkle_metrics.testing import assert_results_close, forbid_device_waits
 
 REL = 1e-10

@@ -10,8 +10,7 @@ import torch.distributed as dist
 from parallel import DeviceMesh
 from tests.refmetric import cp_slice, dp_shards
 from tests.rlref import make_rl_batch, ragged, ref_entropy
-from twinkle_metrics import (CISPOMetric, CompletionRewardMetric, DPOMetric, GRPOMetric, GSPOMetric,
-                             MetricCollection)
+from twinkle_metrics import CISPOMetric, CompletionRewardMetric, DPOMetric, GRPOMetric, GSPOMetric, MetricCollection
 from twinkle_metrics.testing import CollectiveCounter, assert_results_close, forbid_device_waits
 
 pytestmark = pytest.mark.xdist_group("dist")

@@ -7,8 +7,16 @@ import pytest
 import torch
 
 from tests.rlref import make_rl_batch, ref_dpo, ref_grpo
-from twinkle_metrics import (CISPOMetric, CompletionRewardMetric, DPOMetric, EmbeddingMetric, GRPOMetric,
-                             GSPOMetric, LossMetric, MetricCollection)
+from twinkle_metrics import (
+    CISPOMetric,
+    CompletionRewardMetric,
+    DPOMetric,
+    EmbeddingMetric,
+    GRPOMetric,
+    GSPOMetric,
+    LossMetric,
+    MetricCollection,
+)
 from twinkle_metrics.testing import assert_results_close, forbid_device_waits, state_dict_differences
 
 NAN, INF = math.nan, math.inf

@@ -93,6 +93,7 @@ def case_gpt_norms():
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
+
     from twinkle_metrics import ModelNormMetric
 
     full, full_grad, full_param = _full_model(tm, ps)

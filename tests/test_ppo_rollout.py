@@ -10,8 +10,7 @@ import torch
 from tests.rlref import make_ppo_batch, ragged, ref_ppo_value, ref_rollout
 from twinkle_metrics import GRPOMetric, MetricCollection, PPOValueMetric, RolloutMismatchMetric
 from twinkle_metrics.factory import build_metrics
-from twinkle_metrics.testing import (assert_results_close, forbid_device_waits, merged_results,
-                                     state_dict_differences)
+from twinkle_metrics.testing import assert_results_close, forbid_device_waits, merged_results, state_dict_differences
 
 REL = 1e-10
 
@@ -253,7 +252,8 @@ def test_errors_name_metric_field_and_expected():
          r"PPOValueMetric: old_values has 3 entries; expected one per microbatch \(1\) or one per sequence \(12\)"),
         (v, ({"labels": lab}, {"logps": b["values"]}), {"returns": b["returns"]}, ValueError,
          r"PPOValueMetric: outputs of microbatch 0 have no 'values'"),
-        (v, (None, {"values": b["values"]}), {}, ValueError, r"PPOValueMetric: outputs\['values'\] given but inputs is None"),
+        (v, (None, {"values": b["values"]}), {}, ValueError,
+         r"PPOValueMetric: outputs\['values'\] given but inputs is None"),
         (v, ({"labels": lab}, {"values": "x"}), {}, TypeError, r"PPOValueMetric: outputs\['values'\] must be a tensor"),
         (v, ({"labels": lab}, {"values": b["values"]}), {"old_value": b["old"]}, TypeError,
          r"unexpected keyword argument 'old_value'; did you mean 'old_values'"),

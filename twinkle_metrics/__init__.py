@@ -2,19 +2,19 @@
 from parallel import DeviceMesh
 
 from .accuracy import Accuracy
-from .kernels.argmax import vocab_parallel_argmax
 from .base import Metric, UnknownArgumentWarning
 from .collection import MetricCollection
 from .data_format import InputFeature, ModelOutput
 from .dpo import DPOMetric
 from .embedding import EmbeddingMetric
 from .grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
+from .kernels.argmax import vocab_parallel_argmax
 from .loss import LossMetric
 from .microbatch import microbatches
+from .moe import MoERoutingMetric, register_router_hooks
+from .norms import ModelNormMetric
 from .pending import CalculateHandle
 from .ppo_value import PPOValueMetric
-from .norms import ModelNormMetric
-from .moe import MoERoutingMetric, register_router_hooks
 from .reward import CompletionRewardMetric
 from .rollout import RolloutMismatchMetric
 from .state import State

@@ -57,7 +57,7 @@ def host_max(metric: str, values: Sequence[int], group, cpu_group=None) -> List[
                       "could be made, so host-known sizes are exchanged on the device and read back "
                       "(one device wait per accumulate); make gloo available, or pass a gloo group "
                       "(EmbeddingMetric: size_group=, e.g. megatron's "
-                      "get_data_parallel_group_gloo(with_context_parallel=True))")
+                      "get_data_parallel_group_gloo(with_context_parallel=True))", stacklevel=2)
     from parallel import comm_device
 
     t = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))

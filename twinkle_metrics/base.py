@@ -25,9 +25,9 @@ import torch
 
 from parallel import DeviceMesh, as_device_mesh, dist_ready, group_size
 
-from .state import State, _as_tensor
 from . import pending
 from .exchange import join_failed
+from .state import State, _as_tensor
 from .sync import sync_and_compute
 
 #: Keyword arguments of ``accumulate`` that some metric's ``update`` names. A trainer

@@ -95,7 +95,7 @@ class MetricCollection:
     def _combine(self, per_metric: List[Dict[str, Any]]) -> Dict[str, Any]:
         """One dict from the per-metric results, keys prefixed by the metrics' names."""
         out: Dict[str, Any] = {}
-        for (name, m), results in zip(self._items, per_metric):
+        for (name, _m), results in zip(self._items, per_metric):
             for key, value in results.items():
                 full = f"{name}/{key}" if name else key
                 if full in out:  # raised before any reset: the interval is not lost

@@ -6,7 +6,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import exchange
-from ._checks import float_tensor, nan_policy as check_nan_policy, nonfinite
+from ._checks import float_tensor, nonfinite
+from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .microbatch import has_field, microbatches
 from .rl_inputs import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask

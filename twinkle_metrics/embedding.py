@@ -10,7 +10,8 @@ from parallel import comm_device
 from parallel.groups import all_gather_rows, group_rank, group_size
 
 from . import exchange
-from ._checks import add, f64, int_tensor, nan_policy as check_nan_policy, nonfinite, scalar
+from ._checks import add, f64, int_tensor, nonfinite, scalar
+from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .microbatch import as_feature_list, has_field, microbatches
 from .rl_inputs import cp_lead
@@ -83,8 +84,9 @@ class EmbeddingMetric(Metric):
         >>> emb = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
         >>> m = EmbeddingMetric()  # rows 0 and 2 are anchors, rows 1 and 3 their positives
         >>> _ = m.accumulate({"labels": torch.tensor([1, 0, 1, 0])}, {"embeddings": emb})
-        >>> {k: round(v, 4) for k, v in m.calculate().items()}
-        {'pos_sim': 0.9, 'pos_sim_min': 0.8, 'pos_sim_max': 1.0, 'in_batch_accuracy': 1.0, 'neg_sim': 0.3, 'margin': 0.6}
+        >>> {k: round(v, 4) for k, v in m.calculate().items()}  # doctest: +NORMALIZE_WHITESPACE
+        {'pos_sim': 0.9, 'pos_sim_min': 0.8, 'pos_sim_max': 1.0, 'in_batch_accuracy': 1.0, 'neg_sim': 0.3,
+         'margin': 0.6}
     """
 
     pos_sum = State("sum")

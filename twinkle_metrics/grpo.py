@@ -10,7 +10,8 @@ import torch
 from parallel import group_rank, group_size
 
 from . import exchange
-from ._checks import as_tensor, float_tensor, nan_policy as check_nan_policy, nonfinite
+from ._checks import as_tensor, float_tensor, nonfinite
+from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .kernels import entropy
 from .microbatch import has_field, microbatches

@@ -7,7 +7,8 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from ._checks import add, f64, int_tensor, nan_policy as check_nan_policy, nonfinite, scalar
+from ._checks import add, f64, int_tensor, nonfinite, scalar
+from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .microbatch import as_feature_list
 from .state import State

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from parallel import group_rank
+
 from . import _compat
 from .base import Metric
 from .state import State

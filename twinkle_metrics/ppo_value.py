@@ -5,7 +5,8 @@ from typing import Any, Dict, List
 
 import torch
 
-from ._checks import nan_policy as check_nan_policy, nonfinite
+from ._checks import nan_policy as check_nan_policy
+from ._checks import nonfinite
 from .base import Metric
 from .microbatch import has_field
 from .moments import chan, moments, moments_state

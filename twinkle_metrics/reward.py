@@ -7,7 +7,8 @@ from typing import Any, Dict, Hashable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from ._checks import nan_policy as check_nan_policy, nonfinite
+from ._checks import nan_policy as check_nan_policy
+from ._checks import nonfinite
 from .base import Metric
 from .moments import moments, moments_state
 from .rl_inputs import cp_lead

@@ -9,7 +9,8 @@ import torch
 from parallel import group_rank, group_size
 
 from . import exchange
-from ._checks import nan_policy as check_nan_policy, nonfinite
+from ._checks import nan_policy as check_nan_policy
+from ._checks import nonfinite
 from .base import Metric
 from .rl_inputs import aligned_microbatches, cp_sum
 from .state import State

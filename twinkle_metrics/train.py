@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from parallel.groups import world_size
+
 from .base import Metric
 from .state import State
 
