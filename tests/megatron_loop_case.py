@@ -101,7 +101,7 @@ def main():
     if ps.is_pipeline_last_stage():
         model.output_layer.register_forward_hook(reference_hook)
 
-    setup, loop = readme_blocks()
+    setup, loop = readme_blocks()[:2]  # the recipe: metrics and hook, then the loop
     ns = {"model": model}
     exec(compile(setup, "README.md (Megatron setup)", "exec"), ns)
     readme_forward_step = ns["forward_step_func"]

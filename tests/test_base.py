@@ -211,6 +211,18 @@ def test_guard_catches_waits():
     assert t.sum().item() == 3.0 and torch.equal(t, t)  # restored afterwards
 
 
+def test_guard_leaves_torch_as_it_was():
+    """The guard restores torch exactly: no attribute of torch.Tensor or torch changes, and
+    tensors of 0-d tensors still build (a Tensor.__getitem__ once assigned would make
+    tensors look like sequences to torch.tensor)."""
+    before = (dict(vars(torch.Tensor)), dict(vars(torch)))
+    with forbid_device_waits():
+        pass
+    assert (dict(vars(torch.Tensor)), dict(vars(torch))) == before
+    t = torch.tensor(2.0)
+    assert torch.tensor([[t, t]]).tolist() == [[2.0, 2.0]]
+
+
 def test_state_dict_roundtrip_and_errors():
     labels, values = make_batch(6)
     m = TokenStats().accumulate({"labels": labels}, {"values": values})

@@ -25,6 +25,7 @@ import math
 from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ._host import host_reads_active
 
@@ -63,24 +64,24 @@ def intercept_device_waits(on_wait: Callable[[str], None]):
                 return original(*args, **kwargs)
             finally:
                 depth[0] -= 1
-        saved.append((owner, name, original))
+        saved.append((owner, name, vars(owner).get(name)))
         setattr(owner, name, wrapped)
-
-    orig_getitem, orig_setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
 
     def bool_mask(index) -> bool:
         parts = index if isinstance(index, tuple) else (index,)
         return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
 
-    def getitem(self, index):
-        if bool_mask(index):
-            report("bool_mask_index")
-        return orig_getitem(self, index)
+    indexing = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
 
-    def setitem(self, index, value):  # x[mask] = v finds the masked positions on the host
-        if bool_mask(index):
-            report("bool_mask_index")
-        return orig_setitem(self, index, value)
+    class MaskIndexing(TorchFunctionMode):
+        """x[mask] and x[mask] = v find the masked positions on the host. Seen through a
+        torch-function mode: assigning Tensor.__getitem__ (even when restored or deleted
+        afterwards) would give torch.Tensor a sequence slot for good."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in indexing and len(args) > 1 and bool_mask(args[1]):
+                report("bool_mask_index")
+            return func(*args, **(kwargs or {}))
 
     def conditional(owner, name, waits, label):
         """Wrap a call that waits only for some arguments (``waits(*args, **kwargs)``)."""
@@ -90,7 +91,7 @@ def intercept_device_waits(on_wait: Callable[[str], None]):
             if waits(*args, **kwargs):
                 report(label)
             return original(*args, **kwargs)
-        saved.append((owner, name, original))
+        saved.append((owner, name, vars(owner).get(name)))
         setattr(owner, name, wrapped)
 
     # where(cond) is nonzero(cond, as_tuple=True); repeat_interleave with tensor repeats and
@@ -106,15 +107,17 @@ def intercept_device_waits(on_wait: Callable[[str], None]):
         wrap(torch.Tensor, name, getattr(torch.Tensor, name), name.strip("_"))
     for name in _TORCH_FUNCS:
         wrap(torch, name, getattr(torch, name), name)
-    saved.append((torch.Tensor, "__getitem__", orig_getitem))
-    saved.append((torch.Tensor, "__setitem__", orig_setitem))
-    torch.Tensor.__getitem__ = getitem
-    torch.Tensor.__setitem__ = setitem
     try:
-        yield
+        with MaskIndexing():
+            yield
     finally:
+        # Put back exactly what the owner's own namespace held: an attribute it only
+        # inherited is deleted, not set.
         for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
 
 
 @contextlib.contextmanager
