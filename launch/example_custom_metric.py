@@ -16,7 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel import DeviceMesh  # noqa: E402
-from twinkle_metrics import Metric, MetricCollection, State, microbatches  # noqa: E402
+from twinkle_metrics import Metric, MetricCollection, State, fold, microbatches  # noqa: E402
 
 
 class MaskedMean(Metric):
@@ -27,13 +27,12 @@ class MaskedMean(Metric):
     peak = State("max")
 
     def update(self, inputs, outputs, **kwargs):
-        out = {"total": 0.0, "count": 0}
+        out = {}
         for feat, o in microbatches("MaskedMean", inputs, outputs, ("values",)):
             mask = feat["labels"] != -100
-            out["total"] = out["total"] + (o["values"] * mask).sum()
-            out["count"] = out["count"] + mask.sum()
-            peak = torch.where(mask, o["values"], -torch.inf).amax()
-            out["peak"] = peak if "peak" not in out else torch.maximum(out["peak"], peak)
+            fold.add(out, "total", (o["values"] * mask).sum())
+            fold.add(out, "count", mask.sum())
+            fold.maximum(out, "peak", torch.where(mask, o["values"], -torch.inf).amax())
         return out
 
     def compute(self, s):

@@ -197,7 +197,8 @@ def test_guard_catches_waits():
              lambda: t[t > 0], lambda: torch.nonzero(t), lambda: t.cpu(), lambda: torch.equal(t, t),
              lambda: t[0].is_nonzero(), lambda: counts.bincount(), lambda: torch.bincount(counts),
              lambda: torch.where(t > 0), lambda: t.repeat_interleave(counts),
-             lambda: torch.repeat_interleave(t, counts), assign)
+             lambda: torch.repeat_interleave(t, counts), assign, lambda: t.to("cpu"),
+             lambda: t.to(device="cpu:0"))
     with forbid_device_waits():
         for i, fn in enumerate(waits):
             with pytest.raises(DeviceWaitError):
@@ -208,7 +209,30 @@ def test_guard_catches_waits():
         t.repeat_interleave(2)
         t.repeat_interleave(counts, output_size=3)
         t[torch.tensor([0, 1])] = 1.0
+        t.to(torch.float64)
+        t.to(t.device, non_blocking=True)   # to the tensor's own device: no host read
+        t.clone().copy_(t)                  # host to host (device to host is caught on a GPU)
     assert t.sum().item() == 3.0 and torch.equal(t, t)  # restored afterwards
+
+
+def test_fold_helpers_merge_numbers_and_tensors():
+    from twinkle_metrics import fold
+
+    out = {}
+    for v in (2.0, torch.tensor(5.0), 1):
+        fold.add(out, "sum", v)
+        fold.maximum(out, "max", v)
+        fold.minimum(out, "min", v)
+    assert out["sum"].item() == 8.0 and out["max"].item() == 5.0 and out["min"].item() == 1.0
+    numbers = {}
+    for v in (3, 7, 5):
+        fold.maximum(numbers, "max", v)
+        fold.minimum(numbers, "min", v)
+    assert numbers == {"max": 7, "min": 3}
+    rows = {}
+    fold.maximum(rows, "peak", torch.tensor([1.0, 4.0]))
+    fold.maximum(rows, "peak", torch.tensor([3.0, 2.0]))
+    assert rows["peak"].tolist() == [3.0, 4.0]
 
 
 def test_guard_leaves_torch_as_it_was():

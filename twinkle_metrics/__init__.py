@@ -1,6 +1,7 @@
 """twinkle-metrics: Twinkle's training metrics, exact and cheap under Megatron and DeepSpeed."""
 from parallel import DeviceMesh
 
+from . import fold
 from .accuracy import Accuracy
 from .base import Metric, UnknownArgumentWarning
 from .collection import MetricCollection
@@ -25,5 +26,5 @@ __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", 
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
            "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "ModelNormMetric", "MoERoutingMetric",
-           "register_router_hooks", "UnknownArgumentWarning", "vocab_parallel_argmax", "CalculateHandle"]
+           "register_router_hooks", "UnknownArgumentWarning", "vocab_parallel_argmax", "CalculateHandle", "fold"]
 __version__ = "0.2.0"

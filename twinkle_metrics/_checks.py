@@ -112,7 +112,8 @@ def f64(value) -> Any:
     return float(value)
 
 
-def add(total: Optional[Any], value: Any) -> Any:
+def plus(total: Optional[Any], value: Any) -> Any:
+    """``total + value``, where a ``total`` of ``None`` means nothing was added yet."""
     return value if total is None else total + value
 
 

@@ -10,7 +10,7 @@ from parallel import comm_device
 from parallel.groups import all_gather_rows, group_rank, group_size
 
 from . import exchange
-from ._checks import add, f64, int_tensor, nonfinite, scalar
+from ._checks import f64, int_tensor, nonfinite, plus, scalar
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .microbatch import as_feature_list, has_field, microbatches
@@ -122,8 +122,8 @@ class EmbeddingMetric(Metric):
             if grad_norm is not None:
                 out["grad_norm"] = f64(scalar(_NAME, "grad_norm", grad_norm))
             for loss in losses:
-                out["loss_total"] = add(out.get("loss_total"), f64(loss))
-                out["loss_count"] = add(out.get("loss_count"), 1)
+                out["loss_total"] = plus(out.get("loss_total"), f64(loss))
+                out["loss_count"] = plus(out.get("loss_count"), 1)
             sizes = self._agree_sizes(emb)
         out.update(self._similarities(emb, labels, sizes))
         return out

@@ -9,7 +9,7 @@ import torch
 
 from parallel import group_rank, group_size
 
-from . import exchange
+from . import exchange, fold
 from ._checks import as_tensor, float_tensor, nonfinite
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
@@ -392,7 +392,7 @@ class GRPOMetric(Metric):
             for x, has in present:
                 b = nonfinite(x) & has
                 bad |= b if b.shape == bad.shape else _pad_cols(b, bad.shape[1])
-        _add(acc, "n_bad", bad.sum())
+        fold.add(acc, "n_bad", bad.sum())
         if self.nan_policy == "skip":  # no NaN * 0 below
             ok = ~bad
             mb.m = m & ok
@@ -410,31 +410,31 @@ class GRPOMetric(Metric):
         m = mb.m
         mb.n_tok = m.sum()
         mb.lpm = mb.keep(mb.lp, m)
-        _add(acc, "n_tok", mb.n_tok)
-        _add(acc, "sum_new", mb.lpm.sum(dtype=torch.float64))
+        fold.add(acc, "n_tok", mb.n_tok)
+        fold.add(acc, "sum_new", mb.lpm.sum(dtype=torch.float64))
         if mb.ent is not None:
             if mb.em is m:
-                _add(acc, "n_ent", mb.n_tok)
-                _add(acc, "sum_ent", mb.keep(mb.ent, m).sum(dtype=torch.float64))
+                fold.add(acc, "n_ent", mb.n_tok)
+                fold.add(acc, "sum_ent", mb.keep(mb.ent, m).sum(dtype=torch.float64))
             else:
-                _add(acc, "n_ent", mb.em.sum())
-                _add(acc, "sum_ent", torch.where(mb.em, mb.ent, 0.0).sum(dtype=torch.float64))
+                fold.add(acc, "n_ent", mb.em.sum())
+                fold.add(acc, "sum_ent", torch.where(mb.em, mb.ent, 0.0).sum(dtype=torch.float64))
 
     def _advantage_sums(self, acc, mb: "_Microbatch") -> None:
         """Advantage count, sum, extremes: per token, or one value per sequence."""
         adv, has_adv = mb.adv, mb.has_adv
-        _add(acc, "n_adv", mb.n_tok if has_adv is mb.m else has_adv.sum())
+        fold.add(acc, "n_adv", mb.n_tok if has_adv is mb.m else has_adv.sum())
         if adv.shape[1] == 1 and mb.m.shape[1] != 1:  # one value per sequence: per-row counts
             rows = has_adv.sum(1, dtype=torch.float64)
             # where: the value of a row without tokens (maybe NaN) must not count
-            _add(acc, "sum_adv", torch.where(rows > 0, adv[:, 0].to(torch.float64) * rows, 0.0).sum())
+            fold.add(acc, "sum_adv", torch.where(rows > 0, adv[:, 0].to(torch.float64) * rows, 0.0).sum())
             lo, hi = _extremes(adv[:, 0], rows > 0)
         else:
             mb.adv = adv = mb.keep(adv, has_adv)  # aligned values may be NaN where masked
-            _add(acc, "sum_adv", adv.sum(dtype=torch.float64))
+            fold.add(acc, "sum_adv", adv.sum(dtype=torch.float64))
             lo, hi = _extremes(adv, has_adv)
-        _min(acc, "adv_min", lo)
-        _max(acc, "adv_max", hi)
+        fold.minimum(acc, "adv_min", lo)
+        fold.maximum(acc, "adv_max", hi)
 
     def _ref_sums(self, acc, mb: "_Microbatch") -> None:
         """k3 KL to the reference policy: sum of expm1(ref - logp) - (ref - logp)."""
@@ -447,8 +447,8 @@ class GRPOMetric(Metric):
         dr = mb.keep(mb.ref, mb.has_ref).to(torch.float64)
         dr.sub_(lpr)  # 0 outside has_ref
         sum_dr = dr.sum()
-        _add(acc, "n_ref", n_ref)
-        _add(acc, "sum_ref_kl", dr.expm1_().sum() - sum_dr)
+        fold.add(acc, "n_ref", n_ref)
+        fold.add(acc, "sum_ref_kl", dr.expm1_().sum() - sum_dr)
 
     def _ratio_sums(self, acc, mb: "_Microbatch", seq_parts: List[torch.Tensor]) -> None:
         """Log-ratio d = logp - old_logp: its sums and extremes, clip counts (or GSPO's
@@ -464,21 +464,21 @@ class GRPOMetric(Metric):
         d = lpo.clone() if lpo is mb.lp64 else lpo
         d.sub_(oldm)  # exact in float64; 0 outside has_old
         sum_d = d.sum()
-        _add(acc, "n_old", n_old)
-        _add(acc, "sum_old", oldm.sum(dtype=torch.float64))
-        _add(acc, "sum_diff", sum_d)
+        fold.add(acc, "n_old", n_old)
+        fold.add(acc, "sum_old", oldm.sum(dtype=torch.float64))
+        fold.add(acc, "sum_diff", sum_d)
         # exp is monotone and k3 convex with its minimum at d = 0: the extremes of
         # d give ratio_min/max and kl_max (in compute), with no [b, s] r or k3.
         lo, hi = _extremes(d, has_old)
-        _min(acc, "logr_min", lo)
-        _max(acc, "logr_max", hi)
+        fold.minimum(acc, "logr_min", lo)
+        fold.maximum(acc, "logr_max", hi)
         if adv is not None:
             gate = has_old if has_adv is m else has_old & has_adv
             if self.nan_policy != "skip":
                 # Under 'propagate' a NaN/inf d or A must not vanish in a comparison
                 # (NaN < x is False): 0, or NaN when a gated token holds one.
                 # (d + A is NaN/inf iff either is; * 0 turns inf into NaN)
-                _add(acc, "clip_nan", torch.where(gate, d + adv, 0.0).sum() * 0.0)
+                fold.add(acc, "clip_nan", torch.where(gate, d + adv, 0.0).sum() * 0.0)
             if self.sequence_level_clip:
                 g = gate.to(torch.float64)
                 seq_parts.append(torch.stack([(d * g).sum(1), g.sum(1),
@@ -488,14 +488,14 @@ class GRPOMetric(Metric):
                 if has_adv is not m:
                     extra = has_adv if extra is None else extra & has_adv
                 low, high = self._clip_counts(d, adv, extra)
-                _add(acc, "clip_n", n_old if gate is has_old else gate.sum())
-                _add(acc, "clip_low", low)
-                _add(acc, "clip_high", high)
+                fold.add(acc, "clip_n", n_old if gate is has_old else gate.sum())
+                fold.add(acc, "clip_low", low)
+                fold.add(acc, "clip_high", high)
         # r - 1, in place unless the top-k records still need d
         em = torch.expm1(d) if self.top_k_kl else d.expm1_()
         sum_em = em.sum()
-        _add(acc, "sum_kl", sum_em - sum_d)  # sum of k3 = (r - 1) - d
-        _add(acc, "sum_ratio", sum_em + n_old)
+        fold.add(acc, "sum_kl", sum_em - sum_d)  # sum of k3 = (r - 1) - d
+        fold.add(acc, "sum_ratio", sum_em + n_old)
         mb.d, mb.ratio_m1 = d, em
 
     #: clip counts gated by the advantage sign (GRPO/PPO); CISPO clips the weight itself
@@ -773,15 +773,3 @@ def _k3(d: float) -> float:
 
 def _nan_first(v: float):
     return (v != v, v)  # max() picks a NaN if there is one
-
-
-def _add(acc, key, value):
-    acc[key] = acc[key] + value if key in acc else value
-
-
-def _max(acc, key, value):
-    acc[key] = torch.maximum(acc[key], value) if key in acc else value
-
-
-def _min(acc, key, value):
-    acc[key] = torch.minimum(acc[key], value) if key in acc else value

@@ -7,7 +7,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from ._checks import add, f64, int_tensor, nonfinite, scalar
+from ._checks import f64, int_tensor, nonfinite, plus, scalar
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .microbatch import as_feature_list
@@ -106,10 +106,10 @@ class LossMetric(Metric):
                 else:
                     # sum / inf would be a finite 0: a non-finite count makes the loss NaN
                     loss, one = (loss if n is None else _sel(n_bad, math.nan, loss)), 1
-                loss_total = add(loss_total, loss)
-                entries = add(entries, one)
+                loss_total = plus(loss_total, loss)
+                entries = plus(entries, one)
                 if n is not None:
-                    tokens = add(tokens, n)
+                    tokens = plus(tokens, n)
             else:  # 'mean' of a Megatron pair: loss_sum / n, entries without tokens skipped
                 loss, n = f64(loss), f64(n)
                 bad = nonfinite(loss) | nonfinite(n)
@@ -118,9 +118,9 @@ class LossMetric(Metric):
                 value = torch.where(has, loss / torch.where(has, n, 1.0), loss)
                 if not skip:  # loss / inf would be a finite 0
                     value = torch.where(torch.isfinite(n), value, math.nan)
-                loss_total = add(loss_total, torch.where(use, value, 0.0))
-                entries = add(entries, use.to(torch.int64))
-            bad_total = add(bad_total, bad.to(torch.int64) if isinstance(bad, torch.Tensor) else int(bad))
+                loss_total = plus(loss_total, torch.where(use, value, 0.0))
+                entries = plus(entries, use.to(torch.int64))
+            bad_total = plus(bad_total, bad.to(torch.int64) if isinstance(bad, torch.Tensor) else int(bad))
         if entries is not None:
             out["loss_total"], out["entries"] = loss_total, entries
             out["nonfinite"] = bad_total
@@ -227,7 +227,7 @@ class LossMetric(Metric):
         total = None
         for f in feats:
             labels = int_tensor(_NAME, "labels", f["labels"])
-            total = add(total, (labels != self.ignore_index).sum())
+            total = plus(total, (labels != self.ignore_index).sum())
         return total
 
     def compute(self, s):

@@ -5,6 +5,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from . import fold
 from ._checks import nan_policy as check_nan_policy
 from ._checks import nonfinite
 from .base import Metric
@@ -117,22 +118,22 @@ class PPOValueMetric(Metric):
             bad = nonfinite(v) & m
             for x, has in sides.values():
                 bad = bad | (nonfinite(x) & has)
-            _add(acc, "n_bad", bad.sum())
+            fold.add(acc, "n_bad", bad.sum())
             if skip:  # drop those tokens from every mask
                 ok = ~bad
                 m = m & ok
                 sides = {k: (x, has & ok) for k, (x, has) in sides.items()}
             v = v.to(torch.float64)
-            _add(acc, "n_tok", m.sum())
-            _add(acc, "sum_value", torch.where(m, v, 0.0).sum())
+            fold.add(acc, "n_tok", m.sum())
+            fold.add(acc, "sum_value", torch.where(m, v, 0.0).sum())
             if "old_values" in sides:
                 old, has = sides["old_values"]
                 d = v - old.to(torch.float64)
                 hit = (d.abs() > self.epsilon).to(torch.float64)
                 if not skip:
                     hit = hit + d * 0.0  # NaN where d is NaN/inf: a NaN comparison must not vanish
-                _add(acc, "n_old", has.sum())
-                _add(acc, "clipped", torch.where(has, hit, 0.0).sum())
+                fold.add(acc, "n_old", has.sum())
+                fold.add(acc, "clipped", torch.where(has, hit, 0.0).sum())
             if "returns" in sides:
                 ret, has = sides["returns"]
                 ret = ret.to(torch.float64)
@@ -163,7 +164,3 @@ class PPOValueMetric(Metric):
             out["train/advantage_mean"] = mean
             out["train/advantage_std"] = (max(m2, 0.0) / n) ** 0.5  # max(NaN, 0) is NaN
         return out
-
-
-def _add(acc, key, value):
-    acc[key] = acc[key] + value if key in acc else value

@@ -8,7 +8,7 @@ import torch
 
 from parallel import group_rank, group_size
 
-from . import exchange
+from . import exchange, fold
 from ._checks import nan_policy as check_nan_policy
 from ._checks import nonfinite
 from .base import Metric
@@ -195,7 +195,7 @@ class RolloutMismatchMetric(Metric):
         (sum of d, tokens)."""
         lp, (roll, has) = item["x"], item["rollout_logps"]
         bad = (nonfinite(lp) | nonfinite(roll)) & has
-        _add(acc, "n_bad", bad.sum())
+        fold.add(acc, "n_bad", bad.sum())
         if self.nan_policy == "skip":
             has = has & ~bad
         lp, roll = lp.to(torch.float64), roll.to(torch.float64)
@@ -204,20 +204,20 @@ class RolloutMismatchMetric(Metric):
         em = torch.expm1(d)
         poison = (d * 0.0).sum()  # 0, or NaN when a counted d is NaN/inf ('skip' dropped those)
         hi, lo = math.log(self.is_threshold), _log(self.is_threshold_low)
-        _add(acc, "n_tok", has.sum())
-        _add(acc, "sum_abs", d.abs().sum())
-        _add(acc, "sum_d", d.sum())
-        _add(acc, "sum_em", em.sum())
-        _add(acc, "sum_em2", (em * em).sum())
-        _add(acc, "sum_k3", (torch.expm1(-d) + d).sum())  # e^r - r - 1 with r = -d; 0 off ``has``
-        _add(acc, "n_high", ((d > hi) & has).sum() + poison)
-        _add(acc, "n_low", ((d < lo) & has).sum() + poison)
-        _add(acc, "sum_lp_train", torch.where(has, lp, 0.0).sum())
-        _add(acc, "sum_lp_rollout", torch.where(has, roll, 0.0).sum())
+        fold.add(acc, "n_tok", has.sum())
+        fold.add(acc, "sum_abs", d.abs().sum())
+        fold.add(acc, "sum_d", d.sum())
+        fold.add(acc, "sum_em", em.sum())
+        fold.add(acc, "sum_em2", (em * em).sum())
+        fold.add(acc, "sum_k3", (torch.expm1(-d) + d).sum())  # e^r - r - 1 with r = -d; 0 off ``has``
+        fold.add(acc, "n_high", ((d > hi) & has).sum() + poison)
+        fold.add(acc, "n_low", ((d < lo) & has).sum() + poison)
+        fold.add(acc, "sum_lp_train", torch.where(has, lp, 0.0).sum())
+        fold.add(acc, "sum_lp_rollout", torch.where(has, roll, 0.0).sum())
         if d.numel():
-            _max(acc, "abs_max", torch.where(has, d.abs(), -math.inf).amax())
-            _max(acc, "d_max", torch.where(has, d, -math.inf).amax())
-            _min(acc, "d_min", torch.where(has, d, math.inf).amin())
+            fold.maximum(acc, "abs_max", torch.where(has, d.abs(), -math.inf).amax())
+            fold.maximum(acc, "d_max", torch.where(has, d, -math.inf).amax())
+            fold.minimum(acc, "d_min", torch.where(has, d, math.inf).amin())
         return torch.stack([d.sum(1), has.sum(1, dtype=torch.float64)], 1)
 
     def _sequence_sums(self, parts: torch.Tensor, group) -> Dict[str, Any]:
@@ -280,15 +280,3 @@ def _exp(x: float) -> float:
         return math.exp(x)
     except OverflowError:
         return math.inf
-
-
-def _add(acc, key, value):
-    acc[key] = acc[key] + value if key in acc else value
-
-
-def _max(acc, key, value):
-    acc[key] = torch.maximum(acc[key], value) if key in acc else value
-
-
-def _min(acc, key, value):
-    acc[key] = torch.minimum(acc[key], value) if key in acc else value

@@ -41,6 +41,11 @@ _TENSOR_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "_
 _TORCH_FUNCS = ("nonzero", "masked_select", "unique", "argwhere", "any", "all", "equal", "bincount")
 
 
+def _names_host(device) -> bool:
+    """Whether a ``.to()`` target is the host spelled out: ``"cpu"`` or ``"cpu:0"``."""
+    return isinstance(device, str) and device.split(":")[0] == "cpu"
+
+
 @contextlib.contextmanager
 def intercept_device_waits(on_wait: Callable[[str], None]):
     """Call ``on_wait(label)`` before every Python-level call that waits for the device.
@@ -103,6 +108,11 @@ def intercept_device_waits(on_wait: Callable[[str], None]):
                                                          torch.Tensor) and k.get("output_size") is None,
                     "repeat_interleave")
 
+    # .to("cpu") says "to the host" in any test; copy_ into a host tensor from a device one
+    conditional(torch.Tensor, "to", lambda *a, **k: _names_host(k.get("device", a[1] if len(a) > 1 else None)),
+                "to_cpu")
+    conditional(torch.Tensor, "copy_", lambda dst, src, *a, **k: isinstance(src, torch.Tensor)
+                and dst.device.type == "cpu" and src.device.type != "cpu", "copy_to_host")
     for name in _TENSOR_METHODS:
         wrap(torch.Tensor, name, getattr(torch.Tensor, name), name.strip("_"))
     for name in _TORCH_FUNCS:
