@@ -16,6 +16,7 @@ collectives (see ``twinkle_metrics.sync``).
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import warnings
@@ -25,10 +26,10 @@ import torch
 
 from parallel import DeviceMesh, as_device_mesh, dist_ready, group_size
 
-from . import pending
+from . import pending, slicing
 from .exchange import join_failed
 from .state import State, _as_tensor
-from .sync import sync_and_compute
+from .sync import plain_states, sync_and_compute
 
 #: Keyword arguments of ``accumulate`` that some metric's ``update`` names. A trainer
 #: passes one shared kwargs dict to every metric (Twinkle's convention), so a keyword
@@ -106,9 +107,26 @@ class Metric:
             _KNOWN_KWARGS.update(p.name for p in params[2:]
                                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
-    def __init__(self, device_mesh: Optional[DeviceMesh] = None, process_group=None, **kwargs):
+    #: what ``slice_by`` cannot mean for this metric (None: it can be sliced)
+    unsliceable: ClassVar[Optional[str]] = None
+    #: states kept for the whole call only, not per slice (e.g. records with global indices)
+    unsliced_states: ClassVar[Sequence[str]] = ()
+
+    def __init__(self, device_mesh: Optional[DeviceMesh] = None, process_group=None, *,
+                 slice_by: Optional[str] = None, max_slices: int = 16, **kwargs):
         if kwargs:
             _warn_unknown_arguments(self, kwargs)
+        name = type(self).__name__
+        if slice_by is not None:
+            if not isinstance(slice_by, str) or not slice_by:
+                raise TypeError(f"{name}: slice_by must be the name of a per-sequence input field "
+                                f"(e.g. 'data_source'), got {slice_by!r}")
+            if self.unsliceable:
+                raise ValueError(f"{name}: slice_by is not supported: {self.unsliceable}")
+        if isinstance(max_slices, bool) or not isinstance(max_slices, int) or max_slices < 1:
+            raise ValueError(f"{name}: max_slices must be an int >= 1, got {max_slices!r}")
+        self.slice_by = slice_by
+        self.max_slices = max_slices
         self.device_mesh = as_device_mesh(device_mesh, type(self).__name__)
         self.process_group = process_group
         self._specs: Dict[str, State] = dict(self._class_states)
@@ -137,11 +155,21 @@ class Metric:
         this metric creates no state of that name. Pure: must not change the metric."""
         return None
 
+    def _new_state_spec(self, name: str) -> Optional[State]:
+        """``dynamic_state(name)``, and the per-slice copies of the states when sliced."""
+        if self.slice_by is not None and slicing.SEP in name:
+            base = name.rpartition(slicing.SEP)[0]
+            if base in self.unsliced_states:
+                return None
+            spec = self._specs.get(base) or self.dynamic_state(base)
+            return None if spec is None else dataclasses.replace(spec)
+        return self.dynamic_state(name)
+
     def _adopt(self, names: Sequence[str]) -> None:
         """Create the states ``names`` (known to be valid dynamic states)."""
         for name in names:
             if name not in self._specs:
-                self.add_state(name, self.dynamic_state(name))
+                self.add_state(name, self._new_state_spec(name))
 
     def __getattr__(self, name):
         states = self.__dict__.get("_states")
@@ -193,6 +221,8 @@ class Metric:
             elif not isinstance(value, _PLAIN):
                 continue  # groups, callables: not part of what a state means
             parts.append(f"{name}={value!r}")
+        if self.slice_by is not None:  # slices add states; max_slices only caps them
+            parts.append(f"slice_by={self.slice_by!r}")
         return f"{parts[0]}({', '.join(parts[1:])})"
 
     def exchange_groups(self) -> List[Any]:
@@ -219,11 +249,53 @@ class Metric:
             _check_kwargs(self, kwargs)
             with torch.no_grad():
                 contributions = self.update(inputs, outputs, **kwargs)
+                if self.slice_by is not None:
+                    contributions = self._slice_contributions(contributions, inputs, outputs, kwargs)
                 return self._plan_fold(contributions) if contributions else None
         except Exception as exc:  # an interrupt joins nothing: it ends the job
             if self.exchange_groups():
                 join_failed(self, exc)
             raise
+
+    def _slice_contributions(self, whole, inputs, outputs, kwargs) -> Dict[str, Any]:
+        """The whole call's contributions plus each slice's, under ``"{state}@{slice}"``."""
+        name = type(self).__name__
+        out = dict(whole or {})
+        parts = slicing.split(name, self.slice_by, inputs, outputs, kwargs)
+        known = {k.rpartition(slicing.SEP)[2] for k in self._specs if slicing.SEP in k}
+        fresh = [s for s, *_ in parts if s not in known]
+        if len(known) + len(fresh) > self.max_slices:
+            raise ValueError(f"{name}: {len(known) + len(fresh)} slices of {self.slice_by!r} "
+                             f"({sorted(known | set(fresh))[:20]}) exceed max_slices={self.max_slices}; "
+                             "raise max_slices, or slice by a field with fewer values")
+        for value, s_inputs, s_outputs, s_kwargs in parts:
+            self._agreed = []  # each update agrees anew over its groups (exchange.guard)
+            for key, v in (self.update(s_inputs, s_outputs, **s_kwargs) or {}).items():
+                if key not in self.unsliced_states:
+                    out[f"{key}{slicing.SEP}{value}"] = v
+        return out
+
+    def results(self, states: Dict[str, Any]) -> Dict[str, Any]:
+        """``compute`` of the reduced states, with each slice's keys as ``"{key}/{slice}"``."""
+        if self.slice_by is None:
+            return self.compute(states)
+        whole = {k: v for k, v in states.items() if slicing.SEP not in k}
+        out = dict(self.compute(whole))
+        per_slice: Dict[str, Dict[str, Any]] = {}
+        for key, value in states.items():
+            if slicing.SEP in key:
+                base, _, s = key.rpartition(slicing.SEP)
+                per_slice.setdefault(s, {})[base] = value
+        defaults = None
+        for s in sorted(per_slice):
+            if defaults is None:  # unsliced states at their identity: a slice has none of them
+                defaults = plain_states({k: spec.new("cpu") for k, spec in self._specs.items()
+                                         if slicing.SEP not in k}, {k: spec for k, spec in self._specs.items()
+                                                                   if slicing.SEP not in k})
+            for key, value in self.compute({**defaults, **per_slice[s]}).items():
+                if not key.startswith("_"):  # records with global indices stay whole-call only
+                    out[f"{key}/{s}"] = value
+        return out
 
     def _commit(self, staged: Optional["_Staged"]) -> None:
         if staged is None:
@@ -249,7 +321,7 @@ class Metric:
         several states at once (e.g. global indices from per-rank counts).
         """
         specs = self._specs
-        return {name: (specs.get(name) or self.dynamic_state(name)).merge(r) for name, r in rows.items()}
+        return {name: (specs.get(name) or self._new_state_spec(name)).merge(r) for name, r in rows.items()}
 
     def calculate(self, reset: bool = True, async_op: bool = False):
         """Reduce over the data group and return plain numbers, the same on every rank.
@@ -334,12 +406,12 @@ class Metric:
         specs = dict(self._specs)
         new = []
         for key in sorted(names - set(specs)):
-            spec = self.dynamic_state(key)
+            spec = self._new_state_spec(key)
             if spec is not None:
                 specs[key] = spec
                 new.append(key)
         extra = sorted(names - set(specs))
-        missing = sorted({k for d in dicts for k in specs if k not in d and self.dynamic_state(k) is None})
+        missing = sorted({k for d in dicts for k in specs if k not in d and self._new_state_spec(k) is None})
         if missing or extra:
             raise ValueError(f"{name}.load_state_dict: missing states {missing}, unexpected {extra}; "
                              "load a state dict saved by the same metric")
@@ -381,7 +453,7 @@ class Metric:
         specs, states = self._specs, self._states
         new_specs = {}
         for name in contributions.keys() - specs.keys():
-            spec = self.dynamic_state(name)
+            spec = self._new_state_spec(name)
             if spec is None:
                 raise KeyError(f"{type(self).__name__}.update returned unknown state {name!r}")
             new_specs[name] = spec

@@ -89,6 +89,8 @@ class EmbeddingMetric(Metric):
          'margin': 0.6}
     """
 
+    unsliceable = "its in-batch statistics compare every sequence with the whole data-group batch"
+
     pos_sum = State("sum")
     pos_min = State("min")
     pos_max = State("max")

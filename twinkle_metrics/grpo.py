@@ -139,6 +139,9 @@ class GRPOMetric(Metric):
         (1.3499, 0.6667)
     """
 
+    #: the high-KL records carry global sequence indices: whole-call only
+    unsliced_states = ("topk", "n_seq", "dp_index", "cp_index")
+
     n_tok = State("sum", torch.int64)
     sum_new = State("sum")
     n_old = State("sum", torch.int64)

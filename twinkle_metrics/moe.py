@@ -100,6 +100,8 @@ class MoERoutingMetric(Metric):
             when > 0.
     """
 
+    unsliceable = "router statistics are per token of a layer, not per sequence"
+
     fingerprint_exclude = ("per_layer",)
 
     def __init__(self, device_mesh=None, process_group=None, *, num_layers: int, num_experts: int,

@@ -106,6 +106,8 @@ class ModelNormMetric(Metric):
          'norm/grad/weight': 2.0, 'norm/param/weight': 5.0}
     """
 
+    unsliceable = "it reads the model, not the batch"
+
     grad_sq = _placed()
     param_sq = _placed()
     grad_zeros = _placed(torch.int64)

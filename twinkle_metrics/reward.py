@@ -12,6 +12,7 @@ from ._checks import nonfinite
 from .base import Metric
 from .moments import moments, moments_state
 from .rl_inputs import cp_lead
+from .slicing import SEP
 from .state import State
 
 _NAME = "CompletionRewardMetric"
@@ -133,7 +134,7 @@ class CompletionRewardMetric(Metric):
 
     @property
     def reward_names(self):
-        return sorted(k[len(_PREFIX):] for k in self._specs if k.startswith(_PREFIX))
+        return sorted(k[len(_PREFIX):] for k in self._specs if k.startswith(_PREFIX) and SEP not in k)
 
     # ----------------------------------------------------------------- update
     def update(self, inputs=None, outputs=None, *, rewards=None, completion_lengths=None,

@@ -130,7 +130,7 @@ class _Plan:
                 return False
             missing = [n for n in planned if n not in m._specs]
             if missing:
-                if any(m.dynamic_state(n) is None for n in missing):
+                if any(m._new_state_spec(n) is None for n in missing):
                     return False
                 m._adopt(sorted(missing))
         return True
@@ -138,7 +138,7 @@ class _Plan:
 
 def _spec(metric, name: str):
     spec = metric._specs.get(name)
-    return spec if spec is not None else metric.dynamic_state(name)
+    return spec if spec is not None else metric._new_state_spec(name)
 
 
 class _Channel:
@@ -190,7 +190,7 @@ def sync_and_compute(metrics: Sequence, reset: bool = True, groups=None) -> List
         group_metrics = [metrics[i] for i in idx]
         reduced = sync_states(group_metrics, groups)
         for i, m, states in zip(idx, group_metrics, reduced):
-            results[i] = m.compute(states)
+            results[i] = m.results(states)
     if reset:  # only once every metric computed: an error above keeps every interval intact
         for m in metrics:
             m.reset()
@@ -432,7 +432,7 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch: _Channel, data_group, shar
             "states": {}}
     for i, m in enumerate(metrics):
         for name, spec in m._specs.items():
-            dynamic = m.dynamic_state(name) is not None
+            dynamic = m._new_state_spec(name) is not None
             desc["states"][f"{i}/{name}"] = {"sig": {spec.signature: [me]}, "dyn": dynamic}
     summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(desc).encode(), data_group)])
     if share_group is not None:

@@ -65,6 +65,8 @@ class TrainMetric(Metric):
         (0.0001, ['learning rate', 'tokens/s', 'total time elapse'])
     """
 
+    unsliceable = "its readings are per rank and per step, not per sequence"
+
     lr_groups = State("max", torch.int64, local="last")
     step = State("max", torch.int64, local="last")
     grad_accum = State("max", torch.int64, local="last")

@@ -1,0 +1,197 @@
+"""Sliced metrics: one call split into the calls of each slice of its sequences.
+
+A metric built with ``slice_by="data_source"`` reads, from every input feature, a
+per-sequence field of that name (a list of strings or ints, or a host int tensor;
+one entry per sequence) and, besides its usual ``update`` of the whole call, runs
+``update`` once per slice value on the rows of that slice. Those contributions go to
+states named ``"{state}@{slice}"`` (created on the fly, and so united across ranks
+like any dynamic state: a slice seen on only some ranks, stages or intervals is
+created on the others), and ``calculate()`` reports each slice's keys as
+``"{key}/{slice}"``.
+
+How a call is split (``split``), per microbatch of ``b`` sequences (``b`` = the length
+of the slice field):
+
+* input features and outputs: tensors of ``[b, ...]`` (2-D or more; and, in features,
+  lists of length ``b``) keep the slice's rows; a microbatch entirely in the slice is passed as it is;
+  a microbatch with none of its rows is left out; any other value of a microbatch
+  that mixes slices (a scalar loss report) cannot be split and raises;
+* keyword arguments: tensors whose first dim is the call's total number of sequences
+  ``N``, and lists of length ``N``, keep the slice's rows; lists with one entry per
+  microbatch are split like outputs; dicts are split per key; scalars (per-call
+  readings such as ``generate_time``) go to the whole call only.
+
+Rows are picked with host-known indices (``index_select`` with an index built on the
+host and copied without waiting): nothing reads the device.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from ._checks import from_host
+from .microbatch import _split, as_feature_list
+
+SEP = "@"  # state name separator: "{state}@{slice}"
+
+
+def slice_values(metric: str, field: str, feats: List[Dict[str, Any]]) -> List[List[str]]:
+    """Per microbatch, the slice name of each sequence."""
+    out = []
+    for i, feat in enumerate(feats):
+        value = feat.get(field)
+        if value is None:
+            raise ValueError(f"{metric}: slice_by={field!r} but input feature {i} has no {field!r}; pass "
+                             f"one {field} per sequence (a list of strings or ints); got keys {sorted(feat)}")
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu" or value.dim() != 1 or value.is_floating_point():
+                raise TypeError(f"{metric}: slice_by field {field!r} must be host data, one entry per "
+                                f"sequence (a list, or a 1-D int tensor on the CPU), got a {value.dtype} "
+                                f"tensor of shape {list(value.shape)} on {value.device}")
+            value = _host_list(value)
+        elif isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            value = [value]  # one sequence
+        names = []
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, (str, int)):
+                raise TypeError(f"{metric}: slice_by field {field!r} holds {type(v).__name__} values; "
+                                "expected strings or ints, one per sequence")
+            name = str(v)
+            if not name or SEP in name:
+                raise ValueError(f"{metric}: slice name {name!r} of field {field!r} must be non-empty and "
+                                 f"must not contain {SEP!r}")
+            names.append(name)
+        out.append(names)
+    return out
+
+
+def _host_list(t: torch.Tensor) -> list:
+    from ._host import host_reads
+
+    with host_reads():  # a CPU tensor of host-known ids: no device involved
+        return t.tolist()
+
+
+def split(metric: str, field: str, inputs, outputs, kwargs: Mapping[str, Any]
+          ) -> List[Tuple[str, Any, Any, Dict[str, Any]]]:
+    """``[(slice name, inputs, outputs, kwargs)]`` of one call, slices in order of first
+    appearance."""
+    single = isinstance(inputs, Mapping)
+    feats = as_feature_list(metric, inputs)
+    if not feats:
+        return []
+    names = slice_values(metric, field, feats)
+    sizes = [len(n) for n in names]
+    out_parts = _output_parts(metric, outputs, feats, sizes)
+    flat = [n for per in names for n in per]
+    order = list(dict.fromkeys(flat))
+    result = []
+    for s in order:
+        rows = [[r for r, n in enumerate(per) if n == s] for per in names]
+        keep = [i for i, r in enumerate(rows) if r]
+        s_feats = [_select_mb(metric, f"inputs[{i}]", feats[i], rows[i], sizes[i], True) for i in keep]
+        s_outs = [_select_mb(metric, f"outputs of microbatch {i}", out_parts[i], rows[i], sizes[i], False)
+                  for i in keep] if out_parts is not None else None
+        global_rows = [g for g, n in enumerate(flat) if n == s]
+        s_kwargs = {}
+        for key, value in kwargs.items():
+            part = _select_kwarg(metric, key, value, rows, keep, global_rows, sizes)
+            if part is not _DROP:
+                s_kwargs[key] = part
+        if single:
+            result.append((s, s_feats[0], s_outs[0] if s_outs is not None else outputs, s_kwargs))
+        else:
+            result.append((s, s_feats, s_outs if s_outs is not None else outputs, s_kwargs))
+    return result
+
+
+def _output_parts(metric, outputs, feats, sizes):
+    """Outputs as one dict per microbatch (every key), or None when there are none."""
+    if outputs is None:
+        return None
+    if isinstance(outputs, (list, tuple)):
+        if len(outputs) != len(feats):
+            raise ValueError(f"{metric}: got {len(feats)} input microbatches but {len(outputs)} output dicts")
+        return [dict(o or {}) for o in outputs]
+    if not isinstance(outputs, Mapping):
+        raise TypeError(f"{metric}: outputs must be a ModelOutput dict or a list of them, got "
+                        f"{type(outputs).__name__}")
+    parts: List[Dict[str, Any]] = [{} for _ in feats]
+    for key, value in outputs.items():
+        if value is None:
+            continue
+        for part, piece in zip(parts, _split(metric, key, value, sizes)):
+            part[key] = piece
+    return parts
+
+
+def _rows_of(value, rows: List[int], device=None):
+    idx = from_host(torch.tensor(rows, dtype=torch.long), device)
+    return value.index_select(0, idx)
+
+
+def _select_mb(metric: str, where: str, mb: Dict[str, Any], rows: List[int], b: int,
+               lists_per_sequence: bool) -> Dict[str, Any]:
+    """The slice's rows of one microbatch's dict (a feature or its outputs): tensors of
+    ``[b, ...]`` (2-D or more: a 1-D tensor of length ``b`` may as well be one value
+    per microbatch, such as a ``[sum, count]`` loss report), and, in features, lists
+    of length ``b`` (per-sequence fields such as the slice field itself)."""
+    if len(rows) == b:
+        return mb
+    out = {}
+    for key, value in mb.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == b:
+            out[key] = _rows_of(value, rows, value.device)
+        elif lists_per_sequence and isinstance(value, (list, tuple)) and len(value) == b:
+            out[key] = [value[r] for r in rows]
+        elif value is None or (isinstance(value, torch.Tensor) and value.dim() == 1 and key == "position_ids"):
+            out[key] = value  # shared by every sequence
+        else:
+            raise ValueError(f"{metric}: {where}[{key!r}] ({_describe(value)}) is one value for a microbatch "
+                             f"whose {b} sequences belong to several slices, so it cannot be split; give it "
+                             "per sequence, or make each microbatch hold one slice")
+    return out
+
+
+_DROP = object()
+
+
+def _select_kwarg(metric, key, value, rows, keep, global_rows, sizes):
+    n, n_micro = sum(sizes), len(sizes)
+    if isinstance(value, Mapping):
+        return {k: v for k, v in ((k, _select_kwarg(metric, f"{key}[{k!r}]", v, rows, keep, global_rows, sizes))
+                                  for k, v in value.items()) if v is not _DROP}
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == n:
+        return _rows_of(value, global_rows, value.device)
+    if isinstance(value, (list, tuple)):
+        if len(value) == n:
+            return [value[g] for g in global_rows]
+        if len(value) == n_micro:  # one entry per microbatch
+            return [_select_entry(metric, key, value[i], rows[i], sizes[i]) for i in keep]
+        raise ValueError(f"{metric}: {key} has {len(value)} entries; with slice_by it must have one per "
+                         f"sequence ({n}) or one per microbatch ({n_micro})")
+    if value is None or isinstance(value, (int, float, str)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return _DROP  # a per-call reading: the whole call's only
+    raise ValueError(f"{metric}: {key} ({_describe(value)}) cannot be split into slices; give one entry per "
+                     f"sequence ({n})")
+
+
+def _select_entry(metric, key, entry, rows, b):
+    if len(rows) == b:
+        return entry
+    if isinstance(entry, torch.Tensor) and entry.dim() >= 1 and entry.shape[0] == b:
+        return _rows_of(entry, rows, entry.device)
+    if isinstance(entry, (list, tuple)) and len(entry) == b:
+        return [entry[r] for r in rows]
+    raise ValueError(f"{metric}: an entry of {key} ({_describe(entry)}) does not hold one row per sequence "
+                     f"of its microbatch ({b}); it cannot be split into slices")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)}"
+    return type(value).__name__
