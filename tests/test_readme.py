@@ -55,6 +55,7 @@ RUNNERS = {
     "Writing a metric": _run_writing_a_metric,
     "MoE routing health": lambda code: exec(compile(code, "README.md (MoE)", "exec"), {}),
     "Asynchronous calculate": lambda code: exec(compile(code, "README.md (async)", "exec"), {}),
+    "Sliced metrics": lambda code: exec(compile(code, "README.md (slices)", "exec"), {}),
     "Plugging the metrics into a DeepSpeed script": lambda code: exec(
         compile("from parallel import DeviceMesh\nfrom twinkle_metrics import *\n" + code, "README.md (DeepSpeed)",
                 "exec"), {"engine": _deepspeed_engine()}),

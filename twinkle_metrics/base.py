@@ -57,6 +57,11 @@ class Metric:
             ``DeviceMesh.current()`` at the first ``calculate()`` (Megatron's groups
             when initialised, else WORLD as pure data parallel).
         process_group: overrides the mesh's data group (DP x CP) for the reduction.
+        slice_by: name of a per-sequence input field (``"data_source"``, ``"task"``: a list
+            of strings or ints, one per sequence): results also carry every key per slice
+            value, as ``"{key}/{slice}"`` (see ``twinkle_metrics.slicing``).
+        max_slices: the most slice values one metric may hold (a bounded buffer); one
+            more raises and accumulates nothing.
         **kwargs: arguments this metric does not know are ignored, as Twinkle's
             metrics ignore them, with one ``UnknownArgumentWarning`` per class and
             name; they never enter the fingerprint.
