@@ -1,6 +1,6 @@
 """ModelNormMetric on 8 real gloo ranks: a megatron-core GPTModel at TP2 x PP2 x DP2 against
 megatron-core's own ``get_grad_norm_fp32`` / ``count_zeros_fp32`` and the same model at TP1 x
-PP1 recomputed in float64; expert and distributed-optimizer counting on real groups."""
+PP1 recomputed in float64; expert, distributed-optimizer and context-parallel counting on real groups."""
 import math
 import os
 import sys
