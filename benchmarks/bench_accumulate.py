@@ -20,16 +20,25 @@ as one 1-D tensor of completion tokens per sequence, advantages as a list.
 
 Device waits: every metric's accumulate runs once under ``waits.count_device_waits``
 on the suite's standard microbatch (plus the workloads above).
+
+Metrics Twinkle does not have (``--cases baseline``; needs neither twinkle-kit nor
+torchmetrics) are timed the same way against the plain torch work they cannot avoid,
+on the same tensors in the same command (``baselines.py``): RolloutMismatchMetric,
+ModelNormMetric, MoERoutingMetric.
+
+    python -m benchmarks.bench_accumulate --cases baseline     # only those (~30 s)
+    python -m benchmarks.bench_accumulate --cases twinkle      # only the Twinkle pairs
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
 
-from benchmarks import common, suite
+from benchmarks import baselines, common, suite
 from benchmarks.waits import count_device_waits
 
 
@@ -154,37 +163,84 @@ def count_waits(names):
     return out
 
 
+TWINKLE_PLAN = {"GRPOMetric": (16, 10), "GRPOMetric:ragged": (12, 10), "DPOMetric": (16, 20), "Accuracy": (8, 2),
+                "PPOValueMetric": (8, 5)}  # (blocks, calls per block)
+ALIASES = {"twinkle": list(TWINKLE_PLAN), "baseline": list(baselines.CASES)}
+
+
+def select(spec):
+    """``--cases``: comma-separated case names or the aliases 'twinkle' / 'baseline'."""
+    if not spec:
+        return list(TWINKLE_PLAN) + list(baselines.CASES)
+    out = []
+    for part in spec.split(","):
+        names = ALIASES.get(part.strip(), [part.strip()])
+        for name in names:
+            if name not in TWINKLE_PLAN and name not in baselines.CASES:
+                raise SystemExit(f"bench_accumulate: unknown case {name!r}; choose from "
+                                 f"{sorted(ALIASES) + list(TWINKLE_PLAN) + list(baselines.CASES)}")
+            if name not in out:
+                out.append(name)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--scale", type=float, default=1.0, help="multiply the number of timed blocks")
-    p.add_argument("--out", default="accumulate")
+    p.add_argument("--cases", default="", help="comma-separated cases, or 'twinkle' (the pairs with Twinkle, "
+                   "and Twinkle's device waits) or 'baseline' (metrics timed against plain torch ops); "
+                   "default: all")
+    p.add_argument("--out", default=None, help="results/<out>.json; default 'accumulate', "
+                   "'accumulate_<cases>' for a selection")
     args = p.parse_args(argv)
+    chosen = select(args.cases)
+    out_name = args.out or ("accumulate" if not args.cases else
+                            "accumulate_" + args.cases.replace(",", "_").replace(":", "-"))
     torch.set_num_threads(args.threads)
     t_start = time.time()
-    w = workloads()
-    plan = {"GRPOMetric": (16, 10), "GRPOMetric:ragged": (12, 10), "DPOMetric": (16, 20), "Accuracy": (8, 2),
-            "PPOValueMetric": (8, 5)}
-    timing = {}
-    for name, (blocks, per_block) in plan.items():
-        timing[name] = time_pair(name, w[name], max(2, int(blocks * args.scale)), per_block)
-        r = timing[name]
-        print(f"{name:18s} ours {r['ours_ms']:8.2f} ms  twinkle {r['twinkle_ms']:8.2f} ms  "
-              f"twinkle/ours {r['twinkle_over_ours']:.2f}x (p10 {r['ratio_p10']:.2f}, p90 {r['ratio_p90']:.2f})")
+    payload = {"threads": args.threads, "cases": chosen}
+    twinkle_cases = [n for n in chosen if n in TWINKLE_PLAN]
+    if twinkle_cases:
+        w = workloads()
+        timing = {}
+        for name in twinkle_cases:
+            blocks, per_block = TWINKLE_PLAN[name]
+            timing[name] = time_pair(name, w[name], max(2, int(blocks * args.scale)), per_block)
+            r = timing[name]
+            print(f"{name:18s} ours {r['ours_ms']:8.2f} ms  twinkle {r['twinkle_ms']:8.2f} ms  "
+                  f"twinkle/ours {r['twinkle_over_ours']:.2f}x (p10 {r['ratio_p10']:.2f}, p90 {r['ratio_p90']:.2f})")
+            sys.stdout.flush()
+        waits = count_waits(suite.ALL)
+        for name, row in waits.items():
+            extra = ""
+            for kind in ("benchmark_workload", "ragged_workload"):
+                if "ours_" + kind in row:
+                    extra += (f" | {kind.replace('_', ' ')}: ours {row['ours_' + kind]['total']}, "
+                              f"twinkle {row['twinkle_' + kind]['total']}")
+            print(f"device waits per accumulate  {name:24s} ours {row['ours']['total']:3d}  "
+                  f"twinkle {row['twinkle']['total']:3d}{extra}")
+        payload.update(ours_implementation=suite.implementation(suite.ALL), accumulate=timing, device_waits=waits)
+    base = {}
+    for name in (n for n in chosen if n in baselines.CASES):
+        base[name] = r = baselines.run_case(name, args.scale)
+        print(f"{name}: {r['workload']}")
+        print(f"  {'ours':44s} {r['ours_ms']:8.2f} ms  device waits {r['ours']['device_waits']}  "
+              f"aten ops {r['ours']['aten_ops']}")
+        for k, b in r["baselines"].items():
+            print(f"  {k:44s} {b['ms']:8.2f} ms  device waits {b['device_waits']}  aten ops {b['aten_ops']}  "
+                  f"ours/this {b['ours_over']:.2f}x (p10 {b['p10']:.2f}, p90 {b['p90']:.2f})")
+        for k, v in r["notes"].items():
+            print(f"  note {k}: {v}")
         sys.stdout.flush()
-    waits = count_waits(suite.ALL)
-    for name, row in waits.items():
-        extra = ""
-        for kind in ("benchmark_workload", "ragged_workload"):
-            if "ours_" + kind in row:
-                extra += (f" | {kind.replace('_', ' ')}: ours {row['ours_' + kind]['total']}, "
-                          f"twinkle {row['twinkle_' + kind]['total']}")
-        print(f"device waits per accumulate  {name:24s} ours {row['ours']['total']:3d}  "
-              f"twinkle {row['twinkle']['total']:3d}{extra}")
-    command = "benchmarks/.venv/bin/python -m benchmarks.bench_accumulate " + " ".join(argv or sys.argv[1:])
-    path = common.save(args.out, {"threads": args.threads, "ours_implementation": suite.implementation(suite.ALL),
-                                  "accumulate": timing, "device_waits": waits,
-                                  "wall_s": round(time.time() - t_start, 1)}, command.strip())
+    if base:
+        payload["baseline_cases"] = base
+        payload["baseline_implementation"] = {n: c.__module__ for n, c in suite.ours_classes(list(base)).items()}
+    python = os.path.relpath(sys.executable, common.ROOT) if sys.executable.startswith(common.ROOT + os.sep) \
+        else sys.executable
+    command = f"{python} -m benchmarks.bench_accumulate " + " ".join(argv if argv is not None else sys.argv[1:])
+    payload["wall_s"] = round(time.time() - t_start, 1)
+    path = common.save(out_name, payload, command.strip())
     print("wrote", path)
 
 

@@ -61,6 +61,22 @@ def accumulate(doc):
     return "\n".join(lines)
 
 
+def baseline(doc):
+    """Metrics without a Twinkle peer, against the plain torch work (``--cases baseline``)."""
+    lines = [_header(doc), "",
+             "| metric | ours ms | baseline (same tensors, same command) | baseline ms | ours / baseline (p10-p90) "
+             "| device waits ours / baseline | aten ops ours / baseline |", "|---|---|---|---|---|---|---|"]
+    for name, r in doc["baseline_cases"].items():
+        for k, b in r["baselines"].items():
+            lines.append(f"| {name} | {r['ours_ms']:.2f} | {k} | {b['ms']:.2f} | **{b['ours_over']:.2f}x** "
+                         f"({b['p10']:.2f}-{b['p90']:.2f}) | {r['ours']['device_waits']} / {b['device_waits']} | "
+                         f"{r['ours']['aten_ops']} / {b['aten_ops']} |")
+    lines.append("")
+    lines += [f"- {name}: {r['workload']}" + "".join(f"; {k}: {v}" for k, v in r["notes"].items())
+              for name, r in doc["baseline_cases"].items()]
+    return "\n".join(lines)
+
+
 def memory(doc):
     b, s, v = doc["shape"]
     lines = [_header(doc), "", f"logits [{b}, {s}, {v}] float32, vocab-sharded over TP",
@@ -89,8 +105,16 @@ def main():
                      ("scaling", scaling)):
         doc = _load(name)
         print(f"### {name}\n")
-        print(fn(doc) if doc else "(not run yet)")
+        print(fn(doc) if doc and (name != "accumulate" or "accumulate" in doc) else "(not run yet)")
         print()
+        if name == "accumulate":
+            # a full run holds the baseline cases too; `--cases baseline` writes them apart
+            for source in ("accumulate", "accumulate_baseline"):
+                other = _load(source)
+                if other and "baseline_cases" in other:
+                    print(f"### accumulate, metrics against plain torch ({source}.json)\n")
+                    print(baseline(other))
+                    print()
 
 
 if __name__ == "__main__":

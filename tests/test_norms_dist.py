@@ -1,6 +1,6 @@
 """ModelNormMetric on 8 real gloo ranks: a megatron-core GPTModel at TP2 x PP2 x DP2 against
 megatron-core's own ``get_grad_norm_fp32`` / ``count_zeros_fp32`` and the same model at TP1 x
-PP1 recomputed in float64; expert and distributed-optimizer counting on real groups."""
+PP1 recomputed in float64; expert, distributed-optimizer and context-parallel counting on real groups."""
 import math
 import os
 import sys
@@ -271,3 +271,69 @@ def test_experts_and_distributed_optimizer_count_each_element_once(dist_pool, di
     for got, ep in dist_pool.run(case_experts_and_shards, dist_opt):
         assert ep == 2
         assert math.isclose(got["norm/grad"], expected, rel_tol=1e-12), (got, expected)
+
+
+# ------------------------------------------------------------- context parallelism
+# The logical model: megatron-core's parameter kinds, whole, from a fixed seed. name ->
+# (shape, partition_dim): column-parallel weight and bias split on dim 0, row-parallel
+# weight on dim 1; None: replicated over TP (layer norm, row-parallel bias).
+_CP_MODEL = {"qkv_weight": ((12, 6), 0), "qkv_bias": ((12,), 0), "proj_weight": ((6, 8), 1),
+             "proj_bias": ((6,), None), "norm_weight": ((6,), None)}
+
+
+def _cp_logical():
+    """{name: (param, grad)} of the whole model, float32 as trained."""
+    g = torch.Generator().manual_seed(2024)
+    return {name: (torch.randn(*shape, generator=g), torch.randn(*shape, generator=g))
+            for name, (shape, _) in _CP_MODEL.items()}
+
+
+def case_context_parallel():
+    from twinkle_metrics import ModelNormMetric
+
+    mesh = DeviceMesh.from_sizes(tp_size=2, cp_size=2, dp_size=2)
+    model = torch.nn.Module()
+    for name, (param, grad) in _cp_logical().items():
+        dim = _CP_MODEL[name][1]
+        if dim is not None:  # this TP rank's shard, marked as megatron-core marks it
+            param, grad = param.chunk(mesh.tp_size, dim)[mesh.tp_rank], grad.chunk(mesh.tp_size, dim)[mesh.tp_rank]
+        p = torch.nn.Parameter(param.clone())
+        p.grad = grad.clone()  # after DDP's all-reduce over DP x CP: the same on every data rank
+        if dim is not None:
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+        setattr(model, name, p)
+    metric = ModelNormMetric(mesh, model=model)
+    metric.accumulate(None, None)
+    got = metric.calculate()
+
+    # the bug class: dense grads taken as replicas over DP only, so every CP rank counts them
+    naive = torch.zeros((), dtype=torch.float64)
+    if mesh.dp_rank == 0:
+        for p in model.parameters():
+            if getattr(p, "tensor_model_parallel", False) or mesh.tp_rank == 0:
+                naive += torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2
+    dist.all_reduce(naive)
+    return got, (mesh.tp_size, mesh.cp_size, mesh.dp_size), math.sqrt(float(naive))
+
+
+def test_context_parallel_counts_dense_grads_once(dist_pool):
+    """DP2 x CP2 x TP2: grads are replicated over CP as over DP, so only data-group (DP x CP)
+    rank 0 counts them; the total is the logical model's, recomputed in one process."""
+    logical = _cp_logical()
+
+    def norm(i, names):
+        return math.sqrt(sum(float(torch.linalg.vector_norm(logical[n][i], dtype=torch.float64) ** 2)
+                             for n in names))
+
+    grad, param = norm(1, logical), norm(0, logical)
+    out = dist_pool.run(case_context_parallel)
+    for got, sizes, naive in out:
+        assert sizes == (2, 2, 2)
+        assert got == out[0][0]  # the same dict on every rank
+        assert math.isclose(got["norm/grad"], grad, rel_tol=1e-9), (got["norm/grad"], grad)
+        assert math.isclose(got["norm/param"], param, rel_tol=1e-9), (got["norm/param"], param)
+        for name in logical:  # default groups: one per parameter name here
+            assert math.isclose(got[f"norm/grad/{name}"], norm(1, [name]), rel_tol=1e-9), name
+        # counting on every CP rank would report sqrt(2) x the norm
+        assert math.isclose(naive, math.sqrt(2) * grad, rel_tol=1e-9)
+        assert naive > got["norm/grad"] * 1.4
