@@ -72,8 +72,7 @@ class Histogram:
         self.gamma = (1.0 + rel_error) ** 2
         self._log_gamma = math.log(self.gamma)
         #: log-spaced buckets per sign
-        self.magnitudes = max(1, math.ceil(math.log(hi / lo) / self._log_gamma - 1e-9))
-        self.hi = lo * self.gamma ** self.magnitudes
+        self.magnitudes = max(1, math.ceil((math.log(hi) - math.log(lo)) / self._log_gamma - 1e-9))
         # per sign: underflow, the magnitudes, overflow; then zero and NaN
         side = self.magnitudes + 2
         self.zero = side if self.signed else 0
@@ -81,6 +80,9 @@ class Histogram:
         if self.n_buckets > MAX_BUCKETS:
             raise ValueError(f"Histogram: lo={lo}, hi={hi}, rel_error={rel_error} need {self.n_buckets} "
                              f"buckets, more than {MAX_BUCKETS}; narrow [lo, hi] or raise rel_error")
+        self.hi = lo * self.gamma ** self.magnitudes  # hi rounded up to a bucket edge
+        if self.hi * self.gamma == math.inf:
+            raise ValueError(f"Histogram: hi={hi} is too close to the float64 limit; pass hi <= 1e300")
         self.nan = self.n_buckets - 1
         self._values: Optional[List[float]] = None
 
