@@ -139,7 +139,7 @@ class GRPOMetric(Metric):
             relative error of the true value for ratios in [1e-6, 1e6), k3 in
             [1e-15, 1e6) and entropies in [1e-12, 1e3) (0 exact; outside, clamped to the
             bound); under ``'propagate'`` a NaN token makes them NaN. Adds three int64
-            states of 1,393 + 2,434 + 1,740 buckets (~45 KiB) to the sync buffer.
+            states of 1,393 + 2,434 + 1,740 buckets (43.5 KiB) to the sync buffer.
             None (default): no histogram.
 
     Example:
