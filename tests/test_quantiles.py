@@ -247,6 +247,21 @@ def test_dpo_margin_quantiles_against_numpy():
         assert_within(got[f"rewards/margins_{quantile_suffix(q)}"], reference(margins, q), MARGIN_HISTOGRAM)
 
 
+def test_sliced_quantiles_equal_a_metric_fed_only_that_slice():
+    b = make_rl_batch(8, n_seq=6)
+    tasks = ["x", "y", "x", "x", "y", "y"]
+    sliced = GRPOMetric(quantiles=QS, slice_by="task")
+    sliced.accumulate({"labels": b["labels"], "task": tasks}, {"logps": b["logps"]}, old_logps=b["old"])
+    got = sliced.calculate()
+    for task in ("x", "y"):
+        rows = [i for i, t in enumerate(tasks) if t == task]
+        alone = GRPOMetric(quantiles=QS)
+        alone.accumulate({"labels": b["labels"][rows]}, {"logps": b["logps"][rows]}, old_logps=b["old"][rows])
+        want = alone.calculate()
+        keys = [k for k in want if k.rsplit("_", 1)[-1] in ("p50", "p90", "p99")]
+        assert len(keys) == 6 and {k: got[f"{k}/{task}"] for k in keys} == {k: want[k] for k in keys}
+
+
 # ------------------------------------------------------------ TrainMetric spread
 def test_train_metric_step_time_spread_single_process(monkeypatch):
     import twinkle_metrics.train as train_module
