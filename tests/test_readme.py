@@ -56,6 +56,7 @@ RUNNERS = {
     "MoE routing health": lambda code: exec(compile(code, "README.md (MoE)", "exec"), {}),
     "Asynchronous calculate": lambda code: exec(compile(code, "README.md (async)", "exec"), {}),
     "Sliced metrics": lambda code: exec(compile(code, "README.md (slices)", "exec"), {}),
+    "Quantiles and stragglers": lambda code: exec(compile(code, "README.md (quantiles)", "exec"), {}),
     "Plugging the metrics into a DeepSpeed script": lambda code: exec(
         compile("from parallel import DeviceMesh\nfrom twinkle_metrics import *\n" + code, "README.md (DeepSpeed)",
                 "exec"), {"engine": _deepspeed_engine()}),

@@ -1,7 +1,7 @@
 """``DPOMetric``: TRL-style preference statistics from per-token log-probs."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -9,11 +9,14 @@ from . import exchange
 from ._checks import float_tensor, nonfinite
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
+from .histogram import Histogram, check_quantiles, quantile_keys
 from .microbatch import has_field, microbatches
 from .rl_inputs import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
 from .state import State
 
 _NAME = "DPOMetric"
+#: per-pair reward margins, either sign
+MARGIN_HISTOGRAM = Histogram(1e-6, 1e9)
 
 
 class DPOMetric(Metric):
@@ -65,6 +68,14 @@ class DPOMetric(Metric):
         beta: DPO's beta, scaling the implicit rewards.
         ignore_index: label value of tokens that do not count.
         nan_policy: ``'propagate'`` or ``'skip'`` (see above).
+        quantiles: e.g. ``(0.5, 0.9, 0.99)``: also report ``rewards/margins_p50`` ...
+            (``p99.9`` for 0.999), quantiles of the per-pair margin
+            beta * (chosen - ref_chosen) - beta * (rejected - ref_rejected) over the pairs
+            of the whole data group (pairs with reference log-probs). Nearest-rank from a
+            histogram (``twinkle_metrics.histogram``), within 1% relative error of the true
+            margin for magnitudes in [1e-6, 1e9) (0 exact; outside, clamped to the bound);
+            under ``'propagate'`` a non-finite pair makes them NaN. Adds one int64 state of
+            3,478 buckets (27 KiB) to the sync buffer. None (default): no histogram.
 
     Example:
         >>> import torch
@@ -90,11 +101,15 @@ class DPOMetric(Metric):
     n_bad = State("sum", torch.int64)  # non-finite pairs
 
     def __init__(self, device_mesh=None, process_group=None, *, beta: float = 0.1,
-                 ignore_index: int = -100, nan_policy: str = "propagate", **kwargs):
+                 ignore_index: int = -100, nan_policy: str = "propagate",
+                 quantiles: Optional[Sequence[float]] = None, **kwargs):
         super().__init__(device_mesh, process_group, **kwargs)
         self.beta = float(beta)
         self.ignore_index = ignore_index
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
+        self.quantiles = check_quantiles(_NAME, quantiles)
+        if self.quantiles:
+            self.add_state("hist_margin", MARGIN_HISTOGRAM.state())
 
     def exchange_groups(self):
         """The CP group, over which sequence sums are completed (agreed on in every ``update``)."""
@@ -276,6 +291,9 @@ class DPOMetric(Metric):
                    reward_chosen=b * (c - rc), reward_rejected=b * (r - rr), margin=b * ((c - rc) - (r - rr)))
         won = b * (x[:, 0] - x[:, 1]) > b * (x[:, 2] - x[:, 3])
         out["correct"] = (won & ~bad).sum() if self.nan_policy == "skip" else won.sum()
+        if self.quantiles:  # TRL's margin: chosen reward - rejected reward, per pair
+            margins = b * (x[:, 0] - x[:, 1]) - b * (x[:, 2] - x[:, 3])
+            out["hist_margin"] = MARGIN_HISTOGRAM.counts(margins, ~bad if self.nan_policy == "skip" else None)
         return out
 
     def compute(self, s):
@@ -291,6 +309,8 @@ class DPOMetric(Metric):
                 "rewards/chosen": s["reward_chosen"] / n,
                 "rewards/rejected": s["reward_rejected"] / n,
                 "rewards/margins": s["margin"] / n,
+                **(quantile_keys("rewards/margins", MARGIN_HISTOGRAM, s["hist_margin"], self.quantiles,
+                                 self.nan_policy == "propagate") if self.quantiles else {}),
                 # margin * 0 is 0, or NaN when a pair was non-finite ('propagate'): a NaN
                 # comparison is False and would give a finite, wrong fraction
                 "rewards/accuracies": s["correct"] / n + s["margin"] * 0.0,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -13,6 +13,7 @@ from . import exchange, fold
 from ._checks import as_tensor, float_tensor, nonfinite
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
+from .histogram import Histogram, check_quantiles, quantile_keys
 from .kernels import entropy
 from .microbatch import has_field, microbatches
 from .rl_inputs import _float, common_length, cp_sum, keep_bits, masked, per_token, split_side_input, token_mask
@@ -21,6 +22,10 @@ from .state import State
 # Columns of one top-k record row.
 _FIELDS = ("kl", "gsi", "pos", "token_id", "ratio", "logp_new", "logp_old")
 _INT_FIELDS = ("gsi", "pos", "token_id")
+#: per-token ratio exp(d), k3 KL (often ~1e-9 on policy) and entropy (<= log vocab)
+RATIO_HISTOGRAM = Histogram(1e-6, 1e6, signed=False)
+KL_HISTOGRAM = Histogram(1e-15, 1e6, signed=False)
+ENTROPY_HISTOGRAM = Histogram(1e-12, 1e3, signed=False)
 
 
 def _topk_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
@@ -126,6 +131,16 @@ class GRPOMetric(Metric):
             working buffer of the entropy computation; two are live at once.
             None: 1/64 of the call's logits, at least 1 MiB. Never less than one
             token's row.
+        quantiles: e.g. ``(0.5, 0.9, 0.99)``: also report, over the tokens of the whole
+            data group, ``train/ratio_p50`` ... (per-token ratio exp(d), tokens with old
+            log-probs), ``train/token_kl_p50`` ... (per-token k3, whose mean is
+            ``train/approx_kl``) and ``train/entropy_p50`` ... (``p99.9`` for 0.999).
+            Nearest-rank from histograms (``twinkle_metrics.histogram``), within 1%
+            relative error of the true value for ratios in [1e-6, 1e6), k3 in
+            [1e-15, 1e6) and entropies in [1e-12, 1e3) (0 exact; outside, clamped to the
+            bound); under ``'propagate'`` a NaN token makes them NaN. Adds three int64
+            states of 1,393 + 2,434 + 1,740 buckets (43.5 KiB) to the sync buffer.
+            None (default): no histogram.
 
     Example:
         >>> import torch
@@ -174,10 +189,11 @@ class GRPOMetric(Metric):
                  temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
                  top_k_kl: int = 0, entropy_from_logits: bool = False, vocab_parallel: bool = False,
                  entropy_chunk_size: Optional[int] = None, entropy_chunk_bytes: Optional[int] = None,
-                 nan_policy: str = "propagate", **kwargs):
+                 nan_policy: str = "propagate", quantiles: Optional[Sequence[float]] = None, **kwargs):
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.nan_policy = check_nan_policy(name, nan_policy)
+        self.quantiles = check_quantiles(name, quantiles)
         if temperature <= 0:
             raise ValueError(f"{name}: temperature must be > 0, got {temperature}")
         if not isinstance(top_k_kl, int) or top_k_kl < 0:
@@ -203,6 +219,13 @@ class GRPOMetric(Metric):
             self.add_state("n_seq", State("sum", torch.int64))
             self.add_state("dp_index", State("max", torch.int64, local="last"))
             self.add_state("cp_index", State("max", torch.int64, local="last"))
+        if self.quantiles:
+            self.add_state("hist_ratio", RATIO_HISTOGRAM.state())
+            self.add_state("hist_kl", KL_HISTOGRAM.state())
+            # Vocab-parallel entropies come out of all-reduces whose rounding may differ by
+            # an ulp between TP replicas, enough to move a count across a bucket edge; the
+            # entropy sum still checks that the replicas agree.
+            self.add_state("hist_entropy", ENTROPY_HISTOGRAM.state(per_rank=True))
 
     def _reduce_topk(self, rows):
         return _topk_rows(rows, self.top_k_kl)
@@ -361,6 +384,8 @@ class GRPOMetric(Metric):
                     self._ratio_sums(acc, mb, seq_parts)
                     if self.top_k_kl:
                         candidates.append(self._candidates(mb, seq_start))
+            if self.quantiles:
+                self._quantile_counts(acc, mb)
             seq_start += mb.m.shape[0]
 
         if self.top_k_kl:
@@ -494,12 +519,21 @@ class GRPOMetric(Metric):
                 fold.add(acc, "clip_n", n_old if gate is has_old else gate.sum())
                 fold.add(acc, "clip_low", low)
                 fold.add(acc, "clip_high", high)
-        # r - 1, in place unless the top-k records still need d
-        em = torch.expm1(d) if self.top_k_kl else d.expm1_()
+        # r - 1, in place unless the top-k records or the histograms still need d
+        em = torch.expm1(d) if self.top_k_kl or self.quantiles else d.expm1_()
         sum_em = em.sum()
         fold.add(acc, "sum_kl", sum_em - sum_d)  # sum of k3 = (r - 1) - d
         fold.add(acc, "sum_ratio", sum_em + n_old)
         mb.d, mb.ratio_m1 = d, em
+
+    def _quantile_counts(self, acc, mb: "_Microbatch") -> None:
+        """Histogram counts of the per-token ratio r = 1 + (r - 1) and k3 = (r - 1) - d over
+        the tokens with an old log-prob (after ``_ratio_sums``), and of the entropy."""
+        if mb.ratio_m1 is not None:
+            fold.add(acc, "hist_ratio", RATIO_HISTOGRAM.counts(mb.ratio_m1 + 1.0, mb.has_old))
+            fold.add(acc, "hist_kl", KL_HISTOGRAM.counts(mb.ratio_m1 - mb.d, mb.has_old))
+        if mb.ent is not None:
+            fold.add(acc, "hist_entropy", ENTROPY_HISTOGRAM.counts(mb.ent, mb.em))
 
     #: clip counts gated by the advantage sign (GRPO/PPO); CISPO clips the weight itself
     clip_by_advantage_sign = True
@@ -637,8 +671,15 @@ class GRPOMetric(Metric):
                 "train/ratio_min": _exp(s["logr_min"]),
                 "train/ratio_max": _exp(s["logr_max"]),
             })
+            if self.quantiles:
+                nan = self.nan_policy == "propagate"
+                out.update(quantile_keys("train/ratio", RATIO_HISTOGRAM, s["hist_ratio"], self.quantiles, nan))
+                out.update(quantile_keys("train/token_kl", KL_HISTOGRAM, s["hist_kl"], self.quantiles, nan))
         if s["n_ent"]:
             out["train/entropy"] = s["sum_ent"] / s["n_ent"]
+            if self.quantiles:
+                out.update(quantile_keys("train/entropy", ENTROPY_HISTOGRAM, s["hist_entropy"], self.quantiles,
+                                         self.nan_policy == "propagate"))
         if s["clip_n"]:
             poison = s["clip_nan"]  # 0.0, or NaN under 'propagate' when a gated token was non-finite
             out["train/clip_ratio_low"] = s["clip_low"] / s["clip_n"] + poison

@@ -10,6 +10,7 @@ import torch
 from ._checks import nan_policy as check_nan_policy
 from ._checks import nonfinite
 from .base import Metric
+from .histogram import Histogram, check_quantiles, quantile_keys
 from .moments import moments, moments_state
 from .rl_inputs import cp_lead
 from .slicing import SEP
@@ -17,6 +18,11 @@ from .state import State
 
 _NAME = "CompletionRewardMetric"
 _PREFIX = "reward/"
+_HIST = "hist/reward/"
+_LENGTHS = "hist/completion_length"
+#: completion lengths (counts: 0 has its own bucket, (0, 1) reads as 1) and rewards
+LENGTH_HISTOGRAM = Histogram(1.0, 1e9, signed=False)
+REWARD_HISTOGRAM = Histogram(1e-6, 1e9)
 #: a group's reward std counts as zero at or below this: TRL's isclose(std, 0) (atol 1e-8)
 _ZERO_STD = 1e-8
 
@@ -71,6 +77,14 @@ class CompletionRewardMetric(Metric):
         zero_std_reward: the reward name whose per-group std is tested; default the
             sum over all reward functions of the call (TRL tests the total reward).
         nan_policy: ``'skip'`` (default, TRL's) or ``'propagate'`` (see above).
+        quantiles: e.g. ``(0.5, 0.9, 0.99)``: also report ``train/completion_length_p50``,
+            ``train/{name}_reward_p50``, ... (``p99.9`` for 0.999), nearest-rank over the
+            whole data group from histograms (``twinkle_metrics.histogram``) within 1%
+            relative error of the true value: lengths in [1, 1e9) (0 exact), rewards with
+            magnitude in [1e-6, 1e9) (0 exact; outside, clamped to the bound). Non-finite
+            rewards follow ``nan_policy`` (``'propagate'``: NaN quantiles when a reward
+            was NaN). Each histogram adds one int64 state of 1,046 (lengths) or 3,478
+            (each reward) buckets to the sync buffer. None (default): no histogram.
 
     Example::
 
@@ -106,9 +120,12 @@ class CompletionRewardMetric(Metric):
                  max_completion_length: Optional[int] = None,
                  num_generations: Optional[int] = None,
                  zero_std_reward: Optional[str] = None,
-                 nan_policy: str = "skip", **kwargs):
+                 nan_policy: str = "skip", quantiles: Optional[Sequence[float]] = None, **kwargs):
         super().__init__(device_mesh, process_group, **kwargs)
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
+        self.quantiles = check_quantiles(_NAME, quantiles)
+        if self.quantiles:
+            self.add_state(_LENGTHS, LENGTH_HISTOGRAM.state())
         if num_generations is not None and (not isinstance(num_generations, int) or num_generations < 1):
             raise ValueError(f"{_NAME}: num_generations must be a positive int, got {num_generations!r}")
         self.max_completion_length = max_completion_length
@@ -124,12 +141,19 @@ class CompletionRewardMetric(Metric):
                 raise TypeError(f"{_NAME}: reward names must be non-empty strings, got {name!r}")
             if _PREFIX + name not in self._specs:
                 self.add_state(_PREFIX + name, moments_state())
+            if self.quantiles and _HIST + name not in self._specs:
+                self.add_state(_HIST + name, REWARD_HISTOGRAM.state())
 
     def dynamic_state(self, name: str):
-        """A reward name's (count, mean, M2) state, created when a name is first seen
-        (here or, at ``calculate()``, on another rank)."""
-        if self._dynamic and name.startswith(_PREFIX) and len(name) > len(_PREFIX):
+        """A reward name's (count, mean, M2) state, and its histogram with
+        ``quantiles``, created when a name is first seen (here or, at ``calculate()``,
+        on another rank)."""
+        if not self._dynamic:
+            return None
+        if name.startswith(_PREFIX) and len(name) > len(_PREFIX):
             return moments_state()
+        if self.quantiles and name.startswith(_HIST) and len(name) > len(_HIST):
+            return REWARD_HISTOGRAM.state()
         return None
 
     @property
@@ -152,6 +176,8 @@ class CompletionRewardMetric(Metric):
         skip = self.nan_policy == "skip"
         for name, values in per_name.items():
             out[_PREFIX + name] = moments(values, torch.isfinite(values) if skip else None)
+            if self.quantiles:
+                out[_HIST + name] = REWARD_HISTOGRAM.counts(values, torch.isfinite(values) if skip else None)
             out["n_bad"] = out.get("n_bad", 0) + nonfinite(values).sum()
 
         lengths = self._lengths(completion_lengths, completions)
@@ -162,6 +188,8 @@ class CompletionRewardMetric(Metric):
             out["len_max"] = lengths.amax()
             if self.max_completion_length is not None:
                 out["len_clipped"] = (lengths >= self.max_completion_length).sum()
+            if self.quantiles:
+                out[_LENGTHS] = LENGTH_HISTOGRAM.counts(lengths)
 
         if per_name and (group_ids is not None or self.num_generations is not None):
             out.update(self._zero_std_groups(per_name, sizes, group_ids))
@@ -177,8 +205,8 @@ class CompletionRewardMetric(Metric):
             out[f"{key}_sum"] = t.sum()
             out[f"{key}_n"] = t.numel()
         # CP ranks of one group hold the same rollouts: validate everywhere, count once.
-        if not lead:  # (0, 0, 0) is the identity of the moments merge; names still get states
-            return {k: torch.zeros(3, dtype=torch.float64) for k in out if k.startswith(_PREFIX)}
+        if not lead:  # zeros are the identity of the moments merge and of the counts; names still get states
+            return {k: torch.zeros_like(v) for k, v in out.items() if k.startswith((_PREFIX, _HIST))}
         return out
 
     def _rewards_dict(self, rewards) -> Dict[str, torch.Tensor]:
@@ -283,10 +311,16 @@ class CompletionRewardMetric(Metric):
                 out[f"train/{name}_reward_std"] = (max(m2, 0.0) / (n - 1)) ** 0.5  # max(NaN, 0) is NaN
             else:  # one value: 0, unless that value was NaN/inf ('propagate')
                 out[f"train/{name}_reward_std"] = 0.0 if math.isfinite(mean) else math.nan
+            if self.quantiles:
+                out.update(quantile_keys(f"train/{name}_reward", REWARD_HISTOGRAM, s[_HIST + name],
+                                         self.quantiles, propagate_nan=self.nan_policy == "propagate"))
         if s["len_count"]:
             out["train/completion_length"] = s["len_sum"] / s["len_count"]
             out["train/completion_length_min"] = s["len_min"]
             out["train/completion_length_max"] = s["len_max"]
+            if self.quantiles:
+                out.update(quantile_keys("train/completion_length", LENGTH_HISTOGRAM, s[_LENGTHS],
+                                         self.quantiles, propagate_nan=True))
             if self.max_completion_length is not None:
                 out["train/completion_clipped_ratio"] = s["len_clipped"] / s["len_count"]
         if s["groups"]:

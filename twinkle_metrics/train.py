@@ -8,13 +8,16 @@ from typing import Optional
 
 import torch
 
-from parallel.groups import world_size
+from parallel.groups import global_rank, world_size
 
 from .base import Metric
 from .state import State
 
 _NAME = "TrainMetric"
 _COUNTS = ("global", "local")
+#: the slowest rank's id rides in the low bits of its packed step time
+_RANK_BITS = 20
+_MAX_MICROS = (2 ** 63 - 1) >> _RANK_BITS
 
 
 class TrainMetric(Metric):
@@ -33,6 +36,14 @@ class TrainMetric(Metric):
     ``tokens/s`` and ``samples/s`` (when counts are passed), ``mfu`` (when
     ``flops_per_token`` and ``peak_flops`` are known), ``peak memory GiB``
     (``torch.cuda.max_memory_allocated`` since start, CUDA only).
+
+    Stragglers (when ``step`` is passed): every rank's own step time, its interval
+    time over its interval steps, is merged over every rank of the world (TP and PP
+    included, ``State(scope="model")``) into ``train/step_time_max`` (the slowest
+    rank's seconds per iteration), ``train/step_time_min`` (the fastest's) and
+    ``train/step_time_slowest_rank`` (the slowest rank's global rank; of ranks within
+    a microsecond of each other, the highest). The rank rides exactly in the low 20
+    bits of an int64 MAX state above the step time in microseconds.
 
     MFU here is achieved model FLOP/s per device divided by the device's peak:
     ``tokens * flops_per_token / interval / num_devices / peak_flops``, where
@@ -76,6 +87,11 @@ class TrainMetric(Metric):
     interval_time = State("max", local="last", per_rank=True)
     peak_flops = State("max", local="last")
     peak_memory = State("max", local="max", per_rank=True)
+    # This rank's own seconds per step, merged over every rank (TP x PP too), and
+    # (microseconds << 20) | global rank, so that the MAX names the slowest rank exactly.
+    rank_step_time_max = State("max", local="last", scope="model")
+    rank_step_time_min = State("min", local="last", scope="model")
+    slowest_rank = State("max", torch.int64, local="last", scope="model")
 
     def __init__(self, device_mesh=None, process_group=None, *, counts: str = "global",
                  flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
@@ -127,7 +143,9 @@ class TrainMetric(Metric):
         if step is not None:
             step = _integer("step", step)
             out["step"] = step
-            out["interval_steps"] = step - self._interval_first_step
+            out["interval_steps"] = steps = step - self._interval_first_step
+            if steps > 0:
+                out.update(_straggler(out["interval_time"] / steps))
         for name, value in (("tokens", tokens), ("samples", samples)):
             if value is not None:
                 out[name] = _count(name, value)
@@ -167,6 +185,10 @@ class TrainMetric(Metric):
             out["speed"] = iters / interval if interval > 0 else 0.0
             if iters > 0:
                 out["step time"] = interval / iters
+            if s["slowest_rank"] >= 0:  # some rank saw steps this interval
+                out["train/step_time_max"] = s["rank_step_time_max"] * ga
+                out["train/step_time_min"] = s["rank_step_time_min"] * ga
+                out["train/step_time_slowest_rank"] = s["slowest_rank"] & ((1 << _RANK_BITS) - 1)
         if interval > 0 and interval != -math.inf:
             if s["tokens"] > 0:
                 out["tokens/s"] = s["tokens"] / interval
@@ -178,6 +200,17 @@ class TrainMetric(Metric):
         if s["peak_memory"] != -math.inf:
             out["peak memory GiB"] = s["peak_memory"]
         return out
+
+
+def _straggler(per_step: float) -> dict:
+    """This rank's step-time readings: seconds per step, and the packed id."""
+    rank = global_rank()
+    if rank >> _RANK_BITS:
+        raise ValueError(f"{_NAME}: global rank {rank} does not fit the {_RANK_BITS} bits of the "
+                         "slowest-rank state; the straggler view supports up to 2**20 ranks")
+    micros = min(max(int(round(per_step * 1e6)), 0), _MAX_MICROS)
+    return {"rank_step_time_max": per_step, "rank_step_time_min": per_step,
+            "slowest_rank": (micros << _RANK_BITS) | rank}
 
 
 def _count(field: str, value):
