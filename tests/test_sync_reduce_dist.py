@@ -56,10 +56,11 @@ def test_core_sharded_equals_whole(dist_pool, sizes):
         assert got["max"] == whole["max"] and got["min"] == whole["min"]
 
 
-@pytest.mark.parametrize("sizes", LAYOUTS)
+@pytest.mark.parametrize("sizes", LAYOUTS[:2] + [dict(cp=2, dp=4)])
 def test_rl_sharded_equals_whole(dist_pool, sizes):
     """GRPO's top-k records and the reward moments are gathered and merged by their own
-    merge; every other state of the five RL metrics is all-reduced."""
+    merge; every other state of the five RL metrics is all-reduced. (The RL batch has 6
+    DPO pairs, so its layouts stop at DP4, as in tests/test_metrics_rl_dist.py.)"""
     whole = rl.whole_results()
     assert len(whole["grpo/_high_kl_records"]) == 6
     for (got, _, _), kinds in dist_pool.run(case_reduced, rl.case_sharded_equals_whole, "sizes", sizes,
@@ -123,7 +124,7 @@ def test_extremes_and_int64_match_the_gather_path(dist_pool, sizes):
         for k in ("f_min", "g_min", "i_min"):
             want[k] = math.nan if any(math.isnan(r[k]) for r in rows) else min(r[k] for r in rows)
         assert math.isnan(reduced["f_max"]) and math.isnan(reduced["f_min"])
-        assert isinstance(reduced["i_sum"], int) and reduced["i_sum"] > 2 ** 60
+        assert isinstance(reduced["i_sum"], int) and reduced["i_sum"] > 2 ** 58
         assert_results_close(reduced, want, rel=1e-12, abs_tol=0.0)
         for k in want:  # ints bit-exact, floats within the sum's rounding, NaN as NaN
             if isinstance(want[k], int):
@@ -151,6 +152,8 @@ def test_state_scopes_on_the_reduce_path(dist_pool, sizes):
 
 # ------------------------------------------------------------------ collectives
 def case_steady_counts(sizes):
+    # new groups: the collectives' sizes are the largest any set synced on these groups
+    # needed (as the gather path's width), so a set run before on them would count here
     mesh = DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
     sets = {"core": MetricCollection({f"m{i}": TokenStats() for i in range(3)}, device_mesh=mesh),
             "rl": rl._metrics(mesh)}
@@ -170,7 +173,7 @@ def _by_kind(wire):
     return wire.get("all_reduce", 0), gathers, sum(wire.values()) - gathers - wire.get("all_reduce", 0)
 
 
-@pytest.mark.parametrize("sizes", [dict(dp=8), dict(tp=2, pp=2, dp=2)])
+@pytest.mark.parametrize("sizes", [dict(tp=2, dp=4), dict(tp=2, pp=2, dp=2)])
 def test_steady_state_collectives(dist_pool, sizes):
     share = 1 if sizes.get("tp", 1) * sizes.get("pp", 1) > 1 else 0
     for counts, _ in dist_pool.run(case_reduced, case_steady_counts, sizes, timeout=CASE_TIMEOUT):

@@ -1,4 +1,5 @@
-"""Fused, generic sync of every state of every metric: two collectives in steady state.
+"""Fused, generic sync of every state of every metric: two collectives in steady state
+(up to five on data groups of thousands of ranks).
 
 Data phase, every ``calculate()``:
 
@@ -7,6 +8,16 @@ Data phase, every ``calculate()``:
    merge exactly), behind a small header. Each rank merges the rows locally with
    each state's declared reduction, so sum, max, min and custom merges (top-k, Chan's
    moments) all ride in one collective.
+
+   A data group of more than ``REDUCE_ABOVE`` ranks (default 64; environment
+   ``TWINKLE_METRICS_REDUCE_ABOVE``) all-reduces instead, so what a rank receives and
+   merges stays flat in the group size: one int64 MAX (plan agreement, need flag, and
+   every max and min state as an order-preserving integer key, NaN included), one
+   float64 SUM, one exact int64 SUM, and an ``all_gather`` of only the states a
+   metric merges itself (a callable reduction, an overridden ``merge``); each of the
+   last three only when such states exist. Same merged row, up to the order of the
+   float sums (``_reduce_data``). The group size is the same on each of its ranks,
+   so all take the same path; the negotiation checks that the threshold agrees.
 2. Under tensor or pipeline parallelism, one ``all_gather`` over TP x PP (the mesh's
    ``mp`` group) of the merged buffer. Every rank keeps the row of the result source
    (last stage, TP rank 0), so all stages and TP replicas return the same numbers;
@@ -33,14 +44,18 @@ created on the others; ranks without it contribute its identity) and raises
 ``MetricSyncError`` on every rank when ranks hold different metrics or arguments
 (their fingerprints differ) or declare a state differently.
 
-Why every rank agrees: a data group's merged row is the same on all its ranks, and
+Why every rank agrees: a data group's merged row is the same on all its ranks (an
+all-reduce hands every rank the same reduced values; flags and hashes travel as
+exact integers), and
 the TP x PP group of any rank holds one rank of every data group, so what one rank
 learns after the second collective (a flag, an error, a disagreement) every rank
 learns.
 
 Collectives per ``calculate()``: 1 (pure DP) or 2 (TP or PP) in steady state; the
 first one of a pair of groups adds 2 per group for the negotiation, and a change in
-the set of states adds one negotiation and one more data phase.
+the set of states adds one negotiation and one more data phase. On the reduce path
+the data phase takes 1 to 4 collectives instead of 1 (3 for sums and extremes of
+both dtypes, 4 with self-merged states), plus the one over TP x PP.
 """
 from __future__ import annotations
 
