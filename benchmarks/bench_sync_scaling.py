@@ -26,7 +26,7 @@ import torch
 
 from benchmarks import common, suite
 
-SIZES = (8, 64, 512, 4096, 16384)
+SIZES = (8, 64, 128, 256, 512, 1024, 2048, 4096, 16384)
 
 
 def _setup():
@@ -104,9 +104,9 @@ def main(argv=None):
             same = torch.allclose(reduced[sync._HEADER:], merged[sync._HEADER:], rtol=1e-12, atol=0,
                                   equal_nan=True)
             assert same, "reduce path and gather path disagree"
-        merge_s = _time(lambda: sync._merge(plan, metrics, rows), args.budget)
+        merge_s = _time(lambda rows=rows: sync._merge(plan, metrics, rows), args.budget)
 
-        def reduce_host():
+        def reduce_host(own_rows=own_rows):
             t, f, i, _ = sync._reduce_pack(plan, buf, plan.reduce_sizes)
             sync._reduce_unpack(plan, metrics, buf, t, f, i, own_rows)
 

@@ -12,7 +12,7 @@ import torch
 from parallel import DeviceMesh
 from tests.refmetric import TokenStats, dp_shards, make_batch, shard_for_rank
 from tests.rlref import make_rl_batch
-from tests.test_metrics_rl_dist import N_SEQ, SEQ_LEN, SEED, _accumulate, _metrics
+from tests.test_metrics_rl_dist import N_SEQ, SEED, SEQ_LEN, _accumulate, _metrics
 from twinkle_metrics import Metric, State, sync
 from twinkle_metrics._order import from_ordered_f64, ordered_f64
 from twinkle_metrics.testing import assert_results_close

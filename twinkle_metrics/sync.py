@@ -9,7 +9,7 @@ Data phase, every ``calculate()``:
    each state's declared reduction, so sum, max, min and custom merges (top-k, Chan's
    moments) all ride in one collective.
 
-   A data group of more than ``REDUCE_ABOVE`` ranks (default 64; environment
+   A data group of more than ``REDUCE_ABOVE`` ranks (default 512; environment
    ``TWINKLE_METRICS_REDUCE_ABOVE``) all-reduces instead, so what a rank receives and
    merges stays flat in the group size: one int64 MAX (plan agreement, need flag, and
    every max and min state as an order-preserving integer key, NaN included), one
@@ -17,7 +17,7 @@ Data phase, every ``calculate()``:
    metric merges itself (a callable reduction, an overridden ``merge``); each of the
    last three only when such states exist. Same merged row, up to the order of the
    float sums (``_reduce_data``). The group size is the same on each of its ranks,
-   so all take the same path; the negotiation checks that the threshold agrees.
+   so all take the same path; the negotiation checks that every rank chose alike.
 2. Under tensor or pipeline parallelism, one ``all_gather`` over TP x PP (the mesh's
    ``mp`` group) of the merged buffer. Every rank keeps the row of the result source
    (last stage, TP rank 0), so all stages and TP replicas return the same numbers;
@@ -77,9 +77,21 @@ _HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
 _H_PLAN, _H_NEED, _H_SOURCE, _H_PP = 0, 1, 2, 3
 #: TP replicas agree when their states are this close (they compute from the same tokens)
 _TP_RTOL, _TP_ATOL = 1e-6, 1e-9
-#: data groups of more ranks than this all-reduce instead of gathering every rank's row
-#: (``benchmarks/bench_sync_scaling.py`` measured where that pays); set it alike on every rank
-REDUCE_ABOVE = int(os.environ.get("TWINKLE_METRICS_REDUCE_ABOVE", "64"))
+
+
+def _threshold(default: int) -> int:
+    text = os.environ.get("TWINKLE_METRICS_REDUCE_ABOVE", str(default))
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"TWINKLE_METRICS_REDUCE_ABOVE must be a number of ranks, got {text!r}; "
+                         "unset it for the default") from None
+
+
+#: data groups of more ranks than this all-reduce instead of gathering every rank's row:
+#: above ~512 the gather's merge costs the host more than the reduce path's pack and
+#: unpack (``benchmarks/bench_sync_scaling.py``); set it alike on every rank
+REDUCE_ABOVE = _threshold(512)
 #: the reduce path's column kinds, in the order its collectives carry them
 _REDUCED = (("sum", False), ("sum", True), ("max", False), ("min", False), ("max", True), ("min", True))
 _KEYS_HEAD = 3  # the MAX keys start with the plan hash, minus the plan hash, the need flag
