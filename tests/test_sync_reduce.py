@@ -7,6 +7,7 @@ collectives run in tests/test_sync_reduce_dist.py.
 """
 import math
 
+import pytest
 import torch
 
 from parallel import DeviceMesh
@@ -122,3 +123,13 @@ def test_ordered_keys_round_trip_and_order():
     neg = -from_ordered_f64(ordered_f64(-vals).amax().unsqueeze(0))
     assert math.isnan(neg.item())
     assert -from_ordered_f64(ordered_f64(-vals[:-1]).amax().unsqueeze(0)).item() == -math.inf
+
+
+def test_threshold_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TWINKLE_METRICS_REDUCE_ABOVE", "4096")
+    assert sync._threshold(512) == 4096
+    monkeypatch.delenv("TWINKLE_METRICS_REDUCE_ABOVE")
+    assert sync._threshold(512) == 512
+    monkeypatch.setenv("TWINKLE_METRICS_REDUCE_ABOVE", "1k")
+    with pytest.raises(ValueError, match="TWINKLE_METRICS_REDUCE_ABOVE must be a number of ranks, got '1k'"):
+        sync._threshold(512)
