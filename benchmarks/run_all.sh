@@ -8,3 +8,4 @@ PY="${BENCH_PY:-benchmarks/.venv/bin/python}"
 "$PY" -m benchmarks.bench_accumulate
 "$PY" -m benchmarks.bench_memory
 "$PY" -m benchmarks.bench_scaling
+"$PY" -m benchmarks.bench_sync_scaling

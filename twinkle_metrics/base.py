@@ -328,6 +328,15 @@ class Metric:
         specs = self._specs
         return {name: (specs.get(name) or self._new_state_spec(name)).merge(r) for name, r in rows.items()}
 
+    def _merge_reads(self) -> Optional[Sequence[str]]:
+        """The states an overridden ``merge`` needs as every rank's rows; ``None``: all.
+
+        A data group too large to gather (``sync.REDUCE_ABOVE``) all-reduces every other
+        sum/max/min state and hands ``merge`` only these rows (states with a callable
+        reduction are always gathered).
+        """
+        return None
+
     def calculate(self, reset: bool = True, async_op: bool = False):
         """Reduce over the data group and return plain numbers, the same on every rank.
 

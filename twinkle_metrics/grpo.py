@@ -652,6 +652,10 @@ class GRPOMetric(Metric):
             rows["topk"] = topk
         return super().merge(rows)
 
+    def _merge_reads(self):
+        # merge() only places the top-k records; every other state merges on its own
+        return ("topk", "n_seq", "dp_index", "cp_index") if self.top_k_kl else ()
+
     # ---------------------------------------------------------------- compute
     def compute(self, s):
         out: Dict[str, Any] = {"train/nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}

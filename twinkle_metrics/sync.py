@@ -1,4 +1,5 @@
-"""Fused, generic sync of every state of every metric: two collectives in steady state.
+"""Fused, generic sync of every state of every metric: two collectives in steady state
+(up to five on data groups of thousands of ranks).
 
 Data phase, every ``calculate()``:
 
@@ -7,6 +8,16 @@ Data phase, every ``calculate()``:
    merge exactly), behind a small header. Each rank merges the rows locally with
    each state's declared reduction, so sum, max, min and custom merges (top-k, Chan's
    moments) all ride in one collective.
+
+   A data group of more than ``REDUCE_ABOVE`` ranks (default 512; environment
+   ``TWINKLE_METRICS_REDUCE_ABOVE``) all-reduces instead, so what a rank receives and
+   merges stays flat in the group size: one int64 MAX (plan agreement, need flag, and
+   every max and min state as an order-preserving integer key, NaN included), one
+   float64 SUM, one exact int64 SUM, and an ``all_gather`` of only the states a
+   metric merges itself (a callable reduction, an overridden ``merge``); each of the
+   last three only when such states exist. Same merged row, up to the order of the
+   float sums (``_reduce_data``). The group size is the same on each of its ranks,
+   so all take the same path; the negotiation checks that every rank chose alike.
 2. Under tensor or pipeline parallelism, one ``all_gather`` over TP x PP (the mesh's
    ``mp`` group) of the merged buffer. Every rank keeps the row of the result source
    (last stage, TP rank 0), so all stages and TP replicas return the same numbers;
@@ -33,31 +44,58 @@ created on the others; ranks without it contribute its identity) and raises
 ``MetricSyncError`` on every rank when ranks hold different metrics or arguments
 (their fingerprints differ) or declare a state differently.
 
-Why every rank agrees: a data group's merged row is the same on all its ranks, and
+Why every rank agrees: a data group's merged row is the same on all its ranks (an
+all-reduce hands every rank the same reduced values; flags and hashes travel as
+exact integers), and
 the TP x PP group of any rank holds one rank of every data group, so what one rank
 learns after the second collective (a flag, an error, a disagreement) every rank
 learns.
 
 Collectives per ``calculate()``: 1 (pure DP) or 2 (TP or PP) in steady state; the
 first one of a pair of groups adds 2 per group for the negotiation, and a change in
-the set of states adds one negotiation and one more data phase.
+the set of states adds one negotiation and one more data phase. On the reduce path
+the data phase takes 1 to 4 collectives instead of 1 (3 for sums and extremes of
+both dtypes, 4 with self-merged states), plus the one over TP x PP.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from parallel import comm_device
-from parallel.groups import all_gather_rows, group_ranks
+from parallel.groups import all_gather_rows, group_ranks, group_size
+
+from ._order import from_ordered_f64, ordered_f64
 
 _HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
 _H_PLAN, _H_NEED, _H_SOURCE, _H_PP = 0, 1, 2, 3
 #: TP replicas agree when their states are this close (they compute from the same tokens)
 _TP_RTOL, _TP_ATOL = 1e-6, 1e-9
+
+
+def _threshold(default: int) -> int:
+    text = os.environ.get("TWINKLE_METRICS_REDUCE_ABOVE", str(default))
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"TWINKLE_METRICS_REDUCE_ABOVE must be a number of ranks, got {text!r}; "
+                         "unset it for the default") from None
+
+
+#: data groups of more ranks than this all-reduce instead of gathering every rank's row:
+#: above ~512 the gather's merge costs the host more than the reduce path's pack and
+#: unpack (``benchmarks/bench_sync_scaling.py``); set it alike on every rank
+REDUCE_ABOVE = _threshold(512)
+#: the reduce path's column kinds, in the order its collectives carry them
+_REDUCED = (("sum", False), ("sum", True), ("max", False), ("min", False), ("max", True), ("min", True))
+_KEYS_HEAD = 3  # the MAX keys start with the plan hash, minus the plan hash, the need flag
+_I64_MIN = -(1 << 63)
 
 
 class MetricSyncError(RuntimeError):
@@ -72,36 +110,50 @@ class _Plan:
     def __init__(self, metrics: Sequence, names: Sequence[Sequence[str]], configs: Sequence[str]):
         self.entries: List[List[Tuple[str, Any, int]]] = []   # per metric: (name, spec, offset)
         self.owner: List[Tuple[int, str]] = []                 # per column: (metric, state)
+        # states with a "sum"/"max"/"min" reduction that no metric's own merge() reads are
+        # merged column by column, all such columns of one (op, is int64) at once; the
+        # others by their metric's merge(), given every rank's rows of them
         cols: Dict[Tuple[str, bool], List[int]] = {}
         check: Dict[bool, List[int]] = {False: [], True: []}
         placed: Dict[Tuple[str, str, bool], List[int]] = {}  # (scope, op, is int) -> columns
-        self.custom: List[int] = []  # metrics merged by their own merge()
+        # per metric with such states: (metric, [(state, spec, column in the gathered
+        # rows, column in the buffer)]) for the gather path, and for the reduce path
+        # (which gathers those columns only)
+        self.custom: List[Tuple[int, List[Tuple[str, Any, int, int]]]] = []
+        self.gathered: List[Tuple[int, List[Tuple[str, Any, int, int]]]] = []
+        own: List[int] = []  # their columns
         offset = 0
         text = []
         for i, (m, metric_names) in enumerate(zip(metrics, names)):
-            plain = not type(m)._own_merge
-            entries, mine = [], {}
+            entries, custom, gathered = [], [], []
+            reads = _merge_reads(m, metric_names)
             for name in metric_names:
                 spec = _spec(m, name)
-                plain = plain and isinstance(spec.reduce, str)
                 entries.append((name, spec, offset))
                 text.append(f"{i}.{name}:{spec.signature}")
                 span = range(offset, offset + spec.numel)
                 self.owner += [(i, name)] * spec.numel
                 is_int = spec.dtype == torch.int64
-                mine.setdefault((spec.reduce, is_int), []).extend(span)
                 if not spec.per_rank and spec.scope != "model":
                     check[is_int].extend(span)
                 if spec.scope != "data":
                     placed.setdefault((spec.scope, spec.reduce, is_int), []).extend(span)
+                if name in reads:
+                    custom.append((name, spec, _HEADER + offset, _HEADER + offset))
+                    gathered.append((name, spec, len(own), _HEADER + offset))
+                    own.extend(span)
+                else:
+                    cols.setdefault((spec.reduce, is_int), []).extend(span)
                 offset += spec.numel
-            if plain:  # merged column by column, with every plain metric's columns
-                for k, span in mine.items():
-                    cols.setdefault(k, []).extend(span)
-            else:      # merged by the metric's own merge()
-                self.custom.append(i)
+            if custom:
+                self.custom.append((i, custom))
+                self.gathered.append((i, gathered))
             self.entries.append(entries)
         self.length = offset
+        self._reduced = [cols.get(k, []) for k in _REDUCED] + [own]
+        #: what the reduce path's collectives carry: float sums, int sums, extremes, gathered
+        self.reduce_sizes = (len(self._reduced[0]), len(self._reduced[1]),
+                             sum(len(c) for c in self._reduced[2:6]), len(own))
         self._cols = {k: v for k, v in cols.items() if v}
         self._check = check
         self.placed = {k: torch.tensor(v, dtype=torch.long) + _HEADER for k, v in placed.items()}
@@ -116,6 +168,15 @@ class _Plan:
         if key not in self._by_device:
             self._by_device[key] = {k: torch.tensor(v, dtype=torch.long, device=device) + _HEADER
                                     for k, v in self._cols.items()}
+        return self._by_device[key]
+
+    def reduce_columns(self, device) -> List[torch.Tensor]:
+        """Buffer columns (header included) of each kind in ``_REDUCED``, then of the
+        gathered states, for the reduce path; cached per device."""
+        key = ("reduce", str(device))
+        if key not in self._by_device:
+            self._by_device[key] = [torch.tensor(v, dtype=torch.long, device=device) + _HEADER
+                                    for v in self._reduced]
         return self._by_device[key]
 
     def check_columns(self, is_int: bool) -> torch.Tensor:
@@ -141,12 +202,24 @@ def _spec(metric, name: str):
     return spec if spec is not None else metric._new_state_spec(name)
 
 
+def _merge_reads(metric, names: Sequence[str]) -> set:
+    """States merged by the metric's ``merge`` over every rank's rows (the reduce path
+    gathers them): those with a callable reduction, and those an overridden ``merge``
+    reads (all of them unless the metric names them in ``_merge_reads``)."""
+    out = {n for n in names if not isinstance(_spec(metric, n).reduce, str)}
+    if type(metric)._own_merge:
+        reads = metric._merge_reads()
+        out |= set(names) if reads is None else set(reads) & set(names)
+    return out
+
+
 class _Channel:
     """What the ranks agreed on for one pair of groups: plans and the buffer width."""
 
     def __init__(self):
         self.plans: Dict[Tuple[str, ...], _Plan] = {}
         self.width = 0
+        self.reduce_sizes = (0, 0, 0, 0)  # the reduce path's, elementwise max over the plans
 
 
 _CHANNELS: Dict[Tuple[int, int], Tuple[tuple, _Channel]] = {}  # ids -> (weak refs, channel)
@@ -225,7 +298,7 @@ def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
         if plan is None and not ch.plans:  # nothing agreed on these groups yet, on any rank
             plan = _negotiate(metrics, configs, ch, data_group, share_group)
         need = plan is None or not plan.covers(metrics)
-        host = _data_phase(metrics, plan, need, ch.width, data_group, share_group, mesh)
+        host = _data_phase(metrics, plan, need, ch, data_group, share_group, mesh)
         if host is not None:
             return host
         _negotiate(metrics, configs, ch, data_group, share_group)
@@ -244,19 +317,23 @@ def _local_plan(metrics, configs) -> _Plan:
 
 
 # ------------------------------------------------------------------------ data phase
-def _data_phase(metrics, plan: Optional[_Plan], need: bool, width: int, data_group, share_group,
+def _data_phase(metrics, plan: Optional[_Plan], need: bool, ch: _Channel, data_group, share_group,
                 mesh) -> Optional[List[Dict[str, Any]]]:
-    """Pack, gather, merge, share; None when some rank asked for a new plan."""
+    """Pack, gather (or all-reduce), merge, share; None when some rank asked for a new plan."""
     lead = metrics[0]
     comm = data_group if data_group is not None else share_group
     device = comm_device(comm)
     is_source, pp_rank = mesh.is_result_source, mesh.pp_rank
-    buf = _pack(plan, metrics, width, lead._device, device, need=need or plan is None,
+    usable = plan if plan is not None and not need else None
+    buf = _pack(plan, metrics, ch.width, lead._device, device, need=usable is None,
                 is_source=is_source, pp_rank=pp_rank)
-    rows = all_gather_rows(buf, data_group)                      # collective 1
-    vec = _merge(plan, metrics, rows) if plan is not None and not need else rows[0].clone()
-    vec[_H_NEED] = torch.maximum(rows[:, _H_NEED].amax(),
-                                 (rows[:, _H_PLAN] != rows[0, _H_PLAN]).any().to(torch.float64))
+    if _reduces(data_group):  # the same size on every rank of the group: all take this branch
+        vec = _reduce_data(usable, metrics, buf, ch.reduce_sizes, data_group)
+    else:
+        rows = all_gather_rows(buf, data_group)                  # collective 1
+        vec = _merge(usable, metrics, rows) if usable is not None else rows[0].clone()
+        vec[_H_NEED] = torch.maximum(rows[:, _H_NEED].amax(),
+                                     (rows[:, _H_PLAN] != rows[0, _H_PLAN]).any().to(torch.float64))
     vec[_H_SOURCE] = float(is_source)
     vec[_H_PP] = float(pp_rank)
     if share_group is None:
@@ -315,20 +392,114 @@ def _merge(plan: _Plan, metrics, rows: torch.Tensor) -> torch.Tensor:
             sel = sel.view(torch.int64)
         red = sel.sum(0) if op == "sum" else (sel.amax(0) if op == "max" else sel.amin(0))
         vec[cols] = red.view(torch.float64) if is_int else red
-    for i in plan.custom:
-        m, entries = metrics[i], plan.entries[i]
+    _merge_own(plan.custom, metrics, rows, vec)
+    return vec
+
+
+def _merge_own(custom, metrics, rows: torch.Tensor, vec: torch.Tensor) -> None:
+    """Merge states with each metric's own ``merge()`` into ``vec``; ``custom`` lists
+    (metric, [(state, spec, column in ``rows``, column in ``vec``)])."""
+    for i, entries in custom:
         per_state = {}
-        for name, spec, offset in entries:
-            r = rows[:, _HEADER + offset:_HEADER + offset + spec.numel]
+        for name, spec, src, _ in entries:
+            r = rows[:, src:src + spec.numel]
             if spec.dtype == torch.int64:
                 r = r.view(torch.int64)
             per_state[name] = r.reshape(rows.shape[0], *spec.shape)
-        out = m.merge(per_state)
-        for name, spec, offset in entries:
+        out = metrics[i].merge(per_state)
+        for name, spec, _, dst in entries:
             v = out[name].to(spec.dtype).reshape(-1).contiguous()
-            vec[_HEADER + offset:_HEADER + offset + spec.numel] = (
-                v.view(torch.float64) if spec.dtype == torch.int64 else v)
+            vec[dst:dst + spec.numel] = v.view(torch.float64) if spec.dtype == torch.int64 else v
+
+
+# ------------------------------------------------------------------------ reduce path
+def _reduces(data_group) -> bool:
+    """Whether the data phase all-reduces (a data group of more than ``REDUCE_ABOVE``
+    ranks) instead of gathering every rank's row."""
+    return data_group is not None and group_size(data_group) > REDUCE_ABOVE
+
+
+def _reduce_data(plan: Optional[_Plan], metrics, buf: torch.Tensor, sizes: Tuple[int, int, int, int],
+                 group) -> torch.Tensor:
+    """The merged row ``_merge`` would make of the group's gathered rows, from all-reduces.
+
+    What a rank receives no longer grows with the group: a ring all-reduce moves about
+    twice its input, where a gather brings every rank's row and merges them here.
+    Collectives over ``group``, in this order, their sizes ``sizes`` (the channel's, the
+    same on every rank whatever plan it holds, so a rank without a plan still matches):
+
+    1. int64 MAX: the header's plan hash, minus the hash (every rank holds the same plan
+       iff the two maxima agree), the need flag; then an order-preserving key of every
+       max column and of every min column negated (``_order``: NaN above +inf, so it
+       propagates as ``amax`` does), float64 and int64 (int minima as ``~x``) alike;
+    2. float64 SUM of the float sum columns (skipped when there are none);
+    3. int64 SUM of the int sum columns, exact (skipped when there are none);
+    4. all_gather of the states merged by a metric's own ``merge`` or a callable
+       reduction, merged here as the gather path does (skipped when there are none).
+
+    ``plan`` is ``None`` when this rank packed no states (it needs a new plan): it
+    then contributes identities, and the need flag sends every rank to negotiate.
+    """
+    top, sums_f, sums_i, own = _reduce_pack(plan, buf, sizes)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    for t in (sums_f, sums_i):
+        if t is not None:
+            dist.all_reduce(t, group=group)
+    rows = all_gather_rows(own, group) if own is not None else None
+    return _reduce_unpack(plan, metrics, buf, top, sums_f, sums_i, rows)
+
+
+def _reduce_pack(plan: Optional[_Plan], buf: torch.Tensor, sizes: Tuple[int, int, int, int]):
+    """What the reduce path sends, from the packed buffer: the MAX keys, the float and
+    int sums, the gathered columns (``None`` where the channel has none of a kind)."""
+    n_sf, n_si, n_ord, n_g = sizes
+    dev = buf.device
+    cols = plan.reduce_columns(dev) if plan is not None else None
+    ints = buf.view(torch.int64)
+    head = buf[_H_PLAN:_H_NEED + 1].to(torch.int64)  # the hash has 48 bits: exact
+    keys = [head[:1], -head[:1], head[1:]]
+    if cols is not None:
+        keys += [ordered_f64(buf[cols[2]]), ordered_f64(-buf[cols[3]]), ints[cols[4]], ~ints[cols[5]]]
+    top = _filled(keys, _KEYS_HEAD + n_ord, _I64_MIN, torch.int64, dev)
+    sums_f = _filled([buf[cols[0]]] if cols else [], n_sf, 0, torch.float64, dev) if n_sf else None
+    sums_i = _filled([ints[cols[1]]] if cols else [], n_si, 0, torch.int64, dev) if n_si else None
+    own = _filled([buf[cols[6]]] if cols else [], n_g, 0, torch.float64, dev) if n_g else None
+    return top, sums_f, sums_i, own
+
+
+def _reduce_unpack(plan: Optional[_Plan], metrics, buf: torch.Tensor, top: torch.Tensor,
+                   sums_f: Optional[torch.Tensor], sums_i: Optional[torch.Tensor],
+                   rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """The merged row (header and states, as ``_merge`` lays it out) from the reduced
+    tensors and the gathered ``rows`` of the self-merged states."""
+    vec = torch.zeros_like(buf)
+    vec[_H_PLAN] = top[0].to(torch.float64)
+    vec[_H_NEED] = ((top[2] != 0) | (top[0] != -top[1])).to(torch.float64)
+    if plan is None:
+        return vec
+    cols = plan.reduce_columns(buf.device)
+    if sums_f is not None:
+        vec[cols[0]] = sums_f[:cols[0].numel()]
+    if sums_i is not None:
+        vec[cols[1]] = sums_i[:cols[1].numel()].view(torch.float64)
+    a, b, c, d = (k.numel() for k in cols[2:6])
+    ext = top[_KEYS_HEAD:]
+    vec[cols[2]] = from_ordered_f64(ext[:a])
+    vec[cols[3]] = -from_ordered_f64(ext[a:a + b])
+    vec[cols[4]] = ext[a + b:a + b + c].view(torch.float64)
+    vec[cols[5]] = (~ext[a + b + c:a + b + c + d]).view(torch.float64)
+    if rows is not None:
+        _merge_own(plan.gathered, metrics, rows, vec)
     return vec
+
+
+def _filled(parts: List[torch.Tensor], n: int, fill, dtype, device) -> torch.Tensor:
+    """``parts`` one after the other, then ``fill`` up to ``n`` (the channel's size)."""
+    out = torch.full((n,), fill, dtype=dtype, device=device)
+    if parts:
+        flat = torch.cat(parts)
+        out[:flat.numel()] = flat
+    return out
 
 
 def _merge_placed(plan: _Plan, host: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -429,7 +600,7 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch: _Channel, data_group, shar
     """
     me = group_ranks(None)[0]
     desc = {"ranks": [me], "configs": {json.dumps(list(configs)): [me]},
-            "states": {}}
+            "paths": {"reduce" if _reduces(data_group) else "gather": [me]}, "states": {}}
     for i, m in enumerate(metrics):
         for name, spec in m._specs.items():
             dynamic = m._new_state_spec(name) is not None
@@ -439,6 +610,10 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch: _Channel, data_group, shar
         summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(summary).encode(),
                                                                     share_group)])
     everyone = sorted(summary["ranks"])
+    if len(summary["paths"]) > 1:
+        sides = "; ".join(f"ranks {_ranges(rs)}: {p}" for p, rs in sorted(summary["paths"].items()))
+        raise MetricSyncError(f"calculate(): ranks would sync their data groups differently ({sides}); "
+                              "set TWINKLE_METRICS_REDUCE_ABOVE alike on every rank")
     if len(summary["configs"]) > 1:
         sides = []
         for text, ranks in summary["configs"].items():
@@ -466,15 +641,17 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch: _Channel, data_group, shar
     plan = _Plan(metrics, names, configs)
     ch.plans[configs] = plan
     ch.width = max(ch.width, plan.length)
+    ch.reduce_sizes = tuple(max(a, b) for a, b in zip(ch.reduce_sizes, plan.reduce_sizes))
     return plan
 
 
 def _unite(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"ranks": [], "configs": {}, "states": {}}
+    out: Dict[str, Any] = {"ranks": [], "configs": {}, "paths": {}, "states": {}}
     for p in parts:
         out["ranks"] = sorted(set(out["ranks"]) | set(p["ranks"]))
-        for text, ranks in p["configs"].items():
-            out["configs"][text] = sorted(set(out["configs"].get(text, [])) | set(ranks))
+        for field in ("configs", "paths"):
+            for text, ranks in p[field].items():
+                out[field][text] = sorted(set(out[field].get(text, [])) | set(ranks))
         for key, entry in p["states"].items():
             mine = out["states"].setdefault(key, {"sig": {}, "dyn": False})
             mine["dyn"] = mine["dyn"] or entry["dyn"]

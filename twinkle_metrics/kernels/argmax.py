@@ -14,25 +14,13 @@ import torch.distributed as dist
 
 from parallel import comm_device
 
+from .._order import ordered_f32 as _ordered_f32
+from .._order import ordered_f64 as _ordered_f64
+
 _NAME = "vocab_parallel_argmax"
 _LOW32 = (1 << 32) - 1
 #: the largest global vocab the packed 32-bit index holds
 INDEX_LIMIT = _LOW32
-
-
-def _ordered_f32(values: torch.Tensor) -> torch.Tensor:
-    """float32 -> int32 with the same order (NaN above +inf, -0.0 == +0.0)."""
-    v = values.to(torch.float32) + 0.0          # -0.0 + 0.0 == +0.0: argmax sees them equal
-    bits = v.view(torch.int32)
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return torch.where(torch.isnan(v), torch.full_like(ordered, 0x7FFFFFFF), ordered)
-
-
-def _ordered_f64(values: torch.Tensor) -> torch.Tensor:
-    v = values.to(torch.float64) + 0.0
-    bits = v.view(torch.int64)
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFFFFFFFFFF)
-    return torch.where(torch.isnan(v), torch.full_like(ordered, 0x7FFFFFFFFFFFFFFF), ordered)
 
 
 def argmax_keys(values: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
