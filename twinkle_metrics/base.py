@@ -280,7 +280,7 @@ class Metric:
                     out[f"{key}{slicing.SEP}{value}"] = v
         return out
 
-    def results(self, states: Dict[str, Any]) -> Dict[str, Any]:
+    def _results(self, states: Dict[str, Any]) -> Dict[str, Any]:
         """``compute`` of the reduced states, with each slice's keys as ``"{key}/{slice}"``."""
         if self.slice_by is None:
             return self.compute(states)

@@ -263,7 +263,7 @@ def sync_and_compute(metrics: Sequence, reset: bool = True, groups=None) -> List
         group_metrics = [metrics[i] for i in idx]
         reduced = sync_states(group_metrics, groups)
         for i, m, states in zip(idx, group_metrics, reduced):
-            results[i] = m.results(states)
+            results[i] = m._results(states)
     if reset:  # only once every metric computed: an error above keeps every interval intact
         for m in metrics:
             m.reset()
