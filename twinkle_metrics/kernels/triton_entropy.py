@@ -1,0 +1,103 @@
+"""Per-token entropy partials in one read of the logits (Triton, CUDA).
+
+One program per row streams the vocab once with an online softmax, temperature
+folded in: with ``y = z / T`` it keeps, per lane, the running max ``m``,
+``S = sum exp(y - m)`` and ``W = sum exp(y - m) * (y - m)``, rescaling both when
+``m`` grows, then merges the lanes. ``H = log S - W / S``. A vocab shard's
+``(m, S, W)`` combine exactly with the other shards' (see ``rescale``), so the
+vocab-parallel path keeps the torch path's two collectives.
+
+Compute is float32 (the logits are 16/32-bit); the partials are stored as
+float64. The torch implementation in ``entropy.py`` stays the path on every other
+device and for float64 logits.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton import rows_view
+
+
+@triton.jit
+def _partials_kernel(x_ptr, out_ptr, n_cols, inner, outer_stride, inner_stride, inv_t,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # int64: rows x V overflows int32 offsets
+    base = x_ptr + (row // inner) * outer_stride + (row % inner) * inner_stride
+    cols = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+    m = tl.full([BLOCK], neg_inf, tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    w = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        idx = start + cols
+        y = tl.load(base + idx, mask=idx < n_cols, other=neg_inf).to(tl.float32) * inv_t
+        nan = y != y
+        # NaN stays out of the max (tl.maximum's NaN rule differs by backend) but goes
+        # into S and W through e, so the entropy is NaN as in torch; -inf entries (and
+        # padding) add nothing, and the selects keep -inf out of every subtraction
+        # (no -inf - -inf), as the torch path's clamp keeps 0 * -inf out.
+        m_new = tl.maximum(m, tl.where(nan, neg_inf, y))
+        seen = m > neg_inf          # lanes with a finite max so far: S, W > 0 only there
+        fin = (y > neg_inf) | nan
+        m_ref = tl.where(m_new > neg_inf, m_new, 0.0)
+        d = tl.where(seen, tl.where(seen, m, 0.0) - m_ref, 0.0)
+        a = tl.where(seen, tl.exp(d), 0.0)
+        yd = tl.where(fin, tl.where(fin, y, 0.0) - m_ref, 0.0)
+        e = tl.where(fin, tl.exp(yd), 0.0)
+        w = a * (w + d * s) + e * yd
+        s = a * s + e  # a +inf logit makes inf - inf = NaN here: H is NaN, as in torch
+        m = m_new
+    row_m = tl.max(m, 0)
+    seen = m > neg_inf
+    d = tl.where(seen, tl.where(seen, m, 0.0) - row_m, 0.0)
+    a = tl.where(seen, tl.exp(d), 0.0)
+    row_s = tl.sum(a * s, 0)
+    row_w = tl.sum(a * (w + d * s), 0)
+    out = out_ptr + row * 3
+    tl.store(out, row_m)
+    tl.store(out + 1, row_s)
+    tl.store(out + 2, row_w)
+
+
+def _block(n_cols: int, block: int = 0) -> int:
+    return block or min(4096, triton.next_power_of_2(max(n_cols, 16)))
+
+
+def triton_token_partials(logits: torch.Tensor, temperature: float = 1.0, *, block: int = 0) -> torch.Tensor:
+    """``[rows, 3]`` float64 ``(m, S, W)`` per row of ``logits [..., V]`` (16/32-bit floats,
+    strided views read in place): ``m = max(z / T)``, ``S = sum exp(z / T - m)``,
+    ``W = sum exp(z / T - m) * (z / T - m)``; the entropy is ``log S - W / S``.
+
+    Example (a row of equal logits has entropy ``log V``)::
+
+        p = triton_token_partials(torch.zeros(1, 8, device="cuda"))
+        torch.log(p[:, 1]) - p[:, 2] / p[:, 1]   # tensor([2.0794])  (log 8)
+
+    ``block`` (a power of two) overrides the vocab tile width, for tests.
+    """
+    x, inner, outer_stride, inner_stride = rows_view(logits)
+    n_cols = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    out = torch.empty(rows, 3, dtype=torch.float64, device=logits.device)
+    if rows == 0:
+        return out
+    blk = _block(n_cols, block)
+    _partials_kernel[(rows,)](x, out, n_cols, inner, outer_stride, inner_stride, 1.0 / temperature,
+                              BLOCK=blk, num_warps=8 if blk >= 2048 else 4)
+    return out
+
+
+def rescale(parts: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """``[rows, 2]`` float64 ``(S, W)`` of ``parts [rows, 3]`` re-based on the global row
+    max ``row_max`` (the MAX of every shard's ``m``); summing them over the shards gives
+    the whole vocab's ``(S, W)`` about ``row_max``:
+    ``S = sum S_i e^(m_i - M)``, ``W = sum (W_i + (m_i - M) S_i) e^(m_i - M)``."""
+    m, s, w = parts.unbind(1)
+    seen = m > float("-inf")  # an all -inf shard adds nothing (and no -inf - -inf)
+    d = torch.where(seen, m - row_max.to(m.dtype), torch.zeros_like(m))
+    a = torch.where(seen, torch.exp(d), torch.zeros_like(m))
+    return torch.stack([a * s, a * (w + d * s)], 1)
