@@ -117,7 +117,6 @@ def _triton_entropy(chunks, shapes, t, tp_group) -> List[torch.Tensor]:
     (float32), then SUM of every shard's ``(S, W)`` re-based on them (float64)."""
     parts = torch.cat([_triton_partials(c, t) for c in chunks])
     if tp_group is not None:
-        from .triton_entropy import rescale
         zmax_c = parts[:, 0].to(torch.float32).to(comm_device(tp_group))    # exact: m is a float32
         dist.all_reduce(zmax_c, op=dist.ReduceOp.MAX, group=tp_group)          # collective 1
         st_c = rescale(parts, zmax_c.to(parts.device)).to(comm_device(tp_group))
@@ -127,3 +126,15 @@ def _triton_entropy(chunks, shapes, t, tp_group) -> List[torch.Tensor]:
         st = parts[:, 1:]
     h = torch.log(st[:, 0]) - st[:, 1] / st[:, 0]
     return [e.reshape(shape) for e, shape in zip(torch.split(h, [math.prod(s) for s in shapes]), shapes)]
+
+
+def rescale(parts: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """``[rows, 2]`` float64 ``(S, W)`` of ``parts [rows, 3]`` re-based on the global row
+    max ``row_max`` (the MAX of every shard's ``m``); summing them over the shards gives
+    the whole vocab's ``(S, W)`` about ``row_max``:
+    ``S = sum S_i e^(m_i - M)``, ``W = sum (W_i + (m_i - M) S_i) e^(m_i - M)``."""
+    m, s, w = parts.unbind(1)
+    seen = m > float("-inf")  # an all -inf shard adds nothing (and no -inf - -inf)
+    d = torch.where(seen, m - row_max.to(m.dtype), torch.zeros_like(m))
+    a = torch.where(seen, torch.exp(d), torch.zeros_like(m))
+    return torch.stack([a * s, a * (w + d * s)], 1)

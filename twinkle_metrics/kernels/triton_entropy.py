@@ -5,7 +5,7 @@ folded in: with ``y = z / T`` it keeps, per lane, the running max ``m``,
 ``S = sum exp(y - m)`` and ``W = sum exp(y - m) * (y - m)``, rescaling both when
 ``m`` grows, then merges the lanes. ``H = log S - W / S``. A vocab shard's
 ``(m, S, W)`` combine exactly with the other shards' (see ``rescale``), so the
-vocab-parallel path keeps the torch path's two collectives.
+vocab-parallel path keeps the torch path's two collectives (``entropy.rescale``).
 
 Compute is float32 (the logits are 16/32-bit); the partials are stored as
 float64. The torch implementation in ``entropy.py`` stays the path on every other
@@ -90,14 +90,3 @@ def triton_token_partials(logits: torch.Tensor, temperature: float = 1.0, *, blo
                               BLOCK=blk, num_warps=8 if blk >= 2048 else 4)
     return out
 
-
-def rescale(parts: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """``[rows, 2]`` float64 ``(S, W)`` of ``parts [rows, 3]`` re-based on the global row
-    max ``row_max`` (the MAX of every shard's ``m``); summing them over the shards gives
-    the whole vocab's ``(S, W)`` about ``row_max``:
-    ``S = sum S_i e^(m_i - M)``, ``W = sum (W_i + (m_i - M) S_i) e^(m_i - M)``."""
-    m, s, w = parts.unbind(1)
-    seen = m > float("-inf")  # an all -inf shard adds nothing (and no -inf - -inf)
-    d = torch.where(seen, m - row_max.to(m.dtype), torch.zeros_like(m))
-    a = torch.where(seen, torch.exp(d), torch.zeros_like(m))
-    return torch.stack([a * s, a * (w + d * s)], 1)
