@@ -1,9 +1,9 @@
 """Per-token entropy partials in one read of the logits (Triton, CUDA).
 
 One program per row streams the vocab once with an online softmax, temperature
-folded in: with ``y = z / T`` it keeps, per lane, the running max ``m``,
+folded in: with ``y = z / T`` it keeps the running row max ``m`` and, per lane,
 ``S = sum exp(y - m)`` and ``W = sum exp(y - m) * (y - m)``, rescaling both when
-``m`` grows, then merges the lanes. ``H = log S - W / S``. A vocab shard's
+``m`` grows (``W`` also shifts by ``(m_old - m) S``), then sums the lanes. ``H = log S - W / S``. A vocab shard's
 ``(m, S, W)`` combine exactly with the other shards' (see ``rescale``), so the
 vocab-parallel path keeps the torch path's two collectives (``entropy.rescale``).
 
@@ -29,38 +29,34 @@ def _partials_kernel(x_ptr, out_ptr, n_cols, inner, outer_stride, inner_stride, 
     base = x_ptr + (row // inner) * outer_stride + (row % inner) * inner_stride
     cols = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
-    m = tl.full([BLOCK], neg_inf, tl.float32)
+    # One running max per row (a tile-wide max each step), so each logit costs one
+    # exp; per-lane sums keep the adds parallel until the end.
+    m = tl.max(tl.full([BLOCK], neg_inf, tl.float32), 0)
     s = tl.zeros([BLOCK], tl.float32)
     w = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_cols, BLOCK):
         idx = start + cols
         y = tl.load(base + idx, mask=idx < n_cols, other=neg_inf).to(tl.float32) * inv_t
         nan = y != y
-        # NaN stays out of the max (tl.maximum's NaN rule differs by backend) but goes
+        # NaN stays out of the max (tl.max's NaN rule differs by backend) but goes
         # into S and W through e, so the entropy is NaN as in torch; -inf entries (and
         # padding) add nothing, and the selects keep -inf out of every subtraction
         # (no -inf - -inf), as the torch path's clamp keeps 0 * -inf out.
-        m_new = tl.maximum(m, tl.where(nan, neg_inf, y))
-        seen = m > neg_inf          # lanes with a finite max so far: S, W > 0 only there
-        fin = (y > neg_inf) | nan
+        m_new = tl.maximum(m, tl.max(tl.where(nan, neg_inf, y), 0))
+        seen = m > neg_inf          # a finite max so far: S, W > 0 only then
         m_ref = tl.where(m_new > neg_inf, m_new, 0.0)
         d = tl.where(seen, tl.where(seen, m, 0.0) - m_ref, 0.0)
         a = tl.where(seen, tl.exp(d), 0.0)
+        fin = (y > neg_inf) | nan
         yd = tl.where(fin, tl.where(fin, y, 0.0) - m_ref, 0.0)
         e = tl.where(fin, tl.exp(yd), 0.0)
         w = a * (w + d * s) + e * yd
         s = a * s + e  # a +inf logit makes inf - inf = NaN here: H is NaN, as in torch
         m = m_new
-    row_m = tl.max(m, 0)
-    seen = m > neg_inf
-    d = tl.where(seen, tl.where(seen, m, 0.0) - row_m, 0.0)
-    a = tl.where(seen, tl.exp(d), 0.0)
-    row_s = tl.sum(a * s, 0)
-    row_w = tl.sum(a * (w + d * s), 0)
     out = out_ptr + row * 3
-    tl.store(out, row_m)
-    tl.store(out + 1, row_s)
-    tl.store(out + 2, row_w)
+    tl.store(out, m)
+    tl.store(out + 1, tl.sum(s, 0))
+    tl.store(out + 2, tl.sum(w, 0))
 
 
 def _block(n_cols: int, block: int = 0) -> int:
