@@ -154,6 +154,38 @@ def test_entropy_vocab_parallel_matches_full_vocab(dist_pool):
             assert count == 3
 
 
+def _reference_partials(c, t):
+    """``(m, S, W)`` of the one-pass kernel, in float64 torch (the kernel itself is
+    tested under Triton's interpreter in test_triton_kernels.py)."""
+    y = c.to(torch.float64) / t
+    m = y.amax(-1)
+    d = (y - m[:, None]).clamp(min=torch.finfo(torch.float64).min)
+    e = torch.exp(d)
+    return torch.stack([m, e.sum(-1), (e * d).sum(-1)], 1)
+
+
+def case_entropy_vocab_parallel_one_pass(chunking):
+    """The vocab-parallel combine of the one-pass (Triton) path: shards' (m, S, W)
+    re-based on the all-reduced row max, with the torch path's two collectives."""
+    from twinkle_metrics.kernels import entropy
+
+    saved = entropy._use_triton, entropy._triton_partials
+    entropy._use_triton, entropy._triton_partials = (lambda chunks: bool(chunks)), _reference_partials
+    try:
+        return case_entropy_vocab_parallel(chunking)
+    finally:
+        entropy._use_triton, entropy._triton_partials = saved
+
+
+def test_entropy_vocab_parallel_one_pass_path_matches_full_vocab(dist_pool):
+    b = make_rl_batch(SEED + 1, N_SEQ, SEQ_LEN, vocab=13)
+    want = ref_entropy(b["logits"], b["labels"], 0.8)
+    for chunking in ({}, {"entropy_chunk_size": 5}):
+        for got, count in dist_pool.run(case_entropy_vocab_parallel_one_pass, chunking):
+            assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5)
+            assert count == 3  # the agreement, then MAX and SUM: as the torch path
+
+
 def case_reward_names_on_some_ranks():
     mesh = DeviceMesh.from_sizes(dp_size=8)
     m = CompletionRewardMetric(mesh)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from . import exchange
 from ._checks import floating_tensor, int_tensor, right_align
 from .base import Metric
-from .kernels.argmax import INDEX_LIMIT, vocab_parallel_argmax
+from .kernels.argmax import INDEX_LIMIT, argmax_hits, vocab_parallel_argmax
 from .microbatch import has_field, microbatches
 from .state import State
 
@@ -77,12 +77,12 @@ class Accuracy(Metric):
             work = self._validate(inputs, outputs)
             for group in self.exchange_groups():
                 self._agree_shapes(group, [w[0] for w in work])
-        preds = self._argmax([w[0] for w in work])
+        hits = self._hits(work)
         if not work:
             return None
         correct = total = None
-        for pred, (_, labels, mask) in zip(preds, work):
-            c = ((pred == labels) & mask).sum()
+        for hit, (_, _, mask) in zip(hits, work):
+            c = (hit & mask).sum()
             t = mask.sum()
             correct = c if correct is None else correct + c
             total = t if total is None else total + t
@@ -143,12 +143,14 @@ class Accuracy(Metric):
             work.append((logits, labels, mask))
         return work
 
-    def _argmax(self, logits: List[torch.Tensor]) -> List[torch.Tensor]:
+    def _hits(self, work) -> List[torch.Tensor]:
+        """bool ``argmax == label`` per microbatch (the compare fused in the Triton path)."""
         if not self.vocab_parallel:
-            return [x.argmax(-1) for x in logits]
+            return [argmax_hits(logits, labels) for logits, labels, _ in work]
         mesh = self.resolve_mesh()
         # Always enter the TP collective (even with nothing), so TP ranks stay in step.
-        return vocab_parallel_argmax(logits, mesh.tp_group, mesh.tp_rank, mesh.tp_size)
+        preds = vocab_parallel_argmax([w[0] for w in work], mesh.tp_group, mesh.tp_rank, mesh.tp_size)
+        return [pred == labels for pred, (_, labels, _) in zip(preds, work)]
 
     def tp_mismatch_hint(self):
         """Why TP replicas may disagree on the counts (used by ``calculate()``'s check)."""

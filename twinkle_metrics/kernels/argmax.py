@@ -2,8 +2,10 @@
 
 The argmax of each shard is packed with its value into one int64 key whose MAX
 over the shards is the global argmax, so one ``all_reduce`` per ``accumulate``
-finds it with no gather of the logits. This is the torch implementation, used on
-every device.
+finds it with no gather of the logits. This torch implementation is the path
+everywhere but on CUDA with Triton installed, where ``triton_argmax`` reads the
+logits once and emits the index, the label hit or the packed key directly;
+float64 logits always stay here.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from parallel import comm_device
 
 from .._order import ordered_f32 as _ordered_f32
 from .._order import ordered_f64 as _ordered_f64
+from . import _triton
 
 _NAME = "vocab_parallel_argmax"
 _LOW32 = (1 << 32) - 1
@@ -34,6 +37,23 @@ def argmax_keys(values: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.
 def argmax_of_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """The global index a MAX-reduced ``argmax_keys`` key stands for."""
     return (vocab - 1) - (keys & _LOW32)
+
+
+def local_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``, by the Triton kernel where it applies."""
+    if _triton.applies(x):
+        from .triton_argmax import triton_argmax
+        return triton_argmax(x)
+    return x.argmax(-1)
+
+
+def argmax_hits(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """bool ``x.argmax(-1) == labels`` (``labels`` shaped like ``x[..., 0]``); the Triton
+    kernel fuses the compare so no index tensor is written."""
+    if _triton.applies(x) and labels.shape == x.shape[:-1]:
+        from .triton_argmax import triton_argmax
+        return triton_argmax(x, labels)
+    return x.argmax(-1) == labels
 
 
 def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_size: int) -> List[torch.Tensor]:
@@ -56,7 +76,7 @@ def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_si
         group: the TP group (``None``: a single shard, plain argmax).
     """
     if group is None or tp_size == 1:
-        return [x.argmax(-1) for x in logits]
+        return [local_argmax(x) for x in logits]
     local_vocab = {int(x.shape[-1]) for x in logits}
     if len(local_vocab) > 1:
         raise ValueError(f"{_NAME}: vocab-parallel logits shards have different widths {sorted(local_vocab)}; "
@@ -69,6 +89,11 @@ def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_si
     wide = any(x.dtype == torch.float64 for x in logits)
     keys, idx_all, ord_all, shapes = [], [], [], []
     for x in logits:
+        if not wide and _triton.applies(x):                  # one read, the key made in-kernel
+            from .triton_argmax import triton_argmax_keys
+            shapes.append(x.shape[:-1])
+            keys.append(triton_argmax_keys(x, offset, v_global).reshape(-1))
+            continue
         idx = x.argmax(-1)                                   # one read of the logits
         val = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1)    # [...]: no [.., V] copy
         gidx = idx + offset

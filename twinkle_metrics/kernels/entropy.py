@@ -2,8 +2,10 @@
 
 ``H = log S - sum(e * y) / S`` with ``y = z / T - max``, ``e = exp(y)``, ``S = sum e``:
 each chunk of rows yields the partials ``(S, sum e*y)``, which add over vocab
-shards once every shard subtracted the same (global) row max. This is the torch
-implementation, used on every device; working memory is two buffers of one chunk.
+shards once every shard subtracted the same (global) row max. This torch
+implementation (working memory: two buffers of one chunk) is the path everywhere
+but on CUDA with Triton installed, where ``triton_entropy`` reads each row once
+with no working buffer (``_use_triton``); float64 logits always stay here.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import torch.distributed as dist
 
 from parallel import comm_device
 
+from . import _triton
+
 
 def work_dtype(z: torch.Tensor) -> torch.dtype:
     """float32 for 16/32-bit logits, float64 for float64 ones."""
@@ -22,16 +26,24 @@ def work_dtype(z: torch.Tensor) -> torch.dtype:
 
 
 def row_blocks(z: torch.Tensor) -> List[torch.Tensor]:
-    """``[b, s, V]`` as contiguous ``[rows, V]`` views (per sequence when a slice is strided)."""
+    """``[b, s, V]`` as contiguous ``[rows, V]`` views (per sequence when a slice is strided).
+
+    For the Triton path rows need only a unit vocab stride: per-sequence views of a
+    strided ``[b, s, V]`` (a slice, a transposed ``[s, b, V]``) are read in place."""
     if z.is_contiguous():
         return [z.reshape(-1, z.shape[-1])]
+    if _triton.applies(z) and z.stride(-1) == 1:
+        return [z[i] for i in range(z.shape[0])]
     return [z[i] if z[i].is_contiguous() else z[i].contiguous() for i in range(z.shape[0])]
 
 
 def rows_per_chunk(block: torch.Tensor, job_rows: int, chunk_bytes: Optional[int],
                    chunk_rows: Optional[int]) -> int:
     """Rows per chunk: the byte budget of one working buffer (``None``: 1/64 of the
-    job's logits in the working dtype, at least 1 MiB), capped by ``chunk_rows``."""
+    job's logits in the working dtype, at least 1 MiB), capped by ``chunk_rows``. The
+    Triton path has no working buffer: the whole block is one chunk (one launch)."""
+    if _triton.applies(block):
+        return max(block.shape[0], 1)
     row = block.shape[-1] * torch.finfo(work_dtype(block)).bits // 8
     budget = chunk_bytes if chunk_bytes is not None else max(job_rows * row // 64, 1 << 20)
     rows = max(1, budget // max(row, 1))  # never less than one token's row
@@ -65,6 +77,8 @@ def token_entropy(chunks: Sequence[torch.Tensor], shapes: Sequence[torch.Size], 
     Two collectives under TP however many chunks: the row maxima of every chunk
     are all-reduced at once (MAX), then every chunk's partials at once (SUM).
     """
+    if _use_triton(chunks):
+        return _triton_entropy(chunks, shapes, temperature, tp_group)
     t = temperature
     zmax = None
     if tp_group is not None:
@@ -85,3 +99,42 @@ def token_entropy(chunks: Sequence[torch.Tensor], shapes: Sequence[torch.Size], 
         st = st_c.to(st.device)
     h = torch.log(st[:, 0]) - st[:, 1] / st[:, 0]
     return [e.reshape(shape) for e, shape in zip(torch.split(h, [math.prod(s) for s in shapes]), shapes)]
+
+
+def _use_triton(chunks: Sequence[torch.Tensor]) -> bool:
+    """Every chunk on CUDA in a 16/32-bit dtype, and triton installed."""
+    return bool(chunks) and all(_triton.applies(c) for c in chunks)
+
+
+def _triton_partials(c: torch.Tensor, t: float) -> torch.Tensor:
+    from .triton_entropy import triton_token_partials
+    return triton_token_partials(c, t)
+
+
+def _triton_entropy(chunks, shapes, t, tp_group) -> List[torch.Tensor]:
+    """``token_entropy`` from the one-pass ``(m, S, W)`` partials; under TP the same two
+    collectives as the torch path, of the same sizes and dtypes: MAX of the row maxima
+    (float32), then SUM of every shard's ``(S, W)`` re-based on them (float64)."""
+    parts = torch.cat([_triton_partials(c, t) for c in chunks])
+    if tp_group is not None:
+        zmax_c = parts[:, 0].to(torch.float32).to(comm_device(tp_group))    # exact: m is a float32
+        dist.all_reduce(zmax_c, op=dist.ReduceOp.MAX, group=tp_group)          # collective 1
+        st_c = rescale(parts, zmax_c.to(parts.device)).to(comm_device(tp_group))
+        dist.all_reduce(st_c, op=dist.ReduceOp.SUM, group=tp_group)              # collective 2
+        st = st_c.to(parts.device)
+    else:
+        st = parts[:, 1:]
+    h = torch.log(st[:, 0]) - st[:, 1] / st[:, 0]
+    return [e.reshape(shape) for e, shape in zip(torch.split(h, [math.prod(s) for s in shapes]), shapes)]
+
+
+def rescale(parts: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """``[rows, 2]`` float64 ``(S, W)`` of ``parts [rows, 3]`` re-based on the global row
+    max ``row_max`` (the MAX of every shard's ``m``); summing them over the shards gives
+    the whole vocab's ``(S, W)`` about ``row_max``:
+    ``S = sum S_i e^(m_i - M)``, ``W = sum (W_i + (m_i - M) S_i) e^(m_i - M)``."""
+    m, s, w = parts.unbind(1)
+    seen = m > float("-inf")  # an all -inf shard adds nothing (and no -inf - -inf)
+    d = torch.where(seen, m - row_max.to(m.dtype), torch.zeros_like(m))
+    a = torch.where(seen, torch.exp(d), torch.zeros_like(m))
+    return torch.stack([a * s, a * (w + d * s)], 1)

@@ -1,0 +1,146 @@
+"""Triton vs torch paths of the logits-reading metrics on one CUDA GPU (< 3 minutes).
+
+    python benchmarks/gpu_bench.py            # from the repository root; prints one JSON
+
+Times, interleaved iteration by iteration with CUDA events, on [4, 4096, 152064]
+bf16 logits (fewer tokens if memory is short):
+
+- the read ceiling ``logits.amax(-1)`` (one read of the logits, nothing else);
+- ``GRPOMetric(entropy_from_logits=True).accumulate`` on the torch path and on the
+  Triton path, also for a transposed Megatron ``[s, b, V]`` view;
+- ``Accuracy().accumulate`` on both paths;
+- the two kernels alone at several vocab tile widths (for tuning the default);
+
+and reports each median as a ratio to the ceiling, plus the largest difference
+between the paths' results. Without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+SHAPE = (4, 4096, 152064)
+ITERS = int(os.environ.get("GPU_BENCH_ITERS", "15"))
+
+
+@contextlib.contextmanager
+def torch_path():
+    """Route the metrics to the torch implementations (as on a machine without triton)."""
+    from twinkle_metrics.kernels import _triton
+    saved = _triton.applies
+    _triton.applies = lambda x: False
+    try:
+        yield
+    finally:
+        _triton.applies = saved
+
+
+def allocate(shape):
+    b, s, v = shape
+    while s >= 256:
+        try:
+            return torch.randn(b, s, v, device="cuda", dtype=torch.bfloat16).mul_(3.0)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            s //= 2
+    raise RuntimeError("not enough GPU memory for [4, 256, 152064] bf16 logits")
+
+
+def time_interleaved(fns, iters):
+    """Median milliseconds of each fn, run in turn within every iteration."""
+    times = {k: [] for k in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("gpu_bench: CUDA is not available on this machine; nothing was measured "
+              "(run it on a machine with a CUDA GPU)", file=sys.stderr)
+        return 0
+    from twinkle_metrics import Accuracy, GRPOMetric
+    from twinkle_metrics.kernels import _triton
+
+    t0 = time.time()
+    torch.manual_seed(0)
+    logits = allocate(SHAPE)
+    b, s, v = logits.shape
+    labels = torch.randint(0, v, (b, s), device="cuda")
+    logps = torch.randn(b, s, device="cuda", dtype=torch.float32)
+    sbv = logits.transpose(0, 1).contiguous().transpose(0, 1)  # Megatron [s, b, V] seen as [b, s, V]
+    triton_ok = _triton.available()
+
+    def grpo(z):
+        m = GRPOMetric(entropy_from_logits=True)
+        m.accumulate({"labels": labels}, {"logps": logps, "logits": z})
+        return m
+
+    def acc():
+        return Accuracy().accumulate({"labels": labels}, {"logits": logits})
+
+    def on_torch(fn):
+        def run():
+            with torch_path():
+                return fn()
+        return run
+
+    fns = {"read_ceiling_amax": lambda: logits.amax(-1),
+           "grpo_entropy_torch": on_torch(lambda: grpo(logits)),
+           "grpo_entropy_torch_sbv": on_torch(lambda: grpo(sbv)),
+           "accuracy_torch": on_torch(acc)}
+    if triton_ok:
+        fns.update({"grpo_entropy_triton": lambda: grpo(logits),
+                    "grpo_entropy_triton_sbv": lambda: grpo(sbv),
+                    "accuracy_triton": acc})
+    for fn in fns.values():  # warm up: kernel compilation, allocator
+        fn()
+    torch.cuda.synchronize()
+    ms = time_interleaved(fns, ITERS)
+    ceiling = ms["read_ceiling_amax"]
+    out = {"shape": [b, s, v], "dtype": "bfloat16", "iters": ITERS, "triton": triton_ok,
+           "gpu": torch.cuda.get_device_name(), "median_ms": ms,
+           "ratio_to_read_ceiling": {k: t / ceiling for k, t in ms.items()},
+           "read_gbps": logits.numel() * logits.element_size() / ceiling / 1e6}
+    if triton_ok:
+        from twinkle_metrics.kernels.triton_argmax import triton_argmax
+        from twinkle_metrics.kernels.triton_entropy import triton_token_partials
+        with torch_path():
+            want_h = grpo(logits).calculate()
+            want_acc = acc().calculate()
+        got_h, got_acc = grpo(logits).calculate(), acc().calculate()
+        out["entropy_rel_diff"] = abs(got_h["train/entropy"] - want_h["train/entropy"]) / abs(want_h["train/entropy"])
+        out["accuracy_equal"] = got_acc == want_acc
+        rows = logits.reshape(-1, v)
+        sweep = {}
+        for blk in (1024, 2048, 4096, 8192):
+            sweep[f"partials_block{blk}"] = (lambda k: lambda: triton_token_partials(rows, 1.0, block=k))(blk)
+            sweep[f"argmax_block{blk}"] = (lambda k: lambda: triton_argmax(rows, block=k))(blk)
+        for fn in sweep.values():
+            fn()
+        sweep_ms = time_interleaved(sweep, max(ITERS // 2, 3))
+        out["kernel_block_sweep_ratio"] = {k: t / ceiling for k, t in sweep_ms.items()}
+    out["wall_s"] = round(time.time() - t0, 1)
+    from benchmarks.common import save
+    out["saved"] = save("gpu_bench", out, "python benchmarks/gpu_bench.py")
+    print(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

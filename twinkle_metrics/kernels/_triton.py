@@ -1,0 +1,49 @@
+"""When the Triton kernels apply, and the ``[rows, V]`` view they read.
+
+Triton is optional: it is imported only the first time a CUDA tensor asks, so CPU
+runs and machines without it never pay for (or need) the import.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional, Tuple
+
+import torch
+
+#: logits dtypes the kernels read (they compute in float32; float64 stays on torch)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_available: Optional[bool] = None
+
+
+def available() -> bool:
+    """Whether ``triton`` can be imported (looked up once)."""
+    global _available
+    if _available is None:
+        _available = importlib.util.find_spec("triton") is not None
+    return _available
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Use the Triton kernel for ``x``: a CUDA tensor of a 16/32-bit float dtype, triton installed."""
+    return x.is_cuda and x.dtype in DTYPES and available()
+
+
+def rows_view(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
+    """``x [..., V]`` as rows the kernels index without a copy where strides allow:
+    ``(tensor, inner, outer_stride, inner_stride)``; row ``r`` starts at
+    ``(r // inner) * outer_stride + (r % inner) * inner_stride`` elements from
+    ``tensor``'s data. Covers any 2-D view and 3-D ``[b, s, V]`` views such as a
+    transposed Megatron ``[s, b, V]`` or a ``[:, :s]`` slice; other layouts are copied.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 1:
+        x = x.unsqueeze(0)
+    if x.dim() > 3:
+        try:
+            x = x.view(-1, x.shape[-2], x.shape[-1])
+        except RuntimeError:
+            x = x.reshape(-1, x.shape[-2], x.shape[-1])
+    if x.dim() == 2:
+        return x, max(x.shape[0], 1), 0, x.stride(0)
+    return x, max(x.shape[1], 1), x.stride(0), x.stride(1)
