@@ -85,6 +85,7 @@ def main():
     logps = torch.randn(b, s, device="cuda", dtype=torch.float32)
     sbv = logits.transpose(0, 1).contiguous().transpose(0, 1)  # Megatron [s, b, V] seen as [b, s, V]
     triton_ok = _triton.available()
+    _triton.ENABLED = True  # the kernels are opt-in in the library until measured here
 
     def grpo(z):
         m = GRPOMetric(entropy_from_logits=True)

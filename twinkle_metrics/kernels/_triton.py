@@ -2,10 +2,15 @@
 
 Triton is optional: it is imported only the first time a CUDA tensor asks, so CPU
 runs and machines without it never pay for (or need) the import.
+
+Opt-in for now: the kernels are tested on CPU under Triton's interpreter but have not
+yet been compiled or timed on a GPU, so CUDA runs use the torch path unless
+``TWINKLE_METRICS_TRITON=1`` is set (``benchmarks/gpu_bench.py`` compares the two).
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -13,6 +18,8 @@ import torch
 #: logits dtypes the kernels read (they compute in float32; float64 stays on torch)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _available: Optional[bool] = None
+#: whether CUDA runs use the kernels (``TWINKLE_METRICS_TRITON=1``)
+ENABLED = os.environ.get("TWINKLE_METRICS_TRITON", "0") == "1"
 
 
 def available() -> bool:
@@ -24,8 +31,9 @@ def available() -> bool:
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Use the Triton kernel for ``x``: a CUDA tensor of a 16/32-bit float dtype, triton installed."""
-    return x.is_cuda and x.dtype in DTYPES and available()
+    """Use the Triton kernel for ``x``: enabled, a CUDA tensor of a 16/32-bit float dtype,
+    triton installed."""
+    return ENABLED and x.is_cuda and x.dtype in DTYPES and available()
 
 
 def rows_view(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:
