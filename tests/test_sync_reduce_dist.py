@@ -49,7 +49,10 @@ def test_core_sharded_equals_whole(dist_pool, sizes):
     whole = foundation._whole(7)
     for got, kinds in dist_pool.run(case_reduced, foundation.case_sharded_equals_whole, sizes, 7,
                                     timeout=CASE_TIMEOUT):
-        assert kinds.get("all_reduce") == 3, kinds  # the path taken: MAX, float SUM, int SUM
+        # the path taken: MAX, float SUM, int SUM per data phase; on groups that carried
+        # other metric sets before (WORLD for dp=8, in a shared pool) one data phase may
+        # flag the new set first, then the negotiation and a second data phase
+        assert kinds.get("all_reduce") in (3, 6), kinds
         assert got.keys() == whole.keys()
         assert got["tokens"] == whole["tokens"]
         assert math.isclose(got["mean"], whole["mean"], rel_tol=1e-12)
