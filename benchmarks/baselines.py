@@ -16,7 +16,6 @@ the arithmetic, on a GPU a call of many small operators costs about their launch
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from typing import Any, Callable, Dict
 
@@ -247,21 +246,9 @@ def run_case(name: str, scale: float = 1.0) -> Dict[str, Any]:
         for fn in fns.values():  # warm-up
             fn()
         blocks = max(2, int(blocks * scale))
-        per_call = {k: [] for k in fns}
-        ratios = {k: [] for k in fns if k != "ours"}
-        order = list(fns)
-        for blk in range(blocks):
-            shift = blk % len(order)
-            got = {}
-            for impl in order[shift:] + order[:shift]:
-                t0 = time.perf_counter()
-                for _ in range(per_block):
-                    fns[impl]()
-                got[impl] = (time.perf_counter() - t0) / per_block
-                per_call[impl].append(got[impl])
-            for k in ratios:
-                ratios[k].append(got["ours"] / got[k])
-            case["reset"]()
+        timed = common.time_rotating(fns, blocks, per_block, lambda blk: case["reset"]())
+        per_call = {k: [t[k] for t in timed] for k in fns}
+        ratios = {k: [t["ours"] / t[k] for t in timed] for k in fns if k != "ours"}
         profile = {k: _profile(fn) for k, fn in fns.items()}
     finally:
         case.get("close", lambda: None)()

@@ -103,23 +103,14 @@ def time_pair(name, w, blocks, per_block):
            "twinkle": lambda: tw.accumulate(w["inputs"], w["outputs"], **tw_kw)}
     for fn in fns.values():  # warm-up
         fn()
-    per_call = {k: [] for k in fns}
-    ratios = {k: [] for k in fns if k != "twinkle"}
-    for blk in range(blocks):
-        order = list(fns)
-        order = order[blk % len(order):] + order[:blk % len(order)]
-        got = {}
-        for impl in order:
-            t0 = time.perf_counter()
-            for _ in range(per_block):
-                fns[impl]()
-            got[impl] = (time.perf_counter() - t0) / per_block
-            per_call[impl].append(got[impl])
-        for k in ratios:
-            ratios[k].append(got["twinkle"] / got[k])
+    def after_block(blk):
         if blk % 4 == 3:  # keep Python-number accumulators of the peer bounded
             tw.reset()
             ours.reset()
+
+    timed = common.time_rotating(fns, blocks, per_block, after_block)
+    per_call = {k: [t[k] for t in timed] for k in fns}
+    ratios = {k: [t["twinkle"] / t[k] for t in timed] for k in fns if k != "twinkle"}
     out = {"ours_ms": 1e3 * common.median(per_call["ours"]),
            "twinkle_ms": 1e3 * common.median(per_call["twinkle"]),
            "twinkle_over_ours": common.median(ratios["ours"]),

@@ -103,6 +103,26 @@ CollectiveCounter = testing.CollectiveCounter
 
 
 # ------------------------------------------------------------------ rank launcher
+def time_rotating(fns: Dict[str, Callable[[], Any]], blocks: int, per_block: int,
+                  after_block: Callable[[int], None] = lambda blk: None) -> List[Dict[str, float]]:
+    """Seconds per call of each of ``fns``, per block: ``per_block`` calls each, the
+    implementations in a rotating order (block ``b`` starts at the ``b``-th), so that
+    within a block they share the same noise; ``after_block(b)`` runs after block ``b``."""
+    order = list(fns)
+    out = []
+    for blk in range(blocks):
+        shift = blk % len(order)
+        got = {}
+        for impl in order[shift:] + order[:shift]:
+            t0 = time.perf_counter()
+            for _ in range(per_block):
+                fns[impl]()
+            got[impl] = (time.perf_counter() - t0) / per_block
+        out.append(got)
+        after_block(blk)
+    return out
+
+
 def _rank_main(rank, world, port, fn, args, results):
     os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
