@@ -26,6 +26,7 @@ thread is a daemon, so a sync whose peers are gone cannot hold the process.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import os
 import queue
@@ -165,24 +166,13 @@ def _hand_off(metric, reset: bool):
     return snap
 
 
-class _NoGuard:
-    def __call__(self):
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _stream_guard(snapshots):
-    """On CUDA: the background work runs on a side stream that waits for an event
-    recorded now on the caller's stream (so it sees every queued accumulate), and
-    the allocator is told the handed-off states are in use there."""
+def _stream_guard(snapshots) -> Callable[[], Any]:
+    """A factory of the context the background job runs in. On CUDA: a side stream that
+    waits for an event recorded now on the caller's stream (so it sees every queued
+    accumulate), and the allocator is told the handed-off states are in use there."""
     devices = {s._device for s in snapshots if s._device.type == "cuda"}
     if not devices:
-        return _NoGuard()
+        return contextlib.nullcontext
     device = sorted(devices, key=str)[0]
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
@@ -194,18 +184,10 @@ def _stream_guard(snapshots):
             if t.is_cuda:
                 t.record_stream(stream)
 
-    class _Guard:
-        def __enter__(self):
-            self._device = torch.cuda.device(device)
-            self._stream = torch.cuda.stream(stream)
-            self._device.__enter__()
-            self._stream.__enter__()
+    @contextlib.contextmanager
+    def on_side_stream():
+        with torch.cuda.device(device), torch.cuda.stream(stream):
             stream.wait_event(event)
-            return self
+            yield
 
-        def __exit__(self, *exc):
-            self._stream.__exit__(*exc)
-            self._device.__exit__(*exc)
-            return False
-
-    return _Guard
+    return on_side_stream
