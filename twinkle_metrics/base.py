@@ -291,12 +291,10 @@ class Metric:
             if slicing.SEP in key:
                 base, _, s = key.rpartition(slicing.SEP)
                 per_slice.setdefault(s, {})[base] = value
-        defaults = None
+        if per_slice:  # states a slice does not carry (unsliced ones) at their identity
+            specs = {k: spec for k, spec in self._specs.items() if slicing.SEP not in k}
+            defaults = plain_states({k: spec.new("cpu") for k, spec in specs.items()}, specs)
         for s in sorted(per_slice):
-            if defaults is None:  # unsliced states at their identity: a slice has none of them
-                defaults = plain_states({k: spec.new("cpu") for k, spec in self._specs.items()
-                                         if slicing.SEP not in k}, {k: spec for k, spec in self._specs.items()
-                                                                   if slicing.SEP not in k})
             for key, value in self.compute({**defaults, **per_slice[s]}).items():
                 if not key.startswith("_"):  # records with global indices stay whole-call only
                     out[f"{key}/{s}"] = value
