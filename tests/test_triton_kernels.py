@@ -15,6 +15,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy
 import pytest
 import torch
 
@@ -38,9 +39,10 @@ def test_kernels_under_the_interpreter():
 if INTERPRETED:
     from twinkle_metrics.kernels import triton_argmax as TA
     from twinkle_metrics.kernels import triton_entropy as TE
+    from twinkle_metrics.kernels import triton_rl as TR
 
 from tests.rlref import make_rl_batch  # noqa: E402
-from twinkle_metrics import Accuracy, GRPOMetric  # noqa: E402
+from twinkle_metrics import Accuracy, CISPOMetric, GRPOMetric, GSPOMetric  # noqa: E402
 from twinkle_metrics.kernels import _triton, argmax, entropy  # noqa: E402
 
 
@@ -219,3 +221,127 @@ def test_accuracy_through_triton_path_matches_torch(wired, monkeypatch):
     want = Accuracy().accumulate({"labels": labels}, {"logits": x}).calculate()
     assert got == want
     assert torch.equal(argmax.vocab_parallel_argmax([x], None, 0, 1)[0], x.argmax(-1))
+
+
+# ------------------------------------------------------------------ RL statistics
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """The CPU counts as a Triton device for the GRPO family; counts the kernel's calls."""
+    monkeypatch.setattr(_triton, "device_ok", lambda x: True)
+    calls = []
+    real = TR.token_stats
+    monkeypatch.setattr(TR, "token_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _same(got, want, rel=1e-9):
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        g = got[k]
+        if k == "_high_kl_records":
+            assert len(g) == len(w)
+            for a, b in zip(g, w):
+                assert a.keys() == b.keys()
+                assert all(a[f] == b[f] for f in ("gsi", "pos", "token_id")), (a, b)
+                assert all(math.isclose(a[f], b[f], rel_tol=rel) for f in ("kl", "ratio", "logp_new", "logp_old"))
+        elif isinstance(w, float) and math.isnan(w):
+            assert isinstance(g, float) and math.isnan(g), k
+        else:
+            assert type(g) is type(w) and math.isclose(g, w, rel_tol=rel, abs_tol=1e-12), (k, g, w)
+
+
+def _rl_calls(seed):
+    """Argument sets covering every input the one-kernel path reads, in both dtypes."""
+    b = make_rl_batch(seed, n_seq=6, seq_len=37)
+    lab, lp, old, ref, adv = b["labels"], b["logps"], b["old"], b["ref"], b["adv"]
+    ent = torch.rand(lp.shape, dtype=torch.float64) * 3
+    tok_adv = adv[:, None] + 0.1 * torch.randn(lp.shape, dtype=torch.float64)
+    both = {"labels": lab}
+    yield both, {"logps": lp}, {}
+    yield both, {"logps": lp.float(), "entropies": ent.float()}, dict(old_logps=old.float())
+    yield both, {"logps": lp}, dict(old_logps=old, advantages=adv, ref_logps=ref)
+    yield both, {"logps": lp, "entropies": ent}, dict(old_logps=old, advantages=tok_adv, ref_logps=ref)
+    yield both, {"logps": lp.float()}, dict(advantages=adv.float(), ref_logps=ref.float())
+    # two microbatches, a strided [s, b] layout for one of them
+    lp_t = lp.t().contiguous().t()
+    yield ([{"labels": lab[:2]}, {"labels": lab[2:]}], [{"logps": lp_t[:2]}, {"logps": lp_t[2:]}],
+           dict(old_logps=[old[:2], old[2:]], advantages=[adv[:2], adv[2:]]))
+
+
+@kernel_test
+@pytest.mark.parametrize("cls", [GRPOMetric, GSPOMetric, CISPOMetric])
+@pytest.mark.parametrize("kw", [{}, dict(epsilon=0.1, epsilon_high=0.28, top_k_kl=4)])
+def test_rl_one_kernel_path_matches_torch(fused, monkeypatch, cls, kw):
+    for inputs, outputs, side in _rl_calls(3):
+        got = cls(**kw).accumulate(inputs, outputs, **side).calculate()
+        with monkeypatch.context() as mp:
+            mp.setattr(_triton, "device_ok", lambda x: False)
+            want = cls(**kw).accumulate(inputs, outputs, **side).calculate()
+        _same(got, want)
+    assert fused  # the kernel ran
+
+
+@kernel_test
+@pytest.mark.parametrize("nan_policy", ["propagate", "skip"])
+@pytest.mark.parametrize("cls", [GRPOMetric, GSPOMetric])
+def test_rl_one_kernel_path_nonfinite_tokens(fused, monkeypatch, nan_policy, cls):
+    b = make_rl_batch(4, n_seq=5, seq_len=21)
+    lab, lp, old, ref, adv = b["labels"], b["logps"].clone(), b["old"].clone(), b["ref"].clone(), b["adv"]
+    counted = (lab != -100).nonzero().tolist()
+    pad = (lab == -100).nonzero().tolist()
+    lp[tuple(pad[0])] = float("nan")        # padding: ignored
+    old[tuple(pad[1])] = float("-inf")
+    old[tuple(counted[0])] = float("nan")    # counted tokens: non-finite
+    ref[tuple(counted[3])] = float("inf")
+    lp[tuple(counted[5])] = float("-inf")
+    ent = torch.rand(lp.shape, dtype=torch.float64)
+    ent[tuple(counted[7])] = float("nan")
+    adv = adv[:, None] + torch.zeros_like(lp)  # per token, one NaN among them
+    adv[tuple(counted[9])] = float("nan")
+    kw = dict(nan_policy=nan_policy, top_k_kl=3)
+    args = ({"labels": lab}, {"logps": lp, "entropies": ent})
+    side = dict(old_logps=old, advantages=adv, ref_logps=ref)
+    with numpy.errstate(invalid="ignore"):  # the interpreter's numpy meets the NaN/inf on purpose
+        got = cls(**kw).accumulate(*args, **side).calculate()
+    with monkeypatch.context() as mp:
+        mp.setattr(_triton, "device_ok", lambda x: False)
+        want = cls(**kw).accumulate(*args, **side).calculate()
+    assert want["train/nonfinite_tokens"] == 5
+    _same(got, want)
+    assert fused
+
+
+@kernel_test
+def test_rl_kernel_k3_to_full_relative_precision():
+    from decimal import Decimal, getcontext
+    getcontext().prec = 60
+    d = torch.tensor([[1e-12, -3e-9, 1e-6, -1e-4, 0.003, -0.2, 0.49, 0.5, -0.51, 2.0, -7.5, 30.0]],
+                     dtype=torch.float64)
+    m = torch.ones_like(d, dtype=torch.bool)
+    for i in range(d.shape[1]):
+        one = d[:, i:i + 1]
+        r = TR.token_stats(one, m[:, i:i + 1], old=torch.zeros_like(one), block=16)
+        x = Decimal(float(one))
+        want = float(x.exp() - 1 - x)
+        assert math.isclose(float(r["sum_kl"]), want, rel_tol=1e-14), (float(one), float(r["sum_kl"]), want)
+        assert math.isclose(float(r["sum_ratio"]), float(x.exp()), rel_tol=1e-15)
+
+
+@kernel_test
+def test_rl_kernel_blocks_and_rows():
+    g = torch.Generator().manual_seed(9)
+    lp = -torch.rand(3, 70, generator=g, dtype=torch.float64)
+    old = lp + 0.3 * torch.randn(3, 70, generator=g, dtype=torch.float64)
+    adv = torch.randn(3, 1, generator=g, dtype=torch.float64)
+    m = torch.rand(3, 70, generator=g) < 0.7
+    r = TR.token_stats(lp, m, old=old, adv=adv, want_rows=True, want_key=True, token_clip=False, block=16)
+    d = torch.where(m, lp - old, 0.0)
+    torch.testing.assert_close(r["rows"], torch.stack([d.sum(1), m.sum(1).double(), (adv * m).sum(1)], 1),
+                               rtol=1e-13, atol=1e-13)
+    k3 = torch.expm1(d) - d
+    torch.testing.assert_close(r["key"], torch.where(m & (k3 > 0), k3, -math.inf), rtol=1e-9, atol=0)
+    assert int(r["n_tok"]) == int(m.sum()) and r["n_tok"].dtype == torch.int64
+    assert float(r["logr_min"]) == float(d[m].min()) and float(r["logr_max"]) == float(d[m].max())
+    assert float(r["adv_min"]) == float(adv.expand(3, 70)[m].min())

@@ -14,7 +14,7 @@ from ._checks import as_tensor, float_tensor, nonfinite
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .histogram import Histogram, check_quantiles, quantile_keys
-from .kernels import entropy
+from .kernels import _triton, entropy
 from .microbatch import has_field, microbatches
 from .rl_inputs import _float, common_length, cp_sum, keep_bits, masked, per_token, split_side_input, token_mask
 from .state import State
@@ -373,6 +373,10 @@ class GRPOMetric(Metric):
         seq_start = 0
         for i, item in enumerate(batch["items"]):
             mb = _Microbatch(item, logit_ents.get(i))
+            if self._fuses(mb):
+                self._fused_sums(acc, mb, seq_parts, candidates, seq_start)
+                seq_start += mb.m.shape[0]
+                continue
             self._count_nonfinite(acc, mb)
             self._token_sums(acc, mb)
             if mb.m.numel():
@@ -383,7 +387,9 @@ class GRPOMetric(Metric):
                 if mb.old is not None:
                     self._ratio_sums(acc, mb, seq_parts)
                     if self.top_k_kl:
-                        candidates.append(self._candidates(mb, seq_start))
+                        k3 = mb.ratio_m1 - mb.d
+                        key = torch.where(mb.has_old & (k3 > 0), k3, -math.inf)
+                        candidates.append(self._candidates(mb, key, seq_start))
             if self.quantiles:
                 self._quantile_counts(acc, mb)
             seq_start += mb.m.shape[0]
@@ -399,6 +405,59 @@ class GRPOMetric(Metric):
                 acc["topk"] = _topk_rows(torch.cat(candidates), self.top_k_kl)
         parts = torch.cat(seq_parts) if self.sequence_level_clip and seq_parts else None
         return acc, parts
+
+    def _fuses(self, mb: "_Microbatch") -> bool:
+        """Whether this microbatch takes the one-kernel path (``kernels.triton_rl``): on CUDA
+        with the kernels enabled, no histograms, and every side input covering exactly the
+        counted tokens (aligned ``[b, s]``, or ``[b, 1]`` advantages)."""
+        m = mb.m
+        if self.quantiles or not m.numel() or not _triton.device_ok(mb.lp):
+            return False
+        b, s = m.shape
+        if mb.lp.shape != m.shape:
+            return False
+        for x, has, widths in ((mb.old, mb.has_old, (s,)), (mb.ref, mb.has_ref, (s,)), (mb.ent, mb.em, (s,)),
+                               (mb.adv, mb.has_adv, (1, s))):
+            if x is not None and (has is not m or x.dim() != 2 or x.shape[0] != b or x.shape[1] not in widths
+                                  or x.device != m.device):
+                return False
+        return True
+
+    def _fused_sums(self, acc, mb: "_Microbatch", seq_parts: List[torch.Tensor],
+                    candidates: List[torch.Tensor], seq_start: int) -> None:
+        """Every per-token contribution of one microbatch from one kernel; the same
+        states and values as the steps below."""
+        from .kernels import triton_rl
+        lo, hi = self._log_bounds
+        skip = self.nan_policy == "skip"
+        both = mb.old is not None and mb.adv is not None
+        r = triton_rl.token_stats(mb.lp, mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent, lo=lo, hi=hi,
+                                  token_clip=not self.sequence_level_clip, by_sign=self.clip_by_advantage_sign,
+                                  skip=skip, want_key=bool(self.top_k_kl),
+                                  want_rows=self.sequence_level_clip and both)
+        names = ["n_bad", "n_tok", "sum_new"]
+        if mb.ent is not None:
+            names += ["n_ent", "sum_ent"]
+        if mb.adv is not None:
+            names += ["n_adv", "sum_adv"]
+            fold.minimum(acc, "adv_min", r["adv_min"])
+            fold.maximum(acc, "adv_max", r["adv_max"])
+        if mb.ref is not None:
+            names += ["n_ref", "sum_ref_kl"]
+        if mb.old is not None:
+            names += ["n_old", "sum_old", "sum_diff", "sum_kl", "sum_ratio"]
+            fold.minimum(acc, "logr_min", r["logr_min"])
+            fold.maximum(acc, "logr_max", r["logr_max"])
+            if both:
+                names += [] if skip else ["clip_nan"]
+                if self.sequence_level_clip:
+                    seq_parts.append(r["rows"])
+                else:
+                    names += ["clip_n", "clip_low", "clip_high"]
+            if self.top_k_kl:
+                candidates.append(self._candidates(mb, r["key"], seq_start))
+        for name in names:
+            fold.add(acc, name, r[name])
 
     def _count_nonfinite(self, acc, mb: "_Microbatch") -> None:
         """Count the tokens that count and hold a NaN/inf in any input (padding at masked
@@ -585,12 +644,12 @@ class GRPOMetric(Metric):
         low, high = self._clip_counts(logr, adv, valid)
         return {"clip_n": valid.sum(), "clip_low": low, "clip_high": high}
 
-    def _candidates(self, mb: "_Microbatch", seq_start: int) -> torch.Tensor:
-        """This microbatch's top-k rows [k, fields] with sequence indices offset so far."""
-        feat, m, lp, old, d, em, has_old = mb.feat, mb.m, mb.lp, mb.old, mb.d, mb.ratio_m1, mb.has_old
+    def _candidates(self, mb: "_Microbatch", key: torch.Tensor, seq_start: int) -> torch.Tensor:
+        """This microbatch's top-k rows [k, fields] with sequence indices offset so far;
+        ``key`` [b, s]: each token's k3 where it has an old log-prob and k3 > 0, else -inf."""
+        feat, m, lp, old = mb.feat, mb.m, mb.lp, mb.old
         b, s = m.shape
-        k3 = em - d
-        key = torch.where(has_old & (k3 > 0), k3, -math.inf).reshape(-1)
+        key = key.reshape(-1)
         k = min(self.top_k_kl, key.shape[0])
         idx = torch.topk(key, k).indices
         i, p = idx // s, idx % s
@@ -609,8 +668,8 @@ class GRPOMetric(Metric):
         else:
             tok = torch.full_like(pos_v, -1.0)
         gsi = (i + seq_start).to(torch.float64) + self._states["n_seq"].to(i.device, torch.float64)
-        return torch.stack([key[idx], gsi, pos_v, tok, em[i, p] + 1.0, lp[i, p].to(torch.float64),
-                            old.expand(b, s)[i, p].to(torch.float64)], 1)
+        lp_k, old_k = lp[i, p].to(torch.float64), old.expand(b, s)[i, p].to(torch.float64)
+        return torch.stack([key[idx], gsi, pos_v, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
 
     def _entropy_chunks(self, name, jobs):
         """(row chunks of every job's logits, job shapes): validated, no collective."""

@@ -30,10 +30,14 @@ def available() -> bool:
     return _available
 
 
+def device_ok(x: torch.Tensor) -> bool:
+    """The kernels run where ``x`` lives: enabled, a CUDA tensor, triton installed."""
+    return ENABLED and x.is_cuda and available()
+
+
 def applies(x: torch.Tensor) -> bool:
-    """Use the Triton kernel for ``x``: enabled, a CUDA tensor of a 16/32-bit float dtype,
-    triton installed."""
-    return ENABLED and x.is_cuda and x.dtype in DTYPES and available()
+    """Use a logits-reading kernel for ``x``: ``device_ok`` and a 16/32-bit float dtype."""
+    return x.dtype in DTYPES and device_ok(x)
 
 
 def rows_view(x: torch.Tensor) -> Tuple[torch.Tensor, int, int, int]:

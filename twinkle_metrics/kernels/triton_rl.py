@@ -1,0 +1,260 @@
+"""The per-token policy statistics of the GRPO family in one read of its inputs (Triton, CUDA).
+
+The torch path (``GRPOMetric``'s named steps) issues about a hundred small kernels per
+microbatch: masks, float64 casts, differences, ``expm1``, clip compares, one sum per
+state. On a GPU that is launch-bound. Here one kernel reads each token's log-prob,
+mask and (where given) old log-prob, advantage, reference log-prob and entropy once,
+and each program writes one row of float64 partials for a block of one sequence's
+tokens; a column sum and a column max finish them. Counts are exact in float64 (below
+2**53 tokens per call).
+
+The numbers are the torch path's, with the same rules:
+
+- masked-out positions are never loaded (NaN/-inf padding there is ignored);
+- d = logp - old_logp in float64 (exact for 16/32-bit inputs); k3 = expm1(d) - d is
+  computed directly (a series for |d| < 1/2, ``exp(d) - 1 - d`` beyond), so it keeps
+  full relative precision where the torch path subtracts two sums;
+- a token is non-finite when any of its values is NaN/inf; under ``'skip'`` it is
+  dropped from every column, under ``'propagate'`` its values flow (a NaN extreme is
+  carried by a NaN flag column added to the extremes at the end, as ``amax`` would);
+- clip counts: r < 1 - eps (and A < 0), r > 1 + eps_high (and A > 0), as log-ratio
+  bounds; GSPO's per-sequence parts are the per-row sums of the same columns.
+
+Used only on CUDA with ``TWINKLE_METRICS_TRITON=1`` (see ``_triton``); tested on CPU
+under Triton's interpreter against the torch path.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+#: sum columns; the first ``N_COUNTS`` hold counts (int64 states)
+SUMS = ("n_tok", "n_ent", "n_adv", "n_ref", "n_old", "clip_n", "clip_low", "clip_high", "n_bad",
+        "sum_new", "sum_ent", "sum_adv", "sum_ref_kl", "sum_old", "sum_diff", "sum_kl", "sum_ratio",
+        "clip_nan")
+N_COUNTS = 9
+#: extreme columns, all kept as maxima (minima negated); each has a NaN flag sum column
+EXTREMES = ("adv_max", "adv_min", "logr_max", "logr_min")
+_N_SUM = len(SUMS)
+_N_COLS = _N_SUM + 2 * len(EXTREMES)  # sums, NaN flags of the extremes, extremes
+
+
+@triton.jit
+def _k3_ratio(d):
+    """(k3, r) of d in float64, r = exp(d) and k3 = expm1(d) - d = d^2 (1/2! + d/3! + ...)."""
+    small = tl.abs(d) < 0.5
+    ds = tl.where(small, d, 0.0)
+    p = 1.0 / 6402373705728000.0  # 1/18!
+    p = p * ds + 1.0 / 355687428096000.0
+    p = p * ds + 1.0 / 20922789888000.0
+    p = p * ds + 1.0 / 1307674368000.0
+    p = p * ds + 1.0 / 87178291200.0
+    p = p * ds + 1.0 / 6227020800.0
+    p = p * ds + 1.0 / 479001600.0
+    p = p * ds + 1.0 / 39916800.0
+    p = p * ds + 1.0 / 3628800.0
+    p = p * ds + 1.0 / 362880.0
+    p = p * ds + 1.0 / 40320.0
+    p = p * ds + 1.0 / 5040.0
+    p = p * ds + 1.0 / 720.0
+    p = p * ds + 1.0 / 120.0
+    p = p * ds + 1.0 / 24.0
+    p = p * ds + 1.0 / 6.0
+    p = p * ds + 0.5
+    series = ds * ds * p
+    e = tl.exp(tl.where(small, 0.0, d))
+    em = tl.where(small, series + ds, e - 1.0)
+    k3 = tl.where(small, series, em - d)  # no cancellation for |d| >= 1/2; inf - inf is NaN, as in torch
+    return k3, tl.where(small, em + 1.0, e)
+
+
+@triton.jit
+def _store_sum(out, col: tl.constexpr, x):
+    tl.store(out + col, tl.sum(x, 0))
+
+
+@triton.jit
+def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, part_ptr, key_ptr,
+               s, lp_s0, lp_s1, m_s0, m_s1, old_s0, old_s1, adv_s0, adv_s1, ref_s0, ref_s1, ent_s0, ent_s1,
+               lo, hi,
+               HAS_OLD: tl.constexpr, HAS_ADV: tl.constexpr, HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr,
+               TOKEN_CLIP: tl.constexpr, BY_SIGN: tl.constexpr, SKIP: tl.constexpr, KEY: tl.constexpr,
+               N_COLS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    cols = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    inside = cols < s
+    m = (tl.load(m_ptr + row * m_s0 + cols * m_s1, mask=inside, other=0) != 0) & inside
+    zero = tl.zeros([BLOCK], tl.float64)
+    nan = zero + float("nan")
+    # Only counted tokens are read: padding at masked positions never enters.
+    lp = tl.load(lp_ptr + row * lp_s0 + cols * lp_s1, mask=m, other=0.0).to(tl.float64)
+    probe = lp * 0.0  # 0 where every value of the token is finite, NaN where one is not
+    old = zero
+    adv = zero
+    ref = zero
+    ent = zero
+    if HAS_OLD:
+        old = tl.load(old_ptr + row * old_s0 + cols * old_s1, mask=m, other=0.0).to(tl.float64)
+        probe += old * 0.0
+    if HAS_ADV:
+        adv = tl.load(adv_ptr + row * adv_s0 + cols * adv_s1, mask=m, other=0.0).to(tl.float64)
+        probe += adv * 0.0
+    if HAS_REF:
+        ref = tl.load(ref_ptr + row * ref_s0 + cols * ref_s1, mask=m, other=0.0).to(tl.float64)
+        probe += ref * 0.0
+    if HAS_ENT:
+        ent = tl.load(ent_ptr + row * ent_s0 + cols * ent_s1, mask=m, other=0.0).to(tl.float64)
+        probe += ent * 0.0
+    bad = m & (probe != probe)
+    if SKIP:  # the token leaves every column
+        m = m & (probe == probe)
+        lp = tl.where(m, lp, 0.0)
+        old = tl.where(m, old, 0.0)
+        adv = tl.where(m, adv, 0.0)
+        ref = tl.where(m, ref, 0.0)
+        ent = tl.where(m, ent, 0.0)
+    one = tl.where(m, 1.0, 0.0).to(tl.float64)
+    n = tl.sum(one, 0)
+    out = part_ptr + (row * tl.num_programs(1) + blk) * N_COLS
+    neg_inf = zero - float("inf")
+    # column order: SUMS, then NaN flags (adv, adv, d, d), then EXTREMES (as maxima)
+    tl.store(out + 0, n)
+    _store_sum(out, 8, tl.where(bad, 1.0, 0.0).to(tl.float64))
+    _store_sum(out, 9, lp)
+    if HAS_ENT:
+        tl.store(out + 1, n)
+        _store_sum(out, 10, ent)
+    else:
+        tl.store(out + 1, 0.0)
+        tl.store(out + 10, 0.0)
+    if HAS_ADV:
+        tl.store(out + 2, n)
+        _store_sum(out, 11, adv)
+        adv_nan = tl.sum(tl.where(m & (adv != adv), nan, zero), 0)
+        tl.store(out + 18, adv_nan)
+        tl.store(out + 19, adv_nan)
+        tl.store(out + 22, tl.max(tl.where(m & (adv == adv), adv, neg_inf), 0))
+        tl.store(out + 23, tl.max(tl.where(m & (adv == adv), -adv, neg_inf), 0))
+    else:
+        tl.store(out + 2, 0.0)
+        tl.store(out + 11, 0.0)
+        tl.store(out + 18, 0.0)
+        tl.store(out + 19, 0.0)
+        tl.store(out + 22, float("-inf"))
+        tl.store(out + 23, float("-inf"))
+    if HAS_REF:
+        kr, _ = _k3_ratio(ref - lp)
+        tl.store(out + 3, n)
+        _store_sum(out, 12, tl.where(m, kr, 0.0))
+    else:
+        tl.store(out + 3, 0.0)
+        tl.store(out + 12, 0.0)
+    if HAS_OLD:
+        d = lp - old
+        k3, ratio = _k3_ratio(d)
+        tl.store(out + 4, n)
+        _store_sum(out, 13, old)
+        _store_sum(out, 14, d)
+        _store_sum(out, 15, tl.where(m, k3, 0.0))
+        _store_sum(out, 16, tl.where(m, ratio, 0.0))
+        d_nan = tl.sum(tl.where(m & (d != d), nan, zero), 0)
+        tl.store(out + 20, d_nan)
+        tl.store(out + 21, d_nan)
+        tl.store(out + 24, tl.max(tl.where(m & (d == d), d, neg_inf), 0))
+        tl.store(out + 25, tl.max(tl.where(m & (d == d), -d, neg_inf), 0))
+        if KEY:  # the top-k records' key: k3 where it is > 0, else -inf
+            tl.store(key_ptr + row * s + cols, tl.where(m & (k3 > 0), k3, neg_inf), mask=inside)
+    else:
+        d = zero
+        tl.store(out + 4, 0.0)
+        tl.store(out + 13, 0.0)
+        tl.store(out + 14, 0.0)
+        tl.store(out + 15, 0.0)
+        tl.store(out + 16, 0.0)
+        tl.store(out + 20, 0.0)
+        tl.store(out + 21, 0.0)
+        tl.store(out + 24, float("-inf"))
+        tl.store(out + 25, float("-inf"))
+    if HAS_OLD and HAS_ADV:
+        if SKIP:
+            tl.store(out + 17, 0.0)
+        else:  # NaN when a gated token holds a NaN/inf d or A (a compare would drop it)
+            tl.store(out + 17, tl.sum(tl.where(m, (d + adv) * 0.0, 0.0), 0))
+        if TOKEN_CLIP:
+            low = m & (d < lo)
+            high = m & (d > hi)
+            if BY_SIGN:
+                low = low & (adv < 0)
+                high = high & (adv > 0)
+            tl.store(out + 5, n)
+            _store_sum(out, 6, tl.where(low, 1.0, 0.0).to(tl.float64))
+            _store_sum(out, 7, tl.where(high, 1.0, 0.0).to(tl.float64))
+        else:
+            tl.store(out + 5, 0.0)
+            tl.store(out + 6, 0.0)
+            tl.store(out + 7, 0.0)
+    else:
+        tl.store(out + 5, 0.0)
+        tl.store(out + 6, 0.0)
+        tl.store(out + 7, 0.0)
+        tl.store(out + 17, 0.0)
+
+
+def _strides(x: Optional[torch.Tensor], like: torch.Tensor):
+    if x is None:
+        return like, 0, 0
+    if x.shape[1] == 1 and like.shape[1] != 1:
+        return x, x.stride(0), 0  # one value per sequence, read for each of its tokens
+    return x, x.stride(0), x.stride(1)
+
+
+def token_stats(lp: torch.Tensor, m: torch.Tensor, *, old=None, adv=None, ref=None, ent=None,
+                lo: float = -math.inf, hi: float = math.inf, token_clip: bool = True, by_sign: bool = True,
+                skip: bool = False, want_key: bool = False, want_rows: bool = False,
+                block: int = 0) -> Dict[str, torch.Tensor]:
+    """The GRPO family's per-token contributions of one microbatch, in one kernel.
+
+    ``lp``, ``m`` (bool), ``old``, ``ref``, ``ent``: ``[b, s]`` (any strides); ``adv``:
+    ``[b, s]`` or ``[b, 1]`` (one value per sequence); every value counts where ``m``.
+    ``lo``/``hi``: the clip bounds on d = logp - old_logp; ``token_clip``: count token
+    clips (False for GSPO, which clips sequences from ``rows``); ``by_sign``: gate them by
+    the advantage's sign (not CISPO); ``skip``: drop non-finite tokens.
+
+    Returns 0-d tensors named like the metric's states (counts as int64, the rest
+    float64) for the inputs given, plus ``key`` ``[b, s]`` (k3 where > 0, else -inf) with
+    ``want_key``, and ``rows`` ``[b, 3]`` (per sequence: sum of d, tokens, sum of A) with
+    ``want_rows``.
+    """
+    b, s = m.shape
+    block = block or min(1024, triton.next_power_of_2(max(s, 16)))
+    n_blk = triton.cdiv(s, block)
+    part = torch.empty(b, n_blk, _N_COLS, dtype=torch.float64, device=lp.device)
+    key = torch.empty(b, s, dtype=torch.float64, device=lp.device) if want_key and old is not None else part
+    mm = m.view(torch.uint8) if m.dtype == torch.bool else m
+    args = []
+    for x in (lp, mm, old, adv, ref, ent):
+        args.extend(_strides(x, lp))
+    ptrs, strides = args[0::3], [v for i, v in enumerate(args) if i % 3]
+    _rl_kernel[(b, n_blk)](*ptrs, part, key, s, *strides, float(lo), float(hi),
+                           HAS_OLD=old is not None, HAS_ADV=adv is not None, HAS_REF=ref is not None,
+                           HAS_ENT=ent is not None, TOKEN_CLIP=token_clip, BY_SIGN=by_sign, SKIP=skip,
+                           KEY=key is not part, N_COLS=_N_COLS, BLOCK=block, num_warps=4)
+    flat = part.view(b * n_blk, _N_COLS)
+    sums = flat[:, :_N_SUM + len(EXTREMES)].sum(0)
+    ext = flat[:, _N_SUM + len(EXTREMES):].amax(0) + sums[_N_SUM:]  # a NaN flag makes its extreme NaN
+    mins = ext[1::2].neg()
+    counts = sums[:N_COUNTS].to(torch.int64)
+    out = {name: counts[i] for i, name in enumerate(SUMS[:N_COUNTS])}
+    out.update({name: sums[i] for i, name in enumerate(SUMS) if i >= N_COUNTS})
+    out.update({"adv_max": ext[0], "adv_min": mins[0], "logr_max": ext[2], "logr_min": mins[1]})
+    if key is not part:
+        out["key"] = key
+    if want_rows:
+        per_row = part[:, :, :_N_SUM].sum(1)
+        out["rows"] = torch.stack([per_row[:, SUMS.index(c)] for c in ("sum_diff", "n_old", "sum_adv")], 1)
+    return out
