@@ -42,7 +42,7 @@ if INTERPRETED:
     from twinkle_metrics.kernels import triton_rl as TR
 
 from tests.rlref import make_rl_batch  # noqa: E402
-from twinkle_metrics import Accuracy, CISPOMetric, GRPOMetric, GSPOMetric  # noqa: E402
+from twinkle_metrics import Accuracy, CISPOMetric, DPOMetric, GRPOMetric, GSPOMetric  # noqa: E402
 from twinkle_metrics.kernels import _triton, argmax, entropy  # noqa: E402
 
 
@@ -345,3 +345,41 @@ def test_rl_kernel_blocks_and_rows():
     assert int(r["n_tok"]) == int(m.sum()) and r["n_tok"].dtype == torch.int64
     assert float(r["logr_min"]) == float(d[m].min()) and float(r["logr_max"]) == float(d[m].max())
     assert float(r["adv_min"]) == float(adv.expand(3, 70)[m].min())
+
+
+@kernel_test
+@pytest.mark.parametrize("nan_policy", ["propagate", "skip"])
+def test_dpo_through_triton_row_sums_matches_torch(fused, monkeypatch, nan_policy):
+    b = make_rl_batch(6, n_seq=8, seq_len=45)
+    lab, lp, ref = b["labels"], b["logps"].clone(), b["ref"].float()
+    assert (lab[0] == -100).all()
+    lp[0, 0] = float("nan")                                  # padding (seq 0 is all padding): ignored
+    lp[3, (lab[3] != -100).nonzero()[0, 0]] = float("inf")  # a counted token: pair 1 non-finite
+    calls = []
+    real = TR.masked_row_sums
+    monkeypatch.setattr(TR, "masked_row_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lp_strided = lp.t().contiguous().t()
+    for args, kw in [(({"labels": lab}, {"logps": lp_strided}), dict(ref_outputs={"logps": ref})),
+                     (({"labels": lab}, {"logps": lp.float()}), {}),
+                     (([{"labels": lab[:4]}, {"labels": lab[4:]}], [{"logps": lp[:4]}, {"logps": lp[4:]}]),
+                      dict(ref_outputs=[{"logps": ref[:4]}, {"logps": ref[4:]}]))]:
+        got = DPOMetric(nan_policy=nan_policy).accumulate(*args, **kw).calculate()
+        with monkeypatch.context() as mp:
+            mp.setattr(_triton, "device_ok", lambda x: False)
+            want = DPOMetric(nan_policy=nan_policy).accumulate(*args, **kw).calculate()
+        _same(got, want, rel=1e-12)
+        assert want["logps/nonfinite_pairs"] == 1
+    assert calls
+
+
+@kernel_test
+def test_row_sums_kernel_long_rows_and_views():
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(3, 300, generator=g, dtype=torch.float64)
+    b = torch.randn(300, 3, generator=g).t()          # float32, transposed view
+    m = torch.rand(3, 300, generator=g) < 0.5
+    a[~m] = float("nan")                               # never read
+    got = TR.masked_row_sums(a, m, b, block=64)        # 5 blocks per row
+    want = torch.stack([torch.where(m, a, 0.0).sum(1), torch.where(m, b.double(), 0.0).sum(1)], 1)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(TR.masked_row_sums(a, m), want[:, :1], rtol=1e-13, atol=1e-13)

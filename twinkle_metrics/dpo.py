@@ -10,6 +10,7 @@ from ._checks import float_tensor, nonfinite
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .histogram import Histogram, check_quantiles, quantile_keys
+from .kernels import _triton
 from .microbatch import has_field, microbatches
 from .rl_inputs import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
 from .state import State
@@ -228,6 +229,10 @@ class DPOMetric(Metric):
                                      f"{list(ref.shape)}, expected [{lp.shape[0]}, >= {lp.shape[1]}]; "
                                      "run the reference model on the same batch")
                 cols.append(ref if ref.shape[1] == lp.shape[1] else ref[:, :lp.shape[1]])
+            if _triton.device_ok(lp) and all(c.is_floating_point() for c in cols):
+                from .kernels import triton_rl  # imports triton: CUDA only
+                rows.append(triton_rl.masked_row_sums(cols[0], mask, *cols[1:]))  # one kernel
+                continue
             # Masked bitwise (NaN/-inf padding at masked positions is dropped; a 0/1 multiplier,
             # as Twinkle uses, would carry it into the sums), summed in float64.
             cols = [c if c.is_floating_point() else c.to(torch.float64) for c in cols]

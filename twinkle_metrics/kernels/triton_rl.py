@@ -258,3 +258,39 @@ def token_stats(lp: torch.Tensor, m: torch.Tensor, *, old=None, adv=None, ref=No
         per_row = part[:, :, :_N_SUM].sum(1)
         out["rows"] = torch.stack([per_row[:, SUMS.index(c)] for c in ("sum_diff", "n_old", "sum_adv")], 1)
     return out
+
+
+@triton.jit
+def _row_sums_kernel(a_ptr, b_ptr, m_ptr, out_ptr, s, a_s0, a_s1, b_s0, b_s1, m_s0, m_s1,
+                     TWO: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    sa = tl.zeros([BLOCK], tl.float64)
+    sb = tl.zeros([BLOCK], tl.float64)
+    for start in range(0, s, BLOCK):
+        cols = (start + tl.arange(0, BLOCK)).to(tl.int64)
+        m = (tl.load(m_ptr + row * m_s0 + cols * m_s1, mask=cols < s, other=0) != 0) & (cols < s)
+        sa += tl.load(a_ptr + row * a_s0 + cols * a_s1, mask=m, other=0.0).to(tl.float64)
+        if TWO:
+            sb += tl.load(b_ptr + row * b_s0 + cols * b_s1, mask=m, other=0.0).to(tl.float64)
+    if TWO:
+        tl.store(out_ptr + row * 2, tl.sum(sa, 0))
+        tl.store(out_ptr + row * 2 + 1, tl.sum(sb, 0))
+    else:
+        tl.store(out_ptr + row, tl.sum(sa, 0))
+
+
+def masked_row_sums(a: torch.Tensor, m: torch.Tensor, b: Optional[torch.Tensor] = None, *,
+                    block: int = 0) -> torch.Tensor:
+    """``[rows, 1 or 2]`` float64 sums over ``m`` of each row of ``a`` (and ``b``), all
+    ``[rows, s]`` with any strides, in one read; masked-out positions are never loaded
+    (DPOMetric's sequence log-probs and their references)."""
+    rows, s = m.shape
+    out = torch.empty(rows, 1 if b is None else 2, dtype=torch.float64, device=a.device)
+    if rows == 0:
+        return out
+    block = block or min(1024, triton.next_power_of_2(max(s, 16)))
+    mm = m.view(torch.uint8) if m.dtype == torch.bool else m
+    other = a if b is None else b
+    _row_sums_kernel[(rows,)](a, other, mm, out, s, a.stride(0), a.stride(1), other.stride(0), other.stride(1),
+                              mm.stride(0), mm.stride(1), TWO=b is not None, BLOCK=block, num_warps=4)
+    return out
