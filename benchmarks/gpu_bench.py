@@ -10,9 +10,17 @@ bf16 logits (fewer tokens if memory is short):
   Triton path, also for a transposed Megatron ``[s, b, V]`` view;
 - ``Accuracy().accumulate`` on both paths;
 - the two kernels alone at several vocab tile widths (for tuning the default);
+- ``GRPOMetric.accumulate`` (old log-probs, advantages, reference log-probs,
+  ``top_k_kl=8``) and ``DPOMetric.accumulate`` (with references) at [64, 4096]
+  float32 log-probs, torch path vs the one-kernel path, beside one elementwise pass
+  over the log-probs (``(logps - old).sum()``) as the floor;
 
 and reports each median as a ratio to the ceiling, plus the largest difference
 between the paths' results. Without CUDA it says so and exits 0.
+
+``GPU_BENCH_DRY=1`` (with ``TRITON_INTERPRET=1``) runs the whole script on the CPU at
+tiny shapes, the kernels interpreted and the CPU taken for a Triton device, and saves
+nothing: a test runs it so that the one GPU call finds a script that works.
 """
 from __future__ import annotations
 
@@ -28,27 +36,52 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-SHAPE = (4, 4096, 152064)
-ITERS = int(os.environ.get("GPU_BENCH_ITERS", "15"))
+DRY = os.environ.get("GPU_BENCH_DRY") == "1"
+DEVICE = "cpu" if DRY else "cuda"
+SHAPE = (2, 24, 300) if DRY else (4, 4096, 152064)
+RL_SHAPE = (4, 40) if DRY else (64, 4096)
+ITERS = 2 if DRY else int(os.environ.get("GPU_BENCH_ITERS", "15"))
+
+
+def synchronize():
+    if not DRY:
+        torch.cuda.synchronize()
+
+
+class _HostEvent:
+    """``torch.cuda.Event``'s timing interface on the host clock (dry runs)."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def _event():
+    return _HostEvent() if DRY else torch.cuda.Event(enable_timing=True)
 
 
 @contextlib.contextmanager
 def torch_path():
     """Route the metrics to the torch implementations (as on a machine without triton)."""
     from twinkle_metrics.kernels import _triton
-    saved = _triton.applies
-    _triton.applies = lambda x: False
+    saved = _triton.device_ok
+    _triton.device_ok = lambda x: False
     try:
         yield
     finally:
-        _triton.applies = saved
+        _triton.device_ok = saved
 
 
 def allocate(shape):
     b, s, v = shape
-    while s >= 256:
+    while s >= min(256, SHAPE[1]):
         try:
-            return torch.randn(b, s, v, device="cuda", dtype=torch.bfloat16).mul_(3.0)
+            return torch.randn(b, s, v, device=DEVICE, dtype=torch.bfloat16).mul_(3.0)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             s //= 2
@@ -60,7 +93,7 @@ def time_interleaved(fns, iters):
     times = {k: [] for k in fns}
     for _ in range(iters):
         for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = _event(), _event()
             start.record()
             fn()
             end.record()
@@ -69,8 +102,55 @@ def time_interleaved(fns, iters):
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
+def _max_rel_diff(got, want):
+    keys = [k for k, w in want.items() if isinstance(w, float)]
+    return max((abs(got[k] - want[k]) / max(abs(want[k]), 1e-300) for k in keys), default=0.0)
+
+
+def rl_updates(triton_ok):
+    """GRPO and DPO accumulate at [64, 4096]: torch path vs one-kernel path (ms, ratios)."""
+    from twinkle_metrics import DPOMetric, GRPOMetric
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    b, s = RL_SHAPE
+    labels = torch.randint(0, 1000, (b, s), device=DEVICE, generator=g)
+    labels[:, :s // 8] = -100
+    lp = -torch.rand(b, s, device=DEVICE, generator=g)
+    old = lp + 0.01 * torch.randn(b, s, device=DEVICE, generator=g)
+    ref = lp + 0.01 * torch.randn(b, s, device=DEVICE, generator=g)
+    adv = torch.randn(b, device=DEVICE, generator=g)
+
+    def grpo():
+        return GRPOMetric(top_k_kl=8).accumulate({"labels": labels}, {"logps": lp}, old_logps=old,
+                                                 advantages=adv, ref_logps=ref)
+
+    def dpo():
+        return DPOMetric().accumulate({"labels": labels}, {"logps": lp}, ref_outputs={"logps": ref})
+
+    def on_torch(fn):
+        def run():
+            with torch_path():
+                return fn()
+        return run
+
+    fns = {"one_pass_floor": lambda: (lp - old).sum(), "grpo_torch": on_torch(grpo), "dpo_torch": on_torch(dpo)}
+    if triton_ok:
+        fns.update({"grpo_triton": grpo, "dpo_triton": dpo})
+    for fn in fns.values():
+        fn()
+    synchronize()
+    ms = time_interleaved(fns, ITERS if DRY else max(ITERS, 30))
+    out = {"rl_shape": [b, s], "rl_median_ms": ms}
+    if triton_ok:
+        out["rl_triton_speedup"] = {k: ms[f"{k}_torch"] / ms[f"{k}_triton"] for k in ("grpo", "dpo")}
+        with torch_path():
+            want_g, want_d = grpo().calculate(), dpo().calculate()
+        out["rl_max_rel_diff"] = {"grpo": _max_rel_diff(grpo().calculate(), want_g),
+                                  "dpo": _max_rel_diff(dpo().calculate(), want_d)}
+    return out
+
+
 def main():
-    if not torch.cuda.is_available():
+    if not DRY and not torch.cuda.is_available():
         print("gpu_bench: CUDA is not available on this machine; nothing was measured "
               "(run it on a machine with a CUDA GPU)", file=sys.stderr)
         return 0
@@ -81,11 +161,13 @@ def main():
     torch.manual_seed(0)
     logits = allocate(SHAPE)
     b, s, v = logits.shape
-    labels = torch.randint(0, v, (b, s), device="cuda")
-    logps = torch.randn(b, s, device="cuda", dtype=torch.float32)
+    labels = torch.randint(0, v, (b, s), device=DEVICE)
+    logps = torch.randn(b, s, device=DEVICE, dtype=torch.float32)
     sbv = logits.transpose(0, 1).contiguous().transpose(0, 1)  # Megatron [s, b, V] seen as [b, s, V]
     triton_ok = _triton.available()
     _triton.ENABLED = True  # the kernels are opt-in in the library until measured here
+    if DRY:
+        _triton.device_ok = lambda x: True  # the CPU stands in for the GPU, kernels interpreted
 
     def grpo(z):
         m = GRPOMetric(entropy_from_logits=True)
@@ -111,11 +193,11 @@ def main():
                     "accuracy_triton": acc})
     for fn in fns.values():  # warm up: kernel compilation, allocator
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     ms = time_interleaved(fns, ITERS)
     ceiling = ms["read_ceiling_amax"]
     out = {"shape": [b, s, v], "dtype": "bfloat16", "iters": ITERS, "triton": triton_ok,
-           "gpu": torch.cuda.get_device_name(), "median_ms": ms,
+           "gpu": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "median_ms": ms,
            "ratio_to_read_ceiling": {k: t / ceiling for k, t in ms.items()},
            "read_gbps": logits.numel() * logits.element_size() / ceiling / 1e6}
     if triton_ok:
@@ -136,9 +218,10 @@ def main():
             fn()
         sweep_ms = time_interleaved(sweep, max(ITERS // 2, 3))
         out["kernel_block_sweep_ratio"] = {k: t / ceiling for k, t in sweep_ms.items()}
+    out.update(rl_updates(triton_ok))
     out["wall_s"] = round(time.time() - t0, 1)
     from benchmarks.common import save
-    out["saved"] = save("gpu_bench", out, "python benchmarks/gpu_bench.py")
+    out["saved"] = None if DRY else save("gpu_bench", out, "python benchmarks/gpu_bench.py")
     print(json.dumps(out, indent=1, default=str))
     return 0
 

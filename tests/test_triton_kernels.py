@@ -41,7 +41,7 @@ if INTERPRETED:
     from twinkle_metrics.kernels import triton_entropy as TE
     from twinkle_metrics.kernels import triton_rl as TR
 
-from tests.rlref import make_rl_batch  # noqa: E402
+from tests.rlref import make_rl_batch, ragged  # noqa: E402
 from twinkle_metrics import Accuracy, CISPOMetric, DPOMetric, GRPOMetric, GSPOMetric  # noqa: E402
 from twinkle_metrics.kernels import _triton, argmax, entropy  # noqa: E402
 
@@ -268,6 +268,11 @@ def _rl_calls(seed):
     lp_t = lp.t().contiguous().t()
     yield ([{"labels": lab[:2]}, {"labels": lab[2:]}], [{"logps": lp_t[:2]}, {"logps": lp_t[2:]}],
            dict(old_logps=[old[:2], old[2:]], advantages=[adv[:2], adv[2:]]))
+    # the middle microbatch's ragged old log-probs take the torch path, the others the kernel
+    three = [slice(0, 2), slice(2, 4), slice(4, 6)]
+    yield ([{"labels": lab[i]} for i in three], [{"logps": lp[i]} for i in three],
+           dict(old_logps=[old[three[0]], ragged(old[three[1]], lab[three[1]]), old[three[2]]],
+                advantages=[adv[i] for i in three]))
 
 
 @kernel_test
@@ -275,12 +280,13 @@ def _rl_calls(seed):
 @pytest.mark.parametrize("kw", [{}, dict(epsilon=0.1, epsilon_high=0.28, top_k_kl=4)])
 def test_rl_one_kernel_path_matches_torch(fused, monkeypatch, cls, kw):
     for inputs, outputs, side in _rl_calls(3):
+        fused.clear()
         got = cls(**kw).accumulate(inputs, outputs, **side).calculate()
+        assert fused  # the kernel ran
         with monkeypatch.context() as mp:
             mp.setattr(_triton, "device_ok", lambda x: False)
             want = cls(**kw).accumulate(inputs, outputs, **side).calculate()
         _same(got, want)
-    assert fused  # the kernel ran
 
 
 @kernel_test
@@ -322,7 +328,7 @@ def test_rl_kernel_k3_to_full_relative_precision():
     m = torch.ones_like(d, dtype=torch.bool)
     for i in range(d.shape[1]):
         one = d[:, i:i + 1]
-        r = TR.token_stats(one, m[:, i:i + 1], old=torch.zeros_like(one), block=16)
+        r, _, _ = TR.token_stats([dict(lp=one, m=m[:, i:i + 1], old=torch.zeros_like(one))], block=16)
         x = Decimal(float(one))
         want = float(x.exp() - 1 - x)
         assert math.isclose(float(r["sum_kl"]), want, rel_tol=1e-14), (float(one), float(r["sum_kl"]), want)
@@ -330,21 +336,32 @@ def test_rl_kernel_k3_to_full_relative_precision():
 
 
 @kernel_test
-def test_rl_kernel_blocks_and_rows():
+def test_rl_kernel_blocks_rows_and_microbatches():
+    """Two microbatches of other lengths, several blocks per row, into one buffer of partials."""
     g = torch.Generator().manual_seed(9)
-    lp = -torch.rand(3, 70, generator=g, dtype=torch.float64)
-    old = lp + 0.3 * torch.randn(3, 70, generator=g, dtype=torch.float64)
-    adv = torch.randn(3, 1, generator=g, dtype=torch.float64)
-    m = torch.rand(3, 70, generator=g) < 0.7
-    r = TR.token_stats(lp, m, old=old, adv=adv, want_rows=True, want_key=True, token_clip=False, block=16)
-    d = torch.where(m, lp - old, 0.0)
-    torch.testing.assert_close(r["rows"], torch.stack([d.sum(1), m.sum(1).double(), (adv * m).sum(1)], 1),
-                               rtol=1e-13, atol=1e-13)
-    k3 = torch.expm1(d) - d
-    torch.testing.assert_close(r["key"], torch.where(m & (k3 > 0), k3, -math.inf), rtol=1e-9, atol=0)
-    assert int(r["n_tok"]) == int(m.sum()) and r["n_tok"].dtype == torch.int64
-    assert float(r["logr_min"]) == float(d[m].min()) and float(r["logr_max"]) == float(d[m].max())
-    assert float(r["adv_min"]) == float(adv.expand(3, 70)[m].min())
+    mbs, want_d, want_adv = [], [], []
+    for b, s in ((3, 70), (2, 17)):
+        lp = -torch.rand(b, s, generator=g, dtype=torch.float64)
+        old = lp + 0.3 * torch.randn(b, s, generator=g, dtype=torch.float64)
+        adv = torch.randn(b, 1, generator=g, dtype=torch.float64)
+        m = torch.rand(b, s, generator=g) < 0.7
+        mbs.append(dict(lp=lp, m=m, old=old, adv=adv))
+        want_d.append(torch.where(m, lp - old, 0.0))
+        want_adv.append(adv.expand(b, s)[m])
+    tot, keys, rows = TR.token_stats(mbs, want_rows=True, want_key=True, token_clip=False, block=16)
+    for mb, d, r, key in zip(mbs, want_d, rows, keys):
+        m = mb["m"]
+        torch.testing.assert_close(r, torch.stack([d.sum(1), m.sum(1).double(), (mb["adv"] * m).sum(1)], 1),
+                                   rtol=1e-13, atol=1e-13)
+        k3 = torch.expm1(d) - d
+        torch.testing.assert_close(key, torch.where(m & (k3 > 0), k3, -math.inf), rtol=1e-9, atol=0)
+    masks = [mb["m"] for mb in mbs]
+    d_all = torch.cat([d[m] for d, m in zip(want_d, masks)])
+    assert int(tot["n_tok"]) == sum(int(m.sum()) for m in masks) and tot["n_tok"].dtype == torch.int64
+    assert float(tot["logr_min"]) == float(d_all.min()) and float(tot["logr_max"]) == float(d_all.max())
+    assert float(tot["adv_min"]) == float(torch.cat(want_adv).min())
+    assert math.isclose(float(tot["sum_diff"]), float(d_all.sum()), rel_tol=1e-13)
+    assert int(tot["clip_low"]) == 0 and int(tot["n_ref"]) == 0 and float(tot["sum_ent"]) == 0.0
 
 
 @kernel_test
@@ -383,3 +400,20 @@ def test_row_sums_kernel_long_rows_and_views():
     want = torch.stack([torch.where(m, a, 0.0).sum(1), torch.where(m, b.double(), 0.0).sum(1)], 1)
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(TR.masked_row_sums(a, m), want[:, :1], rtol=1e-13, atol=1e-13)
+
+
+@kernel_test
+def test_gpu_bench_script_runs_end_to_end_dry():
+    """The GPU benchmark, whole, at tiny shapes on the CPU: the one GPU call must not be
+    the first time it runs. Its results are compared between the two paths."""
+    import json
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, GPU_BENCH_DRY="1", TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_bench.py")], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout)
+    assert out["triton"] and out["saved"] is None
+    assert out["accuracy_equal"] and out["entropy_rel_diff"] < 1e-5
+    assert set(out["rl_median_ms"]) == {"one_pass_floor", "grpo_torch", "dpo_torch", "grpo_triton", "dpo_triton"}
+    assert max(out["rl_max_rel_diff"].values()) < 1e-9

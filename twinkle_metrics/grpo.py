@@ -371,10 +371,15 @@ class GRPOMetric(Metric):
         seq_parts: List[torch.Tensor] = []
         candidates: List[torch.Tensor] = []
         seq_start = 0
-        for i, item in enumerate(batch["items"]):
-            mb = _Microbatch(item, logit_ents.get(i))
-            if self._fuses(mb):
-                self._fused_sums(acc, mb, seq_parts, candidates, seq_start)
+        mbs = [_Microbatch(item, logit_ents.get(i)) for i, item in enumerate(batch["items"])]
+        fused = self._fused_sums(acc, [mb for mb in mbs if self._fuses(mb)])
+        for mb in mbs:
+            if mb in fused:  # the one-kernel path: GSPO's rows and top-k keys, in microbatch order
+                key, rows = fused[mb]
+                if rows is not None:
+                    seq_parts.append(rows)
+                if key is not None:
+                    candidates.append(self._candidates(mb, key, seq_start))
                 seq_start += mb.m.shape[0]
                 continue
             self._count_nonfinite(acc, mb)
@@ -423,41 +428,41 @@ class GRPOMetric(Metric):
                 return False
         return True
 
-    def _fused_sums(self, acc, mb: "_Microbatch", seq_parts: List[torch.Tensor],
-                    candidates: List[torch.Tensor], seq_start: int) -> None:
-        """Every per-token contribution of one microbatch from one kernel; the same
-        states and values as the steps below."""
+    def _fused_sums(self, acc, mbs: List["_Microbatch"]) -> Dict["_Microbatch", tuple]:
+        """Every per-token contribution of ``mbs`` from one kernel each
+        (``kernels.triton_rl``), folded into ``acc`` once: the same states and values as
+        the steps below. Returns ``{microbatch: (top-k key or None, GSPO rows or None)}``."""
+        if not mbs:
+            return {}
         from .kernels import triton_rl
         lo, hi = self._log_bounds
         skip = self.nan_policy == "skip"
-        both = mb.old is not None and mb.adv is not None
-        r = triton_rl.token_stats(mb.lp, mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent, lo=lo, hi=hi,
-                                  token_clip=not self.sequence_level_clip, by_sign=self.clip_by_advantage_sign,
-                                  skip=skip, want_key=bool(self.top_k_kl),
-                                  want_rows=self.sequence_level_clip and both)
+        both = [mb.old is not None and mb.adv is not None for mb in mbs]
+        totals, keys, rows = triton_rl.token_stats(
+            [dict(lp=mb.lp, m=mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent) for mb in mbs],
+            lo=lo, hi=hi, token_clip=not self.sequence_level_clip, by_sign=self.clip_by_advantage_sign,
+            skip=skip, want_key=bool(self.top_k_kl), want_rows=self.sequence_level_clip and any(both))
+        given = {f: any(getattr(mb, f) is not None for mb in mbs) for f in ("ent", "adv", "ref", "old")}
         names = ["n_bad", "n_tok", "sum_new"]
-        if mb.ent is not None:
+        if given["ent"]:
             names += ["n_ent", "sum_ent"]
-        if mb.adv is not None:
+        if given["adv"]:
             names += ["n_adv", "sum_adv"]
-            fold.minimum(acc, "adv_min", r["adv_min"])
-            fold.maximum(acc, "adv_max", r["adv_max"])
-        if mb.ref is not None:
+            fold.minimum(acc, "adv_min", totals["adv_min"])
+            fold.maximum(acc, "adv_max", totals["adv_max"])
+        if given["ref"]:
             names += ["n_ref", "sum_ref_kl"]
-        if mb.old is not None:
+        if given["old"]:
             names += ["n_old", "sum_old", "sum_diff", "sum_kl", "sum_ratio"]
-            fold.minimum(acc, "logr_min", r["logr_min"])
-            fold.maximum(acc, "logr_max", r["logr_max"])
-            if both:
-                names += [] if skip else ["clip_nan"]
-                if self.sequence_level_clip:
-                    seq_parts.append(r["rows"])
-                else:
-                    names += ["clip_n", "clip_low", "clip_high"]
-            if self.top_k_kl:
-                candidates.append(self._candidates(mb, r["key"], seq_start))
+            fold.minimum(acc, "logr_min", totals["logr_min"])
+            fold.maximum(acc, "logr_max", totals["logr_max"])
+        if any(both):
+            names += [] if skip else ["clip_nan"]
+            if not self.sequence_level_clip:
+                names += ["clip_n", "clip_low", "clip_high"]
         for name in names:
-            fold.add(acc, name, r[name])
+            fold.add(acc, name, totals[name])
+        return {mb: (key, r if ok else None) for mb, key, r, ok in zip(mbs, keys, rows, both)}
 
     def _count_nonfinite(self, acc, mb: "_Microbatch") -> None:
         """Count the tokens that count and hold a NaN/inf in any input (padding at masked

@@ -1,4 +1,4 @@
-"""When the Triton kernels apply, and the ``[rows, V]`` view they read.
+"""When the Triton kernels apply, and the ``[rows, V]`` view the logits kernels read.
 
 Triton is optional: it is imported only the first time a CUDA tensor asks, so CPU
 runs and machines without it never pay for (or need) the import.

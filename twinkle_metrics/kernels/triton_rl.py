@@ -20,13 +20,16 @@ The numbers are the torch path's, with the same rules:
 - clip counts: r < 1 - eps (and A < 0), r > 1 + eps_high (and A > 0), as log-ratio
   bounds; GSPO's per-sequence parts are the per-row sums of the same columns.
 
+``token_stats`` takes all of a call's microbatches: one launch each into one buffer, then
+the same few launches to finish, so the count does not grow with the states or inputs.
+
 Used only on CUDA with ``TWINKLE_METRICS_TRITON=1`` (see ``_triton``); tested on CPU
 under Triton's interpreter against the torch path.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -213,51 +216,67 @@ def _strides(x: Optional[torch.Tensor], like: torch.Tensor):
     return x, x.stride(0), x.stride(1)
 
 
-def token_stats(lp: torch.Tensor, m: torch.Tensor, *, old=None, adv=None, ref=None, ent=None,
-                lo: float = -math.inf, hi: float = math.inf, token_clip: bool = True, by_sign: bool = True,
-                skip: bool = False, want_key: bool = False, want_rows: bool = False,
-                block: int = 0) -> Dict[str, torch.Tensor]:
-    """The GRPO family's per-token contributions of one microbatch, in one kernel.
+def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: float = -math.inf,
+                hi: float = math.inf, token_clip: bool = True, by_sign: bool = True, skip: bool = False,
+                want_key: bool = False, want_rows: bool = False, block: int = 0) -> Tuple[
+                    Dict[str, torch.Tensor], List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
+    """The GRPO family's per-token contributions of several microbatches: one kernel per
+    microbatch into one buffer of partials, then one column sum and one column max for
+    all of them (a fixed number of launches beyond one per microbatch).
 
-    ``lp``, ``m`` (bool), ``old``, ``ref``, ``ent``: ``[b, s]`` (any strides); ``adv``:
-    ``[b, s]`` or ``[b, 1]`` (one value per sequence); every value counts where ``m``.
-    ``lo``/``hi``: the clip bounds on d = logp - old_logp; ``token_clip``: count token
-    clips (False for GSPO, which clips sequences from ``rows``); ``by_sign``: gate them by
-    the advantage's sign (not CISPO); ``skip``: drop non-finite tokens.
+    Each of ``batches`` maps ``lp``, ``m`` (bool) and, where given, ``old``, ``ref``,
+    ``ent`` to ``[b, s]`` tensors (any strides) and ``adv`` to ``[b, s]`` or ``[b, 1]``
+    (one value per sequence); every value counts where ``m``. ``lo``/``hi``: the clip
+    bounds on d = logp - old_logp; ``token_clip``: count token clips (False for GSPO,
+    which clips sequences from ``rows``); ``by_sign``: gate them by the advantage's sign
+    (not CISPO); ``skip``: drop non-finite tokens.
 
-    Returns 0-d tensors named like the metric's states (counts as int64, the rest
-    float64) for the inputs given, plus ``key`` ``[b, s]`` (k3 where > 0, else -inf) with
-    ``want_key``, and ``rows`` ``[b, 3]`` (per sequence: sum of d, tokens, sum of A) with
-    ``want_rows``.
+    Returns ``(totals, keys, rows)``: 0-d tensors named like the metric's states (counts
+    int64, the rest float64; a column whose input no microbatch gave is 0, or -inf/+inf
+    for an extreme); per microbatch, with ``want_key`` and old log-probs, its ``[b, s]``
+    top-k key (k3 where > 0, else -inf); with ``want_rows``, its ``[b, 3]`` per-sequence
+    (sum of d, tokens, sum of A).
     """
-    b, s = m.shape
-    block = block or min(1024, triton.next_power_of_2(max(s, 16)))
-    n_blk = triton.cdiv(s, block)
-    part = torch.empty(b, n_blk, _N_COLS, dtype=torch.float64, device=lp.device)
-    key = torch.empty(b, s, dtype=torch.float64, device=lp.device) if want_key and old is not None else part
-    mm = m.view(torch.uint8) if m.dtype == torch.bool else m
-    args = []
-    for x in (lp, mm, old, adv, ref, ent):
-        args.extend(_strides(x, lp))
-    ptrs, strides = args[0::3], [v for i, v in enumerate(args) if i % 3]
-    _rl_kernel[(b, n_blk)](*ptrs, part, key, s, *strides, float(lo), float(hi),
-                           HAS_OLD=old is not None, HAS_ADV=adv is not None, HAS_REF=ref is not None,
-                           HAS_ENT=ent is not None, TOKEN_CLIP=token_clip, BY_SIGN=by_sign, SKIP=skip,
-                           KEY=key is not part, N_COLS=_N_COLS, BLOCK=block, num_warps=4)
-    flat = part.view(b * n_blk, _N_COLS)
-    sums = flat[:, :_N_SUM + len(EXTREMES)].sum(0)
-    ext = flat[:, _N_SUM + len(EXTREMES):].amax(0) + sums[_N_SUM:]  # a NaN flag makes its extreme NaN
+    device = batches[0]["lp"].device
+    plans = []
+    offset = 0
+    for mb in batches:
+        b, s = mb["m"].shape
+        blk = block or min(1024, triton.next_power_of_2(max(s, 16)))
+        n_blk = triton.cdiv(s, blk)
+        plans.append((offset, b, s, blk, n_blk))
+        offset += b * n_blk
+    part = torch.empty(offset, _N_COLS, dtype=torch.float64, device=device)
+    keys: List[Optional[torch.Tensor]] = []
+    for mb, (off, b, s, blk, n_blk) in zip(batches, plans):
+        lp, m, old = mb["lp"], mb["m"], mb.get("old")
+        key = torch.empty(b, s, dtype=torch.float64, device=device) if want_key and old is not None else None
+        keys.append(key)
+        args = []
+        for x in (lp, m.view(torch.uint8) if m.dtype == torch.bool else m, old, mb.get("adv"), mb.get("ref"),
+                  mb.get("ent")):
+            args.extend(_strides(x, lp))
+        ptrs, strides = args[0::3], [v for i, v in enumerate(args) if i % 3]
+        _rl_kernel[(b, n_blk)](*ptrs, part[off:], part if key is None else key, s, *strides, float(lo), float(hi),
+                               HAS_OLD=old is not None, HAS_ADV=mb.get("adv") is not None,
+                               HAS_REF=mb.get("ref") is not None, HAS_ENT=mb.get("ent") is not None,
+                               TOKEN_CLIP=token_clip, BY_SIGN=by_sign, SKIP=skip, KEY=key is not None,
+                               N_COLS=_N_COLS, BLOCK=blk, num_warps=4)
+    sums = part[:, :_N_SUM + len(EXTREMES)].sum(0)
+    ext = part[:, _N_SUM + len(EXTREMES):].amax(0) + sums[_N_SUM:]  # a NaN flag makes its extreme NaN
     mins = ext[1::2].neg()
     counts = sums[:N_COUNTS].to(torch.int64)
     out = {name: counts[i] for i, name in enumerate(SUMS[:N_COUNTS])}
     out.update({name: sums[i] for i, name in enumerate(SUMS) if i >= N_COUNTS})
     out.update({"adv_max": ext[0], "adv_min": mins[0], "logr_max": ext[2], "logr_min": mins[1]})
-    if key is not part:
-        out["key"] = key
-    if want_rows:
-        per_row = part[:, :, :_N_SUM].sum(1)
-        out["rows"] = torch.stack([per_row[:, SUMS.index(c)] for c in ("sum_diff", "n_old", "sum_adv")], 1)
-    return out
+    rows: List[Optional[torch.Tensor]] = []
+    for off, b, _, _, n_blk in plans:
+        if not want_rows:
+            rows.append(None)
+            continue
+        per_row = part[off:off + b * n_blk, :_N_SUM].view(b, n_blk, _N_SUM).sum(1)
+        rows.append(torch.stack([per_row[:, SUMS.index(c)] for c in ("sum_diff", "n_old", "sum_adv")], 1))
+    return out, keys, rows
 
 
 @triton.jit
