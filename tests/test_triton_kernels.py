@@ -48,7 +48,8 @@ from twinkle_metrics.kernels import _triton, argmax, entropy  # noqa: E402
 
 @pytest.fixture
 def wired(monkeypatch):
-    monkeypatch.setattr(_triton, "applies", lambda x: x.dtype in _triton.DTYPES)
+    monkeypatch.setattr(_triton, "failed", None)
+    monkeypatch.setattr(_triton, "applies", lambda x: x.dtype in _triton.DTYPES and _triton.failed is None)
 
 
 def _torch_entropy(x2d, t):
@@ -229,7 +230,8 @@ def test_accuracy_through_triton_path_matches_torch(wired, monkeypatch):
 @pytest.fixture
 def fused(monkeypatch):
     """The CPU counts as a Triton device for the GRPO family; counts the kernel's calls."""
-    monkeypatch.setattr(_triton, "device_ok", lambda x: True)
+    monkeypatch.setattr(_triton, "failed", None)
+    monkeypatch.setattr(_triton, "device_ok", lambda x: _triton.failed is None)
     calls = []
     real = TR.token_stats
     monkeypatch.setattr(TR, "token_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -417,3 +419,53 @@ def test_gpu_bench_script_runs_end_to_end_dry():
     assert out["accuracy_equal"] and out["entropy_rel_diff"] < 1e-5
     assert set(out["rl_median_ms"]) == {"one_pass_floor", "grpo_torch", "dpo_torch", "grpo_triton", "dpo_triton"}
     assert max(out["rl_max_rel_diff"].values()) < 1e-9
+
+
+class _Broken:
+    """A kernel whose launch fails, as a compile error on an unsupported GPU would."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            raise RuntimeError("PTX target not supported (simulated)")
+        return launch
+
+
+@kernel_test
+def test_failed_kernel_falls_back_to_torch_with_one_warning(fused, monkeypatch):
+    b = make_rl_batch(8)
+    args = ({"labels": b["labels"]}, {"logps": b["logps"]})
+    side = dict(old_logps=b["old"], advantages=b["adv"], ref_logps=b["ref"])
+    with monkeypatch.context() as mp:
+        mp.setattr(_triton, "device_ok", lambda x: False)
+        want = GRPOMetric(top_k_kl=2).accumulate(*args, **side).calculate()
+    monkeypatch.setattr(TR, "_rl_kernel", _Broken())
+    m = GRPOMetric(top_k_kl=2)
+    with pytest.warns(RuntimeWarning, match="Triton kernel path failed .*PTX target not supported"):
+        m.accumulate(*args, **side)
+    assert _triton.failed is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.accumulate(*args, **side)      # torch path from now on, silently
+    two = GRPOMetric(top_k_kl=2).accumulate(*args, **side).accumulate(*args, **side).calculate()
+    got = m.calculate()
+    assert got == two                    # nothing lost or counted twice
+    assert got["train/approx_kl"] == want["train/approx_kl"] and got["train/clip_ratio"] == want["train/clip_ratio"]
+
+
+@kernel_test
+def test_failed_logits_kernels_fall_back(wired, monkeypatch):
+    b = make_rl_batch(5)
+    kw = dict(inputs={"labels": b["labels"]}, outputs={"logps": b["logps"], "logits": b["logits"].float()})
+    with monkeypatch.context() as mp:
+        mp.setattr(_triton, "applies", lambda x: False)
+        want_h = GRPOMetric(entropy_from_logits=True).accumulate(**kw).calculate()
+        want_a = Accuracy().accumulate({"labels": b["labels"]}, {"logits": b["logits"].float()}).calculate()
+    monkeypatch.setattr(TE, "_partials_kernel", _Broken())
+    with pytest.warns(RuntimeWarning, match="entropy partials"):
+        got_h = GRPOMetric(entropy_from_logits=True).accumulate(**kw).calculate()
+    assert math.isclose(got_h["train/entropy"], want_h["train/entropy"], rel_tol=1e-12)
+    monkeypatch.setattr(_triton, "failed", None)
+    monkeypatch.setattr(TA, "_argmax_kernel", _Broken())
+    with pytest.warns(RuntimeWarning, match="argmax"):
+        got_a = Accuracy().accumulate({"labels": b["labels"]}, {"logits": b["logits"].float()}).calculate()
+    assert got_a == want_a

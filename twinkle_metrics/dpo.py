@@ -230,9 +230,10 @@ class DPOMetric(Metric):
                                      "run the reference model on the same batch")
                 cols.append(ref if ref.shape[1] == lp.shape[1] else ref[:, :lp.shape[1]])
             if _triton.device_ok(lp) and all(c.is_floating_point() for c in cols):
-                from .kernels import triton_rl  # imports triton: CUDA only
-                rows.append(triton_rl.masked_row_sums(cols[0], mask, *cols[1:]))  # one kernel
-                continue
+                sums = _triton.attempt("DPO sequence sums", _row_sums, cols, mask)  # one kernel
+                if sums is not None:
+                    rows.append(sums)
+                    continue
             # Masked bitwise (NaN/-inf padding at masked positions is dropped; a 0/1 multiplier,
             # as Twinkle uses, would carry it into the sums), summed in float64.
             cols = [c if c.is_floating_point() else c.to(torch.float64) for c in cols]
@@ -321,6 +322,11 @@ class DPOMetric(Metric):
                 "rewards/accuracies": s["correct"] / n + s["margin"] * 0.0,
             })
         return out
+
+
+def _row_sums(cols: List[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    from .kernels import triton_rl  # imports triton: CUDA only
+    return triton_rl.masked_row_sums(cols[0], mask, *cols[1:])
 
 
 def _fields(outputs, i) -> List[str]:

@@ -434,14 +434,21 @@ class GRPOMetric(Metric):
         the steps below. Returns ``{microbatch: (top-k key or None, GSPO rows or None)}``."""
         if not mbs:
             return {}
-        from .kernels import triton_rl
         lo, hi = self._log_bounds
         skip = self.nan_policy == "skip"
         both = [mb.old is not None and mb.adv is not None for mb in mbs]
-        totals, keys, rows = triton_rl.token_stats(
-            [dict(lp=mb.lp, m=mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent) for mb in mbs],
-            lo=lo, hi=hi, token_clip=not self.sequence_level_clip, by_sign=self.clip_by_advantage_sign,
-            skip=skip, want_key=bool(self.top_k_kl), want_rows=self.sequence_level_clip and any(both))
+
+        def launch():
+            from .kernels import triton_rl  # imports triton: CUDA only
+            return triton_rl.token_stats(
+                [dict(lp=mb.lp, m=mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent) for mb in mbs],
+                lo=lo, hi=hi, token_clip=not self.sequence_level_clip, by_sign=self.clip_by_advantage_sign,
+                skip=skip, want_key=bool(self.top_k_kl), want_rows=self.sequence_level_clip and any(both))
+
+        result = _triton.attempt("RL token statistics", launch)
+        if result is None:
+            return {}  # every microbatch takes the torch path
+        totals, keys, rows = result
         given = {f: any(getattr(mb, f) is not None for mb in mbs) for f in ("ent", "adv", "ref", "old")}
         names = ["n_bad", "n_tok", "sum_new"]
         if given["ent"]:

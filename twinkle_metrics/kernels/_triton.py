@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Optional, Tuple
+import warnings
+from typing import Callable, Optional, Tuple, TypeVar
 
 import torch
 
+T = TypeVar("T")
 #: logits dtypes the kernels read (they compute in float32; float64 stays on torch)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _available: Optional[bool] = None
@@ -30,9 +32,31 @@ def available() -> bool:
     return _available
 
 
+#: why the kernels were turned off for this process (a launch failed), or None
+failed: Optional[str] = None
+
+
 def device_ok(x: torch.Tensor) -> bool:
-    """The kernels run where ``x`` lives: enabled, a CUDA tensor, triton installed."""
-    return ENABLED and x.is_cuda and available()
+    """The kernels run where ``x`` lives: enabled, a CUDA tensor, triton installed, and no
+    kernel has failed in this process."""
+    return ENABLED and failed is None and x.is_cuda and available()
+
+
+def attempt(what: str, fn: Callable[..., T], *args, **kwargs) -> Optional[T]:
+    """``fn(*args, **kwargs)``, a Triton path; if it raises (triton missing a feature, a compile error on
+    this GPU or toolchain), warn once, turn the kernels off for the rest of the process and
+    return None, so the caller takes the torch path with the same inputs. Callers attempt
+    before anything is folded or communicated, so nothing is lost or counted twice, and
+    every rank of a group fails alike (same software), keeping collectives in step."""
+    global failed
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure of an optional fast path
+        failed = f"{what}: {type(e).__name__}: {e}"
+        warnings.warn(f"twinkle_metrics: the Triton kernel path failed ({failed}); the torch path is used "
+                      "from now on in this process (unset TWINKLE_METRICS_TRITON to silence this)",
+                      RuntimeWarning, stacklevel=3)
+        return None
 
 
 def applies(x: torch.Tensor) -> bool:

@@ -42,8 +42,9 @@ def argmax_of_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 def local_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)``, by the Triton kernel where it applies."""
     if _triton.applies(x):
-        from .triton_argmax import triton_argmax
-        return triton_argmax(x)
+        out = _triton.attempt("argmax", _argmax_kernel, x)
+        if out is not None:
+            return out
     return x.argmax(-1)
 
 
@@ -51,8 +52,9 @@ def argmax_hits(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """bool ``x.argmax(-1) == labels`` (``labels`` shaped like ``x[..., 0]``); the Triton
     kernel fuses the compare so no index tensor is written."""
     if _triton.applies(x) and labels.shape == x.shape[:-1]:
-        from .triton_argmax import triton_argmax
-        return triton_argmax(x, labels)
+        out = _triton.attempt("argmax", _argmax_kernel, x, labels)
+        if out is not None:
+            return out
     return x.argmax(-1) == labels
 
 
@@ -90,10 +92,11 @@ def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_si
     keys, idx_all, ord_all, shapes = [], [], [], []
     for x in logits:
         if not wide and _triton.applies(x):                  # one read, the key made in-kernel
-            from .triton_argmax import triton_argmax_keys
-            shapes.append(x.shape[:-1])
-            keys.append(triton_argmax_keys(x, offset, v_global).reshape(-1))
-            continue
+            key = _triton.attempt("argmax keys", _keys_kernel, x, offset, v_global)
+            if key is not None:
+                shapes.append(x.shape[:-1])
+                keys.append(key.reshape(-1))
+                continue
         idx = x.argmax(-1)                                   # one read of the logits
         val = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1)    # [...]: no [.., V] copy
         gidx = idx + offset
@@ -122,6 +125,16 @@ def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_si
         out.append(flat[start:start + n].reshape(shp))
         start += n
     return out
+
+
+def _argmax_kernel(x, labels=None):
+    from .triton_argmax import triton_argmax  # imports triton: CUDA only
+    return triton_argmax(x, labels)
+
+
+def _keys_kernel(x, offset, vocab):
+    from .triton_argmax import triton_argmax_keys
+    return triton_argmax_keys(x, offset, vocab)
 
 
 def _cat_or_dummy(parts: List[torch.Tensor], device) -> torch.Tensor:

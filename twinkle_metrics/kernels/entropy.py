@@ -78,7 +78,13 @@ def token_entropy(chunks: Sequence[torch.Tensor], shapes: Sequence[torch.Size], 
     are all-reduced at once (MAX), then every chunk's partials at once (SUM).
     """
     if _use_triton(chunks):
-        return _triton_entropy(chunks, shapes, temperature, tp_group)
+        parts = _triton.attempt("entropy partials", lambda: torch.cat([_triton_partials(c, temperature)
+                                                                       for c in chunks]))
+        if parts is not None:
+            return _triton_entropy(parts, shapes, tp_group)
+        # whole blocks were one chunk each for the kernel: the torch path's working buffers
+        # need its own chunk sizes
+        chunks = [p for c in chunks for p in torch.split(c, rows_per_chunk(c, c.shape[0], None, None))]
     t = temperature
     zmax = None
     if tp_group is not None:
@@ -111,11 +117,10 @@ def _triton_partials(c: torch.Tensor, t: float) -> torch.Tensor:
     return triton_token_partials(c, t)
 
 
-def _triton_entropy(chunks, shapes, t, tp_group) -> List[torch.Tensor]:
-    """``token_entropy`` from the one-pass ``(m, S, W)`` partials; under TP the same two
-    collectives as the torch path, of the same sizes and dtypes: MAX of the row maxima
-    (float32), then SUM of every shard's ``(S, W)`` re-based on them (float64)."""
-    parts = torch.cat([_triton_partials(c, t) for c in chunks])
+def _triton_entropy(parts, shapes, tp_group) -> List[torch.Tensor]:
+    """``token_entropy`` from the one-pass ``(m, S, W)`` partials of every chunk; under TP
+    the same two collectives as the torch path, of the same sizes and dtypes: MAX of the
+    row maxima (float32), then SUM of every shard's ``(S, W)`` re-based on them (float64)."""
     if tp_group is not None:
         zmax_c = parts[:, 0].to(torch.float32).to(comm_device(tp_group))    # exact: m is a float32
         dist.all_reduce(zmax_c, op=dist.ReduceOp.MAX, group=tp_group)          # collective 1
