@@ -76,8 +76,19 @@ def _calls():
 N_CALLS = 11  # len(_calls()); the calls build CUDA tensors, so not at collection time
 
 
+@pytest.fixture(params=["torch", "triton"])
+def kernel_path(request, monkeypatch):
+    """Every call on the torch path and on the opt-in Triton path."""
+    from twinkle_metrics.kernels import _triton
+    if request.param == "triton" and not _triton.available():
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(_triton, "ENABLED", request.param == "triton")
+    monkeypatch.setattr(_triton, "failed", None)
+    return request.param
+
+
 @pytest.mark.parametrize("index", range(N_CALLS))
-def test_accumulate_never_synchronises(index):
+def test_accumulate_never_synchronises(index, kernel_path):
     calls = _calls()
     assert len(calls) == N_CALLS
     label, metric, call = calls[index]
@@ -89,6 +100,28 @@ def test_accumulate_never_synchronises(index):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert metric.calculate(), label
+    from twinkle_metrics.kernels import _triton
+    assert _triton.failed is None, _triton.failed  # a kernel that fell back would hide here
+
+
+@pytest.mark.parametrize("index", range(N_CALLS))
+def test_triton_path_agrees_with_torch_path(index, monkeypatch):
+    """The same calls on both paths: the same keys, the same numbers (float64 inputs; the
+    float32 logits paths within float32 rounding)."""
+    from twinkle_metrics.kernels import _triton
+    if not _triton.available():
+        pytest.skip("triton is not installed")
+    results = {}
+    for path in ("torch", "triton"):
+        monkeypatch.setattr(_triton, "ENABLED", path == "triton")
+        monkeypatch.setattr(_triton, "failed", None)
+        label, metric, call = _calls()[index]
+        call(metric)
+        call(metric)
+        results[path] = metric.calculate()
+        assert _triton.failed is None, _triton.failed
+    assert_results_close(results["triton"], results["torch"], rel=1e-5 if "logits" in label or
+                         "Accuracy" in label else 1e-9)
 
 
 def test_cpu_contribution_after_cuda_states_is_not_lost():
