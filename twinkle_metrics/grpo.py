@@ -10,13 +10,23 @@ import torch
 from parallel import group_rank, group_size
 
 from . import exchange, fold
-from ._checks import as_tensor, float_tensor, nonfinite
+from ._checks import as_tensor, float_tensor
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .histogram import Histogram, check_quantiles, quantile_keys
 from .kernels import _triton, entropy
 from .microbatch import has_field, microbatches
-from .rl_inputs import _float, common_length, cp_sum, keep_bits, masked, per_token, split_side_input, token_mask
+from .rl_inputs import (
+    _float,
+    common_length,
+    cp_sum,
+    keep_bits,
+    masked,
+    nonfinite_tokens,
+    per_token,
+    split_side_input,
+    token_mask,
+)
 from .state import State
 
 # Columns of one top-k record row.
@@ -478,19 +488,7 @@ class GRPOMetric(Metric):
         m = mb.m
         present = [(x, has) for x, has in ((mb.adv, mb.has_adv), (mb.ref, mb.has_ref), (mb.old, mb.has_old),
                                            (mb.ent, mb.em)) if x is not None]
-        if all(has is m and x.dim() == 2 and x.shape[0] == m.shape[0] and x.shape[1] in (1, m.shape[1])
-               for x, has in present):
-            # Every input covers the counted tokens (the dense case): one probe, x * 0
-            # added per input (0 where finite, NaN where not), one isnan.
-            probe = mb.lp * 0.0
-            for x, _ in present:
-                probe = probe.add_(x, alpha=0) if x.dtype == probe.dtype else probe.add(x, alpha=0)
-            bad = torch.isnan(probe) & m
-        else:
-            bad = nonfinite(mb.lp) & m
-            for x, has in present:
-                b = nonfinite(x) & has
-                bad |= b if b.shape == bad.shape else _pad_cols(b, bad.shape[1])
+        bad = nonfinite_tokens(mb.lp, m, present)
         fold.add(acc, "n_bad", bad.sum())
         if self.nan_policy == "skip":  # no NaN * 0 below
             ok = ~bad
@@ -860,11 +858,6 @@ class _Microbatch:
 
 def _floating(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_floating_point() else x.to(torch.float64)
-
-
-def _pad_cols(x: torch.Tensor, s: int) -> torch.Tensor:
-    """``x`` ([b, n] bool, n <= s) padded with False to [b, s]."""
-    return torch.cat([x, x.new_zeros(x.shape[0], s - x.shape[1])], 1)
 
 
 def _extremes(x: torch.Tensor, has: torch.Tensor):

@@ -19,14 +19,14 @@ from .state import State
 def chan(rows: torch.Tensor) -> torch.Tensor:
     """Merge ``[k, 3]`` rows of (count, mean, M2) into one (Chan et al.'s parallel merge).
 
-    Rows with count 0 are identities; all empty gives (0, 0, 0).
+    Rows with count 0 are identities (their mean is 0); all empty gives (0, 0, 0). The
+    merged mean is the count-weighted mean; M2 adds each row's spread about it.
     """
-    n = rows[:, 0]
+    n, mean, m2 = rows.unbind(1)
     total = n.sum()
-    safe = torch.where(total > 0, total, torch.ones_like(total))
-    mean = (n * rows[:, 1]).sum() / safe
-    m2 = rows[:, 2].sum() + (n * (rows[:, 1] - mean) ** 2).sum()
-    return torch.stack([total, torch.where(total > 0, mean, torch.zeros_like(mean)), m2])
+    mu = (n * mean).sum() / total.clamp(min=1.0)  # 0 when every row is empty
+    dev = mean - mu
+    return torch.stack([total, mu, m2.sum() + (n * dev * dev).sum()])
 
 
 def _moments_reduce(rows: torch.Tensor) -> torch.Tensor:

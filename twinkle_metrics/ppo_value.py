@@ -7,11 +7,10 @@ import torch
 
 from . import fold
 from ._checks import nan_policy as check_nan_policy
-from ._checks import nonfinite
 from .base import Metric
 from .microbatch import has_field
 from .moments import chan, moments, moments_state
-from .rl_inputs import aligned_microbatches
+from .rl_inputs import aligned_microbatches, nonfinite_tokens
 from .state import State
 
 _SIDES = ("old_values", "returns", "advantages")
@@ -115,9 +114,7 @@ class PPOValueMetric(Metric):
         for item in items:
             v, m = item["x"], item["m"]
             sides = {k: item[k] for k in _SIDES if item[k] is not None}
-            bad = nonfinite(v) & m
-            for x, has in sides.values():
-                bad = bad | (nonfinite(x) & has)
+            bad = nonfinite_tokens(v, m, list(sides.values()))
             fold.add(acc, "n_bad", bad.sum())
             if skip:  # drop those tokens from every mask
                 ok = ~bad
@@ -144,7 +141,7 @@ class PPOValueMetric(Metric):
                 rows["adv_moments"].append(moments(adv, has))
         for key, parts in rows.items():
             if parts:
-                acc[key] = chan(torch.stack(parts))
+                acc[key] = parts[0] if len(parts) == 1 else chan(torch.stack(parts))
         return acc
 
     def compute(self, s):

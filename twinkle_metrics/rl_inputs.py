@@ -15,7 +15,7 @@ import torch
 
 from parallel import comm_device, group_size
 
-from ._checks import as_tensor, float_tensor, from_host
+from ._checks import as_tensor, float_tensor, from_host, nonfinite
 from .microbatch import has_field, microbatches
 
 
@@ -299,6 +299,34 @@ def aligned_microbatches(metric: str, inputs, outputs, field: str, ignore_index:
             item[name] = None if part is None or not m.numel() else \
                 per_token(metric, name, part, m, item["full_len"], per_sequence=per_sequence)
     return items
+
+
+def nonfinite_tokens(x: torch.Tensor, m: torch.Tensor,
+                     sides: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``[b, s]`` bool: tokens that count (``m``) holding a NaN/inf in ``x`` or, where a side
+    input has a value (its ``has``), in that side input. NaN/inf outside those positions
+    (padding) is ignored.
+
+    When every side input covers exactly the counted tokens (``has is m``; ``[b, s]`` or a
+    ``[b, 1]`` value per sequence), one probe: ``x * 0`` plus each input's ``* 0`` is 0
+    where all are finite and NaN where one is not, so the check costs two kernels per
+    input instead of ``isfinite``'s four or five.
+    """
+    b = m.shape[0]
+    dense = all(has is m and v.dim() == 2 and v.shape[0] == b and v.shape[1] in (1, m.shape[1])
+                for v, has in sides)
+    if dense:
+        probe = x * 0.0
+        for v, _ in sides:
+            probe = probe.add_(v, alpha=0) if v.dtype == probe.dtype else probe.add(v, alpha=0)
+        return torch.isnan(probe) & m
+    bad = nonfinite(x) & m
+    for v, has in sides:
+        extra = nonfinite(v) & has
+        if extra.shape != bad.shape:  # a side input shorter than the tokens: none beyond it
+            extra = torch.cat([extra, extra.new_zeros(b, bad.shape[1] - extra.shape[1])], 1)
+        bad |= extra
+    return bad
 
 
 def cp_sum(t: torch.Tensor, group) -> torch.Tensor:
