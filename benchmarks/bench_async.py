@@ -19,7 +19,7 @@ import time
 from benchmarks import common, suite
 
 
-def _comparable(results):
+def comparable(results):
     """Everything but TrainMetric's clock readings (two collections, two clocks)."""
     return {k: v for k, v in results.items() if not k.startswith("TrainMetric/")}
 
@@ -45,7 +45,7 @@ def rank_fn(world, names, iters, warmup):
         handle = asyn.collection.calculate(async_op=True)
         t_call = time.perf_counter() - t0
         got = handle.wait(timeout=120)
-        equal = equal and _comparable(got) == _comparable(expected)
+        equal = equal and comparable(got) == comparable(expected)
         if it >= warmup:
             sync_s.append(t_sync)
             call_s.append(t_call)

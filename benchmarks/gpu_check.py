@@ -13,6 +13,12 @@
    ``.item()`` calls waits for the whole queue.
 4. Peak extra GPU memory (torch.cuda.max_memory_allocated) of Accuracy and
    entropy-from-logits on [2, 512, 152064] logits, ours vs the naive full-vocab code.
+5. ``calculate(async_op=True)`` of the same collection with 0, 25 and 100 ms of matmuls
+   queued on the compute stream: host ms of the call against the synchronous
+   ``calculate()`` (which must wait for the queue to copy its results), whether the
+   handle completed while the compute stream was still busy (the sync ran on its side
+   stream and private NCCL groups, overlapping the queued work), and whether the
+   results equal the synchronous ones exactly.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks import suite  # noqa: E402
 from benchmarks.bench_accumulate import make_ours, make_twinkle, twinkle_kwargs, workloads  # noqa: E402
+from benchmarks.bench_async import comparable  # noqa: E402
 
 
 def to_dev(x, dev):
@@ -138,6 +145,70 @@ def blocked_time(dev, busy_ms=50.0):
     return out
 
 
+def _busy(a: torch.Tensor, n: int) -> None:
+    for _ in range(n):
+        a @ a
+
+
+def _stream_busy(dev) -> bool:
+    return dev.type == "cuda" and not torch.cuda.current_stream(dev).query()
+
+
+def _synchronize(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def async_check(dev, busy_ms=(0.0, 25.0, 100.0), repeats: int = 3):
+    """Host time of calculate(async_op=True) vs calculate() behind queued compute work,
+    overlap of the background sync with that work, and equality of the results."""
+    from parallel import DeviceMesh
+    suites = {mode: suite.OursSuite(suite.ALL, mesh=DeviceMesh.current()) for mode in ("sync", "async")}
+    b = to_dev(suite.make_batch(2), dev)
+    for ours in suites.values():  # warm: plan handshake, private groups, kernels
+        ours.accumulate(b)
+        ours.calculate()
+        ours.accumulate(b)
+        ours.collection.calculate(async_op=True).wait()
+    n = 256 if dev.type == "cuda" else 64
+    a = torch.randn(n, n, device=dev)
+    _synchronize(dev)
+    t0 = time.perf_counter()
+    _busy(a, 10)
+    _synchronize(dev)
+    per_mm = max((time.perf_counter() - t0) / 10, 1e-7)
+    out = {"rows": [], "results_equal": True}
+    for ms in busy_ms:
+        n_mm = int(ms / 1e3 / per_mm)
+        row = {"queued_ms": round(1e3 * per_mm * n_mm, 2), "sync_host_ms": [], "async_host_ms": [],
+               "async_done_while_compute_busy": []}
+        for _ in range(repeats):
+            results = {}
+            for mode, ours in suites.items():
+                ours.accumulate(b)
+                _synchronize(dev)
+                _busy(a, n_mm)
+                t0 = time.perf_counter()
+                if mode == "sync":
+                    results[mode] = ours.calculate()
+                    row["sync_host_ms"].append(1e3 * (time.perf_counter() - t0))
+                    continue
+                handle = ours.collection.calculate(async_op=True)
+                row["async_host_ms"].append(1e3 * (time.perf_counter() - t0))
+                while not handle.done():
+                    time.sleep(1e-4)
+                overlapped = _stream_busy(dev)  # done while the compute queue still runs
+                row["async_done_while_compute_busy"].append(overlapped)
+                results[mode] = handle.wait()
+                _synchronize(dev)
+            # everything but TrainMetric's clock readings (two collections, two clocks)
+            out["results_equal"] = out["results_equal"] and comparable(results["sync"]) == comparable(results["async"])
+        for key in ("sync_host_ms", "async_host_ms"):
+            row[key] = sorted(row[key])[len(row[key]) // 2]
+        out["rows"].append(row)
+    return out
+
+
 def memory_check(dev, shape=(2, 512, 152064)):
     from parallel import DeviceMesh
 
@@ -186,7 +257,8 @@ def main():
     for key, fn in (("accumulate_sync_debug_error", lambda: sync_check(suite.ALL, dev)),
                     ("calculate_nccl_1rank", lambda: calculate_check(dev)),
                     ("host_blocked_per_accumulate", lambda: blocked_time(dev)),
-                    ("peak_extra_memory", lambda: memory_check(dev))):
+                    ("peak_extra_memory", lambda: memory_check(dev)),
+                    ("async_calculate", lambda: async_check(dev))):
         t0 = time.perf_counter()
         try:
             report[key] = fn()

@@ -109,3 +109,19 @@ def test_processes_exit_with_pending_handles(tmp_path, who):
         out, _ = p.communicate(timeout=90)  # exits: bounded by the exit wait, not the 60 s timeout
         assert p.returncode == 0, out
         assert "exiting" in out
+
+
+def case_gpu_check_async_section():
+    """benchmarks/gpu_check.py's async section, run here on gloo so that the one GPU call
+    finds it working: equal results, the host times and overlap flags it reports."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks import gpu_check
+    return gpu_check.async_check(torch.device("cpu"), busy_ms=(0.0, 2.0), repeats=1)
+
+
+def test_gpu_check_async_section_runs_on_gloo(dist_pool):
+    for out in dist_pool.run(case_gpu_check_async_section):
+        assert out["results_equal"]
+        assert [set(r) for r in out["rows"]] == [{"queued_ms", "sync_host_ms", "async_host_ms",
+                                                  "async_done_while_compute_busy"}] * 2
+        assert all(r["async_done_while_compute_busy"] == [False] for r in out["rows"])  # no CUDA stream here
