@@ -12,6 +12,7 @@ from . import exchange, fold
 from ._checks import nan_policy as check_nan_policy
 from ._checks import nonfinite
 from .base import Metric
+from .kernels import _triton
 from .rl_inputs import aligned_microbatches, cp_sum
 from .state import State
 
@@ -183,12 +184,48 @@ class RolloutMismatchMetric(Metric):
                                      "group must pass the same sequences; nothing was accumulated")
         # Validated and agreed: nothing below raises.
         acc: Dict[str, Any] = {}
-        parts: List[torch.Tensor] = []
-        for item in items:
-            parts.append(self._token_sums(acc, item))
+        fused = self._fused_sums(acc, [i for i, item in enumerate(items) if self._fuses(item)], items)
+        # per-sequence parts in microbatch order, whichever path made them
+        parts: List[torch.Tensor] = [fused[i] if i in fused else self._token_sums(acc, item)
+                                     for i, item in enumerate(items)]
         if rows:
             acc.update(self._sequence_sums(torch.cat(parts), group))
         return acc
+
+    def _fuses(self, item) -> bool:
+        """Whether this microbatch takes the one-kernel path (``kernels.triton_rollout``):
+        on CUDA with the kernels enabled, and rollout log-probs given aligned ``[b, s]``
+        for every counted token (the ragged forms keep the torch path)."""
+        lp, m = item["x"], item["m"]
+        roll, has = item["rollout_logps"]
+        return (has is m and roll.dim() == 2 and roll.shape == lp.shape == m.shape and roll.device == lp.device
+                and lp.numel() > 0 and _triton.device_ok(lp))
+
+    def _fused_sums(self, acc, which: List[int], items) -> Dict[int, torch.Tensor]:
+        """The token sums of ``items[i]`` for ``i`` in ``which`` from one kernel each, folded
+        into ``acc`` once: the same states and values as ``_token_sums``. Returns
+        ``{i: [b, 2] per-sequence (sum of d, tokens)}``; ``{}`` when none fuse or the
+        kernel failed (nothing folded: every microbatch takes the torch path)."""
+        if not which:
+            return {}
+        batches = [dict(lp=items[i]["x"], roll=items[i]["rollout_logps"][0], has=items[i]["m"]) for i in which]
+
+        def launch():
+            from .kernels import triton_rollout  # imports triton: CUDA only
+            return triton_rollout.token_stats(batches, lo=_log(self.is_threshold_low),
+                                              hi=math.log(self.is_threshold), skip=self.nan_policy == "skip")
+
+        result = _triton.attempt("rollout token statistics", launch)
+        if result is None:
+            return {}
+        totals, rows = result
+        for name in ("n_bad", "n_tok", "sum_abs", "sum_d", "sum_em", "sum_em2", "sum_k3", "n_high", "n_low",
+                     "sum_lp_train", "sum_lp_rollout"):
+            fold.add(acc, name, totals[name])
+        fold.maximum(acc, "abs_max", totals["abs_max"])
+        fold.maximum(acc, "d_max", totals["d_max"])
+        fold.minimum(acc, "d_min", totals["d_min"])
+        return dict(zip(which, rows))
 
     def _token_sums(self, acc, item) -> torch.Tensor:
         """Add one microbatch's token sums to ``acc``; return its ``[b, 2]`` per-sequence

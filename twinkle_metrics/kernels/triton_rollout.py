@@ -1,0 +1,148 @@
+"""RolloutMismatchMetric's per-token statistics in one read of its inputs (Triton, CUDA).
+
+The torch path (``RolloutMismatchMetric._token_sums``) issues a few dozen small kernels
+per microbatch: the non-finite probe, float64 casts, d = logp_train - logp_rollout,
+two ``expm1``, threshold compares, one sum or extreme per state. On a GPU that is
+launch-bound. Here one kernel reads each token's trainer log-prob, rollout log-prob and
+mask once, and each program writes one row of float64 partials for a block of one
+sequence's tokens into one buffer shared by every microbatch of the call; one column
+sum and one column max finish them. Counts are exact in float64 (below 2**53 tokens
+per call).
+
+The numbers are the torch path's, with the same rules:
+
+- only tokens that count and have a rollout log-prob are read (NaN/-inf padding
+  elsewhere is never loaded);
+- d = logp_train - logp_rollout in float64 (exact for 16/32-bit inputs); w - 1 =
+  expm1(d) and the k3 term expm1(-d) + d come from ``triton_rl._k3_ratio``, which
+  keeps full relative precision without ``libdevice``;
+- a token is non-finite when either log-prob is NaN/inf: counted in ``n_bad``; under
+  ``'skip'`` it leaves every column, under ``'propagate'`` its values flow: the
+  threshold counts get the torch path's poison (the sum of d * 0, NaN when a counted d
+  is NaN/inf), and a NaN d makes the extremes NaN as ``amax`` would (a NaN flag column
+  added to them at the end; kernel maxima do not promise to keep NaN);
+- threshold counts compare d with the log-thresholds, passed as ``constexpr`` so they
+  enter the compare as float64 constants (a runtime float argument is float32 on the
+  GPU and would move the bound);
+- minima are kept as maxima of -d; each sequence's (sum of d, tokens) are the first
+  two columns, summed over its blocks for ``_sequence_sums``.
+
+``token_stats`` takes all of a call's microbatches: one launch each into one buffer,
+every row with the same number of blocks, then the same few launches to finish
+(column sum, count cast, column max, NaN flag, negated minimum, and one per-row sum
+when rows span several blocks), so the count does not grow with the microbatches.
+
+Used only on CUDA with ``TWINKLE_METRICS_TRITON=1`` (see ``_triton``); tested on CPU
+under Triton's interpreter against the torch path.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_rl import _k3_ratio
+
+#: partial columns: per-sequence (sum of d, tokens) first, then sums, the NaN flag of the
+#: extremes, and the extremes (as maxima; d_min negated)
+SUMS = ("sum_d", "n_tok", "n_bad", "n_high", "n_low", "sum_abs", "sum_em", "sum_em2", "sum_k3", "sum_lp_train",
+        "sum_lp_rollout")
+EXTREMES = ("abs_max", "d_max", "d_min")
+_FLAG = len(SUMS)
+_N_COLS = _FLAG + 1 + len(EXTREMES)
+
+
+@triton.jit
+def _rollout_kernel(lp_ptr, roll_ptr, has_ptr, part_ptr, s, lp_s0, lp_s1, roll_s0, roll_s1, has_s0, has_s1,
+                    LO: tl.constexpr, HI: tl.constexpr, SKIP: tl.constexpr, N_COLS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    cols = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    inside = cols < s
+    m = (tl.load(has_ptr + row * has_s0 + cols * has_s1, mask=inside, other=0) != 0) & inside
+    # Only counted tokens with a rollout log-prob are read: padding elsewhere never enters.
+    lp = tl.load(lp_ptr + row * lp_s0 + cols * lp_s1, mask=m, other=0.0).to(tl.float64)
+    roll = tl.load(roll_ptr + row * roll_s0 + cols * roll_s1, mask=m, other=0.0).to(tl.float64)
+    probe = lp * 0.0 + roll * 0.0  # NaN where either log-prob is NaN/inf
+    bad = m & (probe != probe)
+    if SKIP:  # the token leaves every column
+        m = m & (probe == probe)
+        lp = tl.where(m, lp, 0.0)
+        roll = tl.where(m, roll, 0.0)
+    d = lp - roll  # 0 off ``m``
+    k3, w = _k3_ratio(d)
+    em = tl.where(tl.abs(d) < 0.5, k3 + d, w - 1.0)  # expm1(d), as _k3_ratio forms it
+    kr, _ = _k3_ratio(-d)  # expm1(-d) + d: k3 of r = -d, the rollout-side log-ratio
+    em = tl.where(m, em, 0.0)
+    kr = tl.where(m, kr, 0.0)
+    # 0, or NaN when a counted d is NaN/inf: the torch path's (d * 0).sum(); a compare alone would drop it
+    poison = tl.sum(tl.where(m, d * 0.0, 0.0), 0)
+    ok = m & (d == d)
+    zero = tl.zeros([BLOCK], tl.float64)
+    neg_inf = zero - float("inf")
+    out = part_ptr + (row * tl.num_programs(1) + blk) * N_COLS
+    # column order: SUMS, the NaN flag, EXTREMES (as maxima)
+    tl.store(out + 0, tl.sum(d, 0))
+    tl.store(out + 1, tl.sum(tl.where(m, 1.0, 0.0).to(tl.float64), 0))
+    tl.store(out + 2, tl.sum(tl.where(bad, 1.0, 0.0).to(tl.float64), 0))
+    tl.store(out + 3, tl.sum(tl.where(m & (d > HI), 1.0, 0.0).to(tl.float64), 0) + poison)
+    tl.store(out + 4, tl.sum(tl.where(m & (d < LO), 1.0, 0.0).to(tl.float64), 0) + poison)
+    tl.store(out + 5, tl.sum(tl.abs(d), 0))
+    tl.store(out + 6, tl.sum(em, 0))
+    tl.store(out + 7, tl.sum(em * em, 0))
+    tl.store(out + 8, tl.sum(kr, 0))
+    tl.store(out + 9, tl.sum(lp, 0))
+    tl.store(out + 10, tl.sum(roll, 0))
+    tl.store(out + 11, tl.sum(tl.where(m & (d != d), zero + float("nan"), zero), 0))
+    tl.store(out + 12, tl.max(tl.where(ok, tl.abs(d), neg_inf), 0))
+    tl.store(out + 13, tl.max(tl.where(ok, d, neg_inf), 0))
+    tl.store(out + 14, tl.max(tl.where(ok, -d, neg_inf), 0))
+
+
+def token_stats(batches: Sequence[Mapping[str, torch.Tensor]], *, lo: float, hi: float, skip: bool = False,
+                block: int = 0) -> Tuple[Dict[str, torch.Tensor], List[torch.Tensor]]:
+    """RolloutMismatchMetric's per-token contributions of several microbatches: one
+    kernel per microbatch into one buffer of partials, then a fixed few launches for all.
+
+    Each of ``batches`` maps ``lp`` (trainer log-probs), ``roll`` (rollout log-probs)
+    and ``has`` (bool: the token counts and has a rollout log-prob) to ``[b, s]``
+    tensors with any strides, at least one token in all. ``lo``/``hi``: the
+    log-thresholds d is compared with (``lo`` may be -inf); ``skip``: drop non-finite
+    tokens; ``block``: tokens per program (0: fitted to the longest row, up to 1024).
+
+    Returns ``(totals, rows)``: 0-d tensors named like the metric's states (``n_tok``,
+    ``n_bad`` int64, the rest float64; an extreme with no token is -inf, or +inf for
+    ``d_min``), and per microbatch its ``[b, 2]`` float64 per-sequence (sum of d,
+    tokens), views into one tensor.
+    """
+    device = batches[0]["lp"].device
+    longest = max(mb["has"].shape[1] for mb in batches)
+    blk = block or min(1024, triton.next_power_of_2(max(longest, 16)))
+    # Every row gets the same number of blocks (those past a shorter row write neutral
+    # partials), so the per-sequence parts of all microbatches are one reduction.
+    n_blk = triton.cdiv(longest, blk)
+    offsets = [0]
+    for mb in batches:
+        offsets.append(offsets[-1] + mb["has"].shape[0])
+    part = torch.empty(offsets[-1], n_blk, _N_COLS, dtype=torch.float64, device=device)
+    lo, hi = float(lo), float(hi)
+    for mb, off in zip(batches, offsets):
+        lp, roll, has = mb["lp"], mb["roll"], mb["has"]
+        b, s = has.shape
+        if b == 0:
+            continue
+        has = has.view(torch.uint8) if has.dtype == torch.bool else has
+        _rollout_kernel[(b, n_blk)](lp, roll, has, part[off:], s, lp.stride(0), lp.stride(1), roll.stride(0),
+                                    roll.stride(1), has.stride(0), has.stride(1), LO=lo, HI=hi, SKIP=skip,
+                                    N_COLS=_N_COLS, BLOCK=blk, num_warps=4)
+    flat = part.view(-1, _N_COLS)
+    sums = flat[:, :_FLAG + 1].sum(0)
+    counts = sums[1:3].to(torch.int64)
+    ext = flat[:, _FLAG + 1:].amax(0) + sums[_FLAG]  # the NaN flag makes every extreme NaN
+    out = {name: sums[i] for i, name in enumerate(SUMS)}
+    out.update(n_tok=counts[0], n_bad=counts[1], abs_max=ext[0], d_max=ext[1], d_min=ext[2].neg())
+    per_row = part[:, 0, :2] if n_blk == 1 else part[:, :, :2].sum(1)
+    return out, [per_row[a:z] for a, z in zip(offsets, offsets[1:])]
