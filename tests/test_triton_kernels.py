@@ -40,9 +40,11 @@ if INTERPRETED:
     from twinkle_metrics.kernels import triton_argmax as TA
     from twinkle_metrics.kernels import triton_entropy as TE
     from twinkle_metrics.kernels import triton_rl as TR
+    from twinkle_metrics.kernels import triton_rollout as TRO
 
 from tests.rlref import make_rl_batch, ragged  # noqa: E402
-from twinkle_metrics import Accuracy, CISPOMetric, DPOMetric, GRPOMetric, GSPOMetric  # noqa: E402
+from twinkle_metrics import (Accuracy, CISPOMetric, DPOMetric, GRPOMetric, GSPOMetric,  # noqa: E402
+                            RolloutMismatchMetric)
 from twinkle_metrics.kernels import _triton, argmax, entropy  # noqa: E402
 
 
@@ -469,3 +471,165 @@ def test_failed_logits_kernels_fall_back(wired, monkeypatch):
     with pytest.warns(RuntimeWarning, match="argmax"):
         got_a = Accuracy().accumulate({"labels": b["labels"]}, {"logits": b["logits"].float()}).calculate()
     assert got_a == want_a
+
+
+@pytest.fixture
+def fused_rollout(monkeypatch):
+    """The CPU counts as a Triton device for RolloutMismatchMetric; records how many
+    microbatches each call of the kernel path took."""
+    monkeypatch.setattr(_triton, "failed", None)
+    monkeypatch.setattr(_triton, "device_ok", lambda x: _triton.failed is None)
+    calls = []
+    real = TRO.token_stats
+    monkeypatch.setattr(TRO, "token_stats", lambda batches, **k: calls.append(len(batches)) or real(batches, **k))
+    return calls
+
+
+def _rollout_calls(seed):
+    """(inputs, outputs, rollout_logps, microbatches the kernel should take, non-finite tokens)."""
+    b = make_rl_batch(seed, n_seq=6, seq_len=37)
+    lab, lp, roll = b["labels"], b["logps"].clone(), b["old"].clone()
+    counted = (lab != -100).nonzero().tolist()
+    pad = (lab == -100).nonzero().tolist()
+    lp[tuple(pad[0])] = float("nan")       # padding: never read
+    roll[tuple(pad[1])] = float("-inf")
+    lp[tuple(pad[-1])] = float("inf")
+    yield {"labels": lab}, {"logps": lp}, roll, 1, 0
+    yield {"labels": lab}, {"logps": lp.float()}, roll.float(), 1, 0
+    yield {"labels": lab}, {"logps": lp.float()}, roll, 1, 0  # float32 trainer, float64 engine
+    # two microbatches, [s, b] layouts (transposed views) for both inputs of the first
+    lp_t, roll_t = lp.t().contiguous().t(), roll.float().t().contiguous().t()
+    yield ([{"labels": lab[:2]}, {"labels": lab[2:]}], [{"logps": lp_t[:2]}, {"logps": lp[2:]}],
+           [roll_t[:2], roll[2:]], 2, 0)
+    # the middle microbatch's ragged rollout log-probs take the torch path, the others the kernel
+    three = [slice(0, 2), slice(2, 4), slice(4, 6)]
+    yield ([{"labels": lab[i]} for i in three], [{"logps": lp[i]} for i in three],
+           [roll[three[0]], ragged(roll[three[1]], lab[three[1]]), roll[three[2]].float()], 2, 0)
+    # counted non-finite tokens: d = +inf (finite extremes turn inf), then NaN d as well
+    lp2, roll2 = lp.clone(), roll.clone()
+    roll2[tuple(counted[4])] = float("-inf")
+    yield {"labels": lab}, {"logps": lp2}, roll2, 1, 1
+    lp2[tuple(counted[11])] = float("nan")
+    lp2[tuple(counted[-1])] = float("-inf")
+    yield ([{"labels": lab[:3]}, {"labels": lab[3:]}], [{"logps": lp2[:3]}, {"logps": lp2[3:].float()}],
+           [roll2[:3], roll2[3:]], 2, 3)
+
+
+@kernel_test
+@pytest.mark.parametrize("nan_policy", ["propagate", "skip"])
+@pytest.mark.parametrize("kw", [dict(is_threshold=1.2), dict(is_threshold=1.5, is_threshold_low=0.0)])
+def test_rollout_one_kernel_path_matches_torch(fused_rollout, monkeypatch, nan_policy, kw):
+    seq_parts = []  # the per-sequence (sum of d, tokens) handed on: in sequence order under CP
+    real = RolloutMismatchMetric._sequence_sums
+    monkeypatch.setattr(RolloutMismatchMetric, "_sequence_sums",
+                        lambda self, parts, group: seq_parts.append(parts) or real(self, parts, group))
+    for inputs, outputs, roll, n_fused, n_bad in _rollout_calls(5):
+        fused_rollout.clear()
+        with numpy.errstate(invalid="ignore"):  # the interpreter's numpy meets the NaN/inf on purpose
+            got = RolloutMismatchMetric(nan_policy=nan_policy, **kw).accumulate(
+                inputs, outputs, rollout_logps=roll).calculate()
+        assert fused_rollout == [n_fused]  # one call of the kernel path, for the dense microbatches
+        with monkeypatch.context() as mp:
+            mp.setattr(_triton, "device_ok", lambda x: False)
+            want = RolloutMismatchMetric(nan_policy=nan_policy, **kw).accumulate(
+                inputs, outputs, rollout_logps=roll).calculate()
+        assert want.get("rollout/nonfinite_tokens", 0) == n_bad
+        assert 0 < want["rollout/is_fraction_high"] < 1 or n_bad and nan_policy == "propagate"
+        _same(got, want)
+        torch.testing.assert_close(seq_parts[0], seq_parts[1], rtol=1e-13, atol=1e-13, equal_nan=True)
+        seq_parts.clear()
+
+
+@kernel_test
+@pytest.mark.parametrize("skip", [False, True])
+def test_rollout_kernel_extremes_and_rows_over_blocks(skip):
+    """Two microbatches of other lengths, five blocks per row (some past the shorter
+    rows), into one buffer; a NaN and a -inf d in late blocks; padding is NaN."""
+    g = torch.Generator().manual_seed(11)
+    mbs = []
+    for b, s, dtype in ((3, 70, torch.float64), (2, 17, torch.float32)):
+        lp = -torch.rand(b, s, generator=g, dtype=torch.float64).to(dtype)
+        roll = (lp + 0.6 * torch.randn(b, s, generator=g, dtype=torch.float64)).to(dtype)
+        has = torch.rand(b, s, generator=g) < 0.7
+        lp[~has] = float("nan")                  # never read
+        mbs.append(dict(lp=lp, roll=roll, has=has))
+    mbs[0]["has"][1, 66] = mbs[0]["has"][2, 40] = mbs[1]["has"][0, 16] = True
+    mbs[0]["lp"][1, 66] = float("nan")           # block 4 of row 1
+    mbs[0]["roll"][2, 40] = float("inf")         # d = -inf, block 2 of row 2
+    hi, lo = math.log(1.3), math.log(0.8)
+    with numpy.errstate(invalid="ignore"):
+        tot, rows = TRO.token_stats(mbs, lo=lo, hi=hi, skip=skip, block=16)
+    ds, hs = [], []
+    for mb, r in zip(mbs, rows):
+        lp, roll, has = mb["lp"].double(), mb["roll"].double(), mb["has"]
+        bad = has & ~(torch.isfinite(lp) & torch.isfinite(roll))
+        if skip:
+            has = has & ~bad
+        d = torch.where(has, lp - roll, 0.0)
+        torch.testing.assert_close(r, torch.stack([d.sum(1), has.sum(1).double()], 1), rtol=1e-13, atol=1e-13,
+                                   equal_nan=True)
+        ds.append(d[has])
+        hs.append(has)
+    d = torch.cat(ds)
+    assert int(tot["n_tok"]) == d.numel() and tot["n_tok"].dtype == tot["n_bad"].dtype == torch.int64
+    assert int(tot["n_bad"]) == 2
+    fin = d[~d.isnan()]
+    if skip:
+        assert not d.isnan().any() and d.isinf().sum() == 0
+        assert float(tot["d_min"]) == float(fin.min()) and float(tot["d_max"]) == float(fin.max())
+        assert float(tot["abs_max"]) == float(fin.abs().max())
+        assert float(tot["n_high"]) == int((fin > hi).sum()) and float(tot["n_low"]) == int((fin < lo).sum())
+    else:
+        for k in ("abs_max", "d_max", "d_min", "n_high", "n_low", "sum_d", "sum_em"):
+            assert math.isnan(float(tot[k])), k
+    fin = fin[fin.isfinite()]
+    assert 0 < (fin.abs() > 0.5).sum() < fin.numel()  # both branches of expm1 / k3
+    if skip:
+        assert math.isclose(float(tot["sum_em"]), float(torch.expm1(fin).sum()), rel_tol=1e-13)
+        assert math.isclose(float(tot["sum_em2"]), float((torch.expm1(fin) ** 2).sum()), rel_tol=1e-13)
+        assert math.isclose(float(tot["sum_k3"]), float((torch.expm1(-fin) + fin).sum()), rel_tol=1e-12)
+        assert math.isclose(float(tot["sum_abs"]), float(fin.abs().sum()), rel_tol=1e-13)
+        lp_sum = sum(float(torch.where(h, mb["lp"].double(), 0.0).sum()) for mb, h in zip(mbs, hs))
+        assert math.isclose(float(tot["sum_lp_train"]), lp_sum, rel_tol=1e-13)
+
+
+@kernel_test
+def test_rollout_kernel_empty_extremes_and_k3_precision():
+    """No counted token: neutral extremes; tiny d: k3 to full relative precision."""
+    from decimal import Decimal, getcontext
+    getcontext().prec = 60
+    z = torch.zeros(2, 5, dtype=torch.float64)
+    tot, rows = TRO.token_stats([dict(lp=z, roll=z, has=torch.zeros(2, 5, dtype=torch.bool))], lo=-1.0, hi=1.0)
+    assert float(tot["abs_max"]) == float(tot["d_max"]) == -math.inf and float(tot["d_min"]) == math.inf
+    assert int(tot["n_tok"]) == 0 and rows[0].tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    for x in (1e-12, -3e-9, 1e-5, -0.2, 0.49, -0.5, 0.51, 3.0):
+        one = torch.tensor([[x]], dtype=torch.float64)
+        tot, _ = TRO.token_stats([dict(lp=one, roll=torch.zeros_like(one), has=torch.ones(1, 1, dtype=torch.bool))],
+                                 lo=-1.0, hi=1.0)
+        dx = Decimal(x)
+        assert math.isclose(float(tot["sum_k3"]), float((-dx).exp() - 1 + dx), rel_tol=1e-14), x
+        assert math.isclose(float(tot["sum_em"]), float(dx.exp() - 1), rel_tol=1e-15), x
+
+
+@kernel_test
+def test_failed_rollout_kernel_falls_back_to_torch_with_one_warning(fused_rollout, monkeypatch):
+    b = make_rl_batch(8)
+    args = ({"labels": b["labels"]}, {"logps": b["logps"]})
+    side = dict(rollout_logps=b["old"])
+    with monkeypatch.context() as mp:
+        mp.setattr(_triton, "device_ok", lambda x: False)
+        want = RolloutMismatchMetric().accumulate(*args, **side).calculate()
+    monkeypatch.setattr(TRO, "_rollout_kernel", _Broken())
+    m = RolloutMismatchMetric()
+    with pytest.warns(RuntimeWarning, match="Triton kernel path failed .*rollout.*PTX target not supported"):
+        m.accumulate(*args, **side)
+    assert _triton.failed is not None and fused_rollout == [1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.accumulate(*args, **side)      # torch path from now on, silently
+    assert fused_rollout == [1]
+    two = RolloutMismatchMetric().accumulate(*args, **side).accumulate(*args, **side).calculate()
+    got = m.calculate()
+    assert got == two                    # nothing lost or counted twice
+    assert got["rollout/mismatch_k3_kl"] == want["rollout/mismatch_k3_kl"]
+    assert got["rollout/seq_ess"] == want["rollout/seq_ess"]
