@@ -11,7 +11,8 @@ under the interpreter with the CPU taken for a Triton device; the interpreter's 
 tensor traffic is not counted.
 
 Counted for GRPOMetric (old log-probs, per-sequence advantages, reference log-probs; with
-and without ``top_k_kl=8``) and DPOMetric (with references), at 1 and 4 microbatches.
+and without ``top_k_kl=8``), DPOMetric (with references) and RolloutMismatchMetric (dense
+rollout log-probs), at 1 and 4 microbatches.
 Printed as JSON and saved to ``benchmarks/results/launches.json``.
 """
 from __future__ import annotations
@@ -32,8 +33,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from twinkle_metrics import DPOMetric, GRPOMetric  # noqa: E402
-from twinkle_metrics.kernels import _triton, triton_rl  # noqa: E402
+from twinkle_metrics import DPOMetric, GRPOMetric, RolloutMismatchMetric  # noqa: E402
+from twinkle_metrics.kernels import _triton, triton_rl, triton_rollout  # noqa: E402
 
 _ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided"}
 
@@ -63,9 +64,10 @@ class KernelCounter(TorchDispatchMode):
 def counted_triton(counter: KernelCounter):
     """Each Triton kernel launch counts once; the interpreter's tensor work inside it does not."""
     saved = {}
-    for name in ("_rl_kernel", "_row_sums_kernel"):
-        real = getattr(triton_rl, name)
-        saved[name] = real
+    for module, name in ((triton_rl, "_rl_kernel"), (triton_rl, "_row_sums_kernel"),
+                         (triton_rollout, "_rollout_kernel")):
+        real = getattr(module, name)
+        saved[module, name] = real
 
         class Launch:
             def __getitem__(self, grid, real=real, name=name):
@@ -77,12 +79,12 @@ def counted_triton(counter: KernelCounter):
                     finally:
                         counter.paused = False
                 return run
-        setattr(triton_rl, name, Launch())
+        setattr(module, name, Launch())
     try:
         yield
     finally:
-        for name, real in saved.items():
-            setattr(triton_rl, name, real)
+        for (module, name), real in saved.items():
+            setattr(module, name, real)
 
 
 def batch(n_mb: int, b: int = 64, s: int = 256):
@@ -112,6 +114,7 @@ def cases(n_mb: int):
         "GRPOMetric": (GRPOMetric, grpo),
         "GRPOMetric(top_k_kl=8)": (lambda: GRPOMetric(top_k_kl=8), grpo),
         "DPOMetric": (DPOMetric, lambda m: m.accumulate(inputs, outputs, ref_outputs=refs)),
+        "RolloutMismatchMetric": (RolloutMismatchMetric, lambda m: m.accumulate(inputs, outputs, rollout_logps=old)),
     }
 
 
