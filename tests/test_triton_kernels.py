@@ -633,3 +633,29 @@ def test_failed_rollout_kernel_falls_back_to_torch_with_one_warning(fused_rollou
     assert got == two                    # nothing lost or counted twice
     assert got["rollout/mismatch_k3_kl"] == want["rollout/mismatch_k3_kl"]
     assert got["rollout/seq_ess"] == want["rollout/seq_ess"]
+
+
+@kernel_test
+def test_rollout_one_kernel_path_never_waits_for_the_device(fused_rollout, monkeypatch):
+    from twinkle_metrics._host import host_reads
+    from twinkle_metrics.testing import forbid_device_waits
+    real = TRO._rollout_kernel
+
+    class Interpreted:
+        """The kernel as launched, its interpreter's numpy traffic allowed (on CUDA it is one launch)."""
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                with host_reads():
+                    return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(TRO, "_rollout_kernel", Interpreted())
+    b = make_rl_batch(2, n_seq=6, seq_len=40)
+    lab, lp, roll = b["labels"], b["logps"], b["old"]
+    m = RolloutMismatchMetric()
+    with forbid_device_waits():
+        m.accumulate([{"labels": lab[:2]}, {"labels": lab[2:]}], [{"logps": lp[:2]}, {"logps": lp[2:]}],
+                     rollout_logps=[roll[:2], roll[2:]])
+    assert fused_rollout == [2]
+    assert m.calculate()["rollout/seq_ess"] > 0
