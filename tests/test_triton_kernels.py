@@ -43,8 +43,7 @@ if INTERPRETED:
     from twinkle_metrics.kernels import triton_rollout as TRO
 
 from tests.rlref import make_rl_batch, ragged  # noqa: E402
-from twinkle_metrics import (Accuracy, CISPOMetric, DPOMetric, GRPOMetric, GSPOMetric,  # noqa: E402
-                            RolloutMismatchMetric)
+from twinkle_metrics import Accuracy, CISPOMetric, DPOMetric, GRPOMetric, GSPOMetric, RolloutMismatchMetric  # noqa: E402
 from twinkle_metrics.kernels import _triton, argmax, entropy  # noqa: E402
 
 
