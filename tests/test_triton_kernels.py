@@ -658,3 +658,14 @@ def test_rollout_one_kernel_path_never_waits_for_the_device(fused_rollout, monke
                      rollout_logps=[roll[:2], roll[2:]])
     assert fused_rollout == [2]
     assert m.calculate()["rollout/seq_ess"] > 0
+
+
+@kernel_test
+def test_float_bounds_reach_the_kernels_as_float64_constants():
+    """A runtime Python float argument is float32 on the GPU (the interpreter keeps it a
+    double, so no comparison here could show it): the clip and threshold bounds, compared
+    with float64 log-ratios, must be constexpr to keep their float64 value."""
+    from twinkle_metrics.kernels import triton_rollout
+    for kernel in (TR._rl_kernel, triton_rollout._rollout_kernel):
+        constexprs = {p.name for p in kernel.params if p.is_constexpr}
+        assert {"LO", "HI"} <= constexprs, kernel.fn.__name__

@@ -18,7 +18,9 @@ The numbers are the torch path's, with the same rules:
   dropped from every column, under ``'propagate'`` its values flow (a NaN extreme is
   carried by a NaN flag column added to the extremes at the end, as ``amax`` would);
 - clip counts: r < 1 - eps (and A < 0), r > 1 + eps_high (and A > 0), as log-ratio
-  bounds; GSPO's per-sequence parts are the per-row sums of the same columns.
+  bounds passed as ``constexpr``, so they enter the compare as float64 constants (a
+  runtime float argument is float32 on the GPU and would move the bound); GSPO's
+  per-sequence parts are the per-row sums of the same columns.
 
 ``token_stats`` takes all of a call's microbatches: one launch each into one buffer, then
 the same few launches to finish, so the count does not grow with the states or inputs.
@@ -83,7 +85,7 @@ def _store_sum(out, col: tl.constexpr, x):
 @triton.jit
 def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, part_ptr, key_ptr,
                s, lp_s0, lp_s1, m_s0, m_s1, old_s0, old_s1, adv_s0, adv_s1, ref_s0, ref_s1, ent_s0, ent_s1,
-               lo, hi,
+               LO: tl.constexpr, HI: tl.constexpr,
                HAS_OLD: tl.constexpr, HAS_ADV: tl.constexpr, HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr,
                TOKEN_CLIP: tl.constexpr, BY_SIGN: tl.constexpr, SKIP: tl.constexpr, KEY: tl.constexpr,
                N_COLS: tl.constexpr, BLOCK: tl.constexpr):
@@ -189,8 +191,8 @@ def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, part_ptr, key_
         else:  # NaN when a gated token holds a NaN/inf d or A (a compare would drop it)
             tl.store(out + 17, tl.sum(tl.where(m, (d + adv) * 0.0, 0.0), 0))
         if TOKEN_CLIP:
-            low = m & (d < lo)
-            high = m & (d > hi)
+            low = m & (d < LO)
+            high = m & (d > HI)
             if BY_SIGN:
                 low = low & (adv < 0)
                 high = high & (adv > 0)
@@ -257,7 +259,8 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
                   mb.get("ent")):
             args.extend(_strides(x, lp))
         ptrs, strides = args[0::3], [v for i, v in enumerate(args) if i % 3]
-        _rl_kernel[(b, n_blk)](*ptrs, part[off:], part if key is None else key, s, *strides, float(lo), float(hi),
+        _rl_kernel[(b, n_blk)](*ptrs, part[off:], part if key is None else key, s, *strides,
+                               LO=float(lo), HI=float(hi),
                                HAS_OLD=old is not None, HAS_ADV=mb.get("adv") is not None,
                                HAS_REF=mb.get("ref") is not None, HAS_ENT=mb.get("ent") is not None,
                                TOKEN_CLIP=token_clip, BY_SIGN=by_sign, SKIP=skip, KEY=key is not None,
