@@ -171,6 +171,11 @@ class MoERoutingMetric(Metric):
         device = next((v.device for v in fields.values() if isinstance(v, torch.Tensor)), self._device)
         out: Dict[str, torch.Tensor] = {}
 
+        # This layer's scalar contributions, placed into [L] rows at the end: one
+        # stack, one zeros and one copy per dtype instead of two launches per state.
+        ints: Dict[str, torch.Tensor] = {}
+        floats: Dict[str, torch.Tensor] = {}
+
         def row(values: torch.Tensor, dtype) -> torch.Tensor:
             """A [L, ...] contribution with ``values`` in the row of ``layer``."""
             full = torch.zeros((L,) + tuple(values.shape), dtype=dtype, device=values.device)
@@ -232,15 +237,12 @@ class MoERoutingMetric(Metric):
                 raise TypeError(f"{_NAME}: {where}[{key!r}] must be a floating tensor, got {x.dtype}")
             h, valid, bad = _entropy(x.reshape(-1, E), key == "router_logits")
             keep = valid if mask is None else valid & mask
+            ints["nonfinite"] = (bad & keep).sum()
             if self.nan_policy == "skip":
-                n_bad = (bad & keep).sum()
                 keep = keep & ~bad
-                out["nonfinite"] = row(n_bad, torch.int64)
-            else:
-                out["nonfinite"] = row((bad & keep).sum(), torch.int64)
             h = torch.where(keep, h, torch.zeros((), dtype=h.dtype, device=h.device))
-            out["entropy_sum"] = row(h.sum(dtype=torch.float64), torch.float64)
-            out["entropy_tokens"] = row(keep.sum(), torch.int64)
+            floats["entropy_sum"] = h.sum(dtype=torch.float64)
+            ints["entropy_tokens"] = keep.sum()
         if "tokens_dropped" in fields:
             d = fields["tokens_dropped"]
             if isinstance(d, torch.Tensor):
@@ -255,32 +257,46 @@ class MoERoutingMetric(Metric):
                                 f"integer tensor [{L}] (without), got {d!r}")
             else:
                 d = torch.full((), d, dtype=torch.int64, device=device)  # a fill: no host copy
-            out["dropped"] = row(d, torch.int64) if layer is not None else d
-        for key, s_name, n_name in (("aux_loss", "aux_sum", "aux_calls"), ("z_loss", "z_sum", "z_calls")):
-            if key not in fields:
-                continue
-            v = fields[key]
-            if isinstance(v, torch.Tensor):
-                if v.numel() != 1 or not v.is_floating_point():
-                    raise ValueError(f"{_NAME}: {where}[{key!r}] must be one float value (a number or a "
-                                     f"0-d tensor), got {v.dtype} {list(v.shape)}")
-                v = v.detach().reshape(()).to(torch.float64)
-            elif isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"{_NAME}: {where}[{key!r}] must be a number or a 0-d tensor, got "
-                                f"{type(v).__name__}")
+            if layer is not None:
+                ints["dropped"] = d
             else:
-                v = torch.full((), float(v), dtype=torch.float64, device=device)
-            ok = torch.isfinite(v)
+                out["dropped"] = d
+        losses = [(key, self._loss(fields[key], key, where, device)) for key in ("aux_loss", "z_loss")
+                  if key in fields]
+        if losses:
+            # both losses at once: one finiteness probe for the pair
+            v = torch.stack([x for _, x in losses]) if len(losses) > 1 else losses[0][1].reshape(1)
+            bad = torch.isnan(v * 0.0)  # NaN or inf
             if self.nan_policy == "skip":
-                v = torch.where(ok, v, torch.zeros_like(v))
-                calls = ok.to(torch.int64)
+                v = torch.where(bad, 0.0, v)
+                calls = (~bad).to(torch.int64)
             else:
-                calls = torch.ones((), dtype=torch.int64, device=v.device)
-            bad = row((~ok).to(torch.int64), torch.int64)
-            out["nonfinite"] = bad if "nonfinite" not in out else out["nonfinite"] + bad
-            out[s_name] = row(v, torch.float64)
-            out[n_name] = row(calls, torch.int64)
+                calls = torch.ones(len(losses), dtype=torch.int64, device=v.device)
+            n_bad = bad.sum()
+            ints["nonfinite"] = n_bad + ints["nonfinite"] if "nonfinite" in ints else n_bad
+            for j, (key, _) in enumerate(losses):
+                prefix = "aux" if key == "aux_loss" else "z"
+                floats[prefix + "_sum"] = v[j]
+                ints[prefix + "_calls"] = calls[j]
+        for values, dtype in ((ints, torch.int64), (floats, torch.float64)):
+            if values:
+                full = row(torch.stack([x.to(device=device, dtype=dtype, non_blocking=True)
+                                        for x in values.values()]), dtype)
+                out.update({name: full[:, j] for j, name in enumerate(values)})
         return out
+
+    @staticmethod
+    def _loss(v, key: str, where: str, device) -> torch.Tensor:
+        """One layer's aux or z loss as a float64 0-d tensor on ``device``'s side."""
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1 or not v.is_floating_point():
+                raise ValueError(f"{_NAME}: {where}[{key!r}] must be one float value (a number or a "
+                                 f"0-d tensor), got {v.dtype} {list(v.shape)}")
+            return v.detach().reshape(()).to(torch.float64)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{_NAME}: {where}[{key!r}] must be a number or a 0-d tensor, got "
+                            f"{type(v).__name__}")
+        return torch.full((), float(v), dtype=torch.float64, device=device)
 
     def tp_mismatch_hint(self):
         if not self.sequence_parallel:
@@ -363,7 +379,7 @@ def _entropy(x: torch.Tensor, from_logits: bool):
         valid = total.squeeze(-1) != 0
         p = x / torch.where(total == 0, torch.ones_like(total), total)
         h = -torch.special.xlogy(p, p).sum(-1)
-    return h, valid, ~torch.isfinite(h)
+    return h, valid, torch.isnan(h * 0.0)  # NaN or inf: two kernels, isfinite takes five
 
 
 # ------------------------------------------------------------------- megatron-core hooks
