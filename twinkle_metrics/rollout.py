@@ -10,10 +10,9 @@ from parallel import group_rank, group_size
 
 from . import exchange, fold
 from ._checks import nan_policy as check_nan_policy
-from ._checks import nonfinite
 from .base import Metric
 from .kernels import _triton
-from .rl_inputs import aligned_microbatches, cp_sum
+from .rl_inputs import aligned_microbatches, cp_sum, nonfinite_tokens
 from .state import State
 
 _P = "rollout/"
@@ -231,7 +230,7 @@ class RolloutMismatchMetric(Metric):
         """Add one microbatch's token sums to ``acc``; return its ``[b, 2]`` per-sequence
         (sum of d, tokens)."""
         lp, (roll, has) = item["x"], item["rollout_logps"]
-        bad = (nonfinite(lp) | nonfinite(roll)) & has
+        bad = nonfinite_tokens(lp, has, [(roll, has)])
         fold.add(acc, "n_bad", bad.sum())
         if self.nan_policy == "skip":
             has = has & ~bad
