@@ -33,7 +33,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from twinkle_metrics import DPOMetric, GRPOMetric, RolloutMismatchMetric  # noqa: E402
+from twinkle_metrics import DPOMetric, GRPOMetric, MoERoutingMetric, PPOValueMetric, RolloutMismatchMetric  # noqa: E402
 from twinkle_metrics.kernels import _triton, triton_rl, triton_rollout  # noqa: E402
 
 _ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided"}
@@ -115,7 +115,28 @@ def cases(n_mb: int):
         "GRPOMetric(top_k_kl=8)": (lambda: GRPOMetric(top_k_kl=8), grpo),
         "DPOMetric": (DPOMetric, lambda m: m.accumulate(inputs, outputs, ref_outputs=refs)),
         "RolloutMismatchMetric": (RolloutMismatchMetric, lambda m: m.accumulate(inputs, outputs, rollout_logps=old)),
+        # no Triton path: the torch path's count, for the record
+        "PPOValueMetric": (PPOValueMetric, lambda m: m.accumulate(
+            inputs, _values(outputs), old_values=old, returns=ref, advantages=adv)),
     }
+
+
+def _values(outputs):
+    """The log-prob outputs renamed as a value head's (same shapes)."""
+    if isinstance(outputs, list):
+        return [{"values": o["logps"]} for o in outputs]
+    return {"values": outputs["logps"]}
+
+
+def moe_observe():
+    """One MoE layer's router outputs (2048 tokens, 16 experts, aux and z losses), as
+    ``register_router_hooks`` feeds them: a layer call, no Triton path."""
+    g = torch.Generator().manual_seed(0)
+    routing = torch.rand(2048, 16, generator=g) < 0.125
+    logits = torch.randn(2048, 16, generator=g)
+    aux, z = torch.tensor(0.01), torch.tensor(0.001)
+    return (lambda: MoERoutingMetric(num_layers=4, num_experts=16),
+            lambda m: m.observe(1, routing_map=routing, router_logits=logits, aux_loss=aux, z_loss=z))
 
 
 def count(make, step, fused: bool) -> dict:
@@ -138,6 +159,8 @@ def main():
                 out[f"{name}, {n_mb} microbatch{'es' if n_mb > 1 else ''}"] = {
                     "torch_path": torch_path["kernels"], "one_kernel_path": fused["kernels"],
                     "one_kernel_path_ops": fused["by_op"]}
+        make, step = moe_observe()
+        out["MoERoutingMetric.observe, one layer"] = {"torch_path": count(make, step, False)["kernels"]}
     finally:
         _triton.device_ok = real
     from benchmarks.common import save
