@@ -671,3 +671,41 @@ def test_float_bounds_reach_the_kernels_as_float64_constants():
     for kernel in (TR._rl_kernel, triton_rollout._rollout_kernel):
         params = inspect.signature(kernel.fn).parameters
         assert all("constexpr" in str(params[name].annotation) for name in ("LO", "HI")), kernel.fn.__name__
+
+
+def _launch_allowing_host_reads(real, launches=None):
+    """A kernel as launched, its interpreter's numpy traffic allowed (on CUDA it is one
+    launch); each launch is appended to ``launches``."""
+    from twinkle_metrics._host import host_reads
+
+    class Interpreted:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if launches is not None:
+                    launches.append(grid)
+                with host_reads():
+                    return real[grid](*args, **kwargs)
+            return launch
+    return Interpreted()
+
+
+@kernel_test
+@pytest.mark.parametrize("case", ["grpo-topk", "gspo", "dpo"])
+def test_rl_and_dpo_one_kernel_paths_never_wait_for_the_device(fused, monkeypatch, case):
+    from twinkle_metrics.testing import forbid_device_waits
+    launches = []
+    monkeypatch.setattr(TR, "_rl_kernel", _launch_allowing_host_reads(TR._rl_kernel, launches))
+    monkeypatch.setattr(TR, "_row_sums_kernel", _launch_allowing_host_reads(TR._row_sums_kernel, launches))
+    b = make_rl_batch(3, n_seq=6, seq_len=40)
+    lab, lp, old, ref, adv = b["labels"], b["logps"], b["old"], b["ref"], b["adv"]
+    feats, outs = [{"labels": lab[:2]}, {"labels": lab[2:]}], [{"logps": lp[:2]}, {"logps": lp[2:]}]
+    if case == "dpo":
+        m = DPOMetric()
+        call = dict(ref_outputs=[{"logps": ref[:2]}, {"logps": ref[2:]}])
+    else:
+        m = GRPOMetric(top_k_kl=3) if case == "grpo-topk" else GSPOMetric()
+        call = dict(old_logps=[old[:2], old[2:]], advantages=[adv[:2], adv[2:]], ref_logps=[ref[:2], ref[2:]])
+    with forbid_device_waits():
+        m.accumulate(feats, outs, **call)
+    assert len(launches) == 2  # one kernel per microbatch
+    assert m.calculate()
