@@ -135,3 +135,32 @@ def test_cpu_contribution_after_cuda_states_is_not_lost():
     m.accumulate(None, [{"lm loss": torch.tensor([100.0, 1.0], device="cuda")}])
     assert all(t.is_cuda for t in m.states.values())
     assert_results_close(m.calculate(), {"loss": 106.0 / 3, "num_tokens": 3})
+
+
+def test_calculate_makes_one_synchronisation():
+    """calculate() of CUDA-resident and CPU-resident metrics together (a Train metric fed
+    Python numbers, rewards from lists): the one device-to-host copy of the results, no
+    copy per CPU state (they travel in one pinned, non-blocking copy)."""
+    import warnings
+
+    from twinkle_metrics import MetricCollection
+    calls = _calls()
+    picked = [c for c in calls if c[0] in ("GRPO tensors", "rewards from Python lists", "Train", "DPO interleaved "
+                                                                                               "with reference")]
+    coll = MetricCollection({label: metric for label, metric, _ in picked})
+    for _ in range(2):
+        for label, metric, call in picked:
+            call(metric)
+        coll.calculate()  # the first agrees on the plan
+    for label, metric, call in picked:
+        call(metric)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = coll.calculate()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert out and len(syncs) <= 1, syncs

@@ -361,10 +361,13 @@ def _pack(plan: Optional[_Plan], metrics, width: int, pack, device, *, need: boo
     """The header plus every planned state, float64 (int64 bit-cast), padded to ``width``.
 
     Packs where the states are (one cat), then moves the one buffer to the
-    collectives' device: never a copy per state.
+    collectives' device: never a copy per state. Where some states are on an
+    accelerator, that device packs: pieces on the CPU (the header, metrics fed only
+    Python numbers) go over in one pinned, non-blocking copy, so that packing never
+    waits for the work queued on the device (a pageable copy would).
     """
     head = [plan.hash if plan is not None else 0.0, float(need), float(is_source), float(pp_rank)]
-    flat = [torch.tensor(head, dtype=torch.float64).to(pack, non_blocking=True)]
+    flat = [torch.tensor(head, dtype=torch.float64)]
     used = 0
     if plan is not None and not need:
         for m, entries in zip(metrics, plan.entries):
@@ -373,12 +376,36 @@ def _pack(plan: Optional[_Plan], metrics, width: int, pack, device, *, need: boo
                 if t is None:
                     t = spec.new(pack)
                 t = t.detach().reshape(-1)
-                if t.dtype == torch.int64:
-                    t = t.view(torch.float64)
-                flat.append(t if t.device == pack else t.to(pack))
+                flat.append(t.view(torch.float64) if t.dtype == torch.int64 else t)
         used = plan.length
-    buf = torch.cat(flat).to(device)
+    pack = next((t.device for t in flat if t.device.type != "cpu"), pack)
+    if pack.type != "cpu":
+        flat = _host_pieces_to(flat, pack)
+    buf = torch.cat([t if t.device == pack else t.to(pack) for t in flat])
+    buf = _to_device(buf, device)
     return torch.nn.functional.pad(buf, (0, width - used)) if width > used else buf
+
+
+def _host_pieces_to(flat: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
+    """``flat`` with its CPU pieces moved to ``device`` in one copy (order kept)."""
+    where = [i for i, t in enumerate(flat) if t.device.type == "cpu"]
+    if not where:
+        return flat
+    moved = _to_device(torch.cat([flat[i] for i in where]), device)
+    out = list(flat)
+    for i, piece in zip(where, torch.split(moved, [flat[i].numel() for i in where])):
+        out[i] = piece
+    return out
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t.to(device)``; a CPU tensor bound for CUDA goes through pinned memory without
+    blocking (from pageable memory the copy first waits for the device's queue)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _merge(plan: _Plan, metrics, rows: torch.Tensor) -> torch.Tensor:
