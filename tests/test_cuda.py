@@ -144,15 +144,14 @@ def test_calculate_makes_one_synchronisation():
     import warnings
 
     from twinkle_metrics import MetricCollection
-    calls = _calls()
-    picked = [c for c in calls if c[0] in ("GRPO tensors", "rewards from Python lists", "Train", "DPO interleaved "
-                                                                                               "with reference")]
-    coll = MetricCollection({label: metric for label, metric, _ in picked})
+    wanted = ("GRPO tensors", "rewards from Python lists", "Train", "DPO interleaved with reference")
+    picked = [(metric, call) for label, metric, call in _calls() if label in wanted]
+    coll = MetricCollection([metric for metric, _ in picked])
     for _ in range(2):
-        for label, metric, call in picked:
+        for metric, call in picked:
             call(metric)
         coll.calculate()  # the first agrees on the plan
-    for label, metric, call in picked:
+    for metric, call in picked:
         call(metric)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
