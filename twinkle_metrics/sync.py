@@ -364,7 +364,8 @@ def _pack(plan: Optional[_Plan], metrics, width: int, pack, device, *, need: boo
     collectives' device: never a copy per state. Where some states are on an
     accelerator, that device packs: pieces on the CPU (the header, metrics fed only
     Python numbers) go over in one pinned, non-blocking copy, so that packing never
-    waits for the work queued on the device (a pageable copy would).
+    waits for the work queued on the device (a blocking copy per CPU state did, once
+    each: those were calculate()'s extra synchronisations on a GPU).
     """
     head = [plan.hash if plan is not None else 0.0, float(need), float(is_source), float(pp_rank)]
     flat = [torch.tensor(head, dtype=torch.float64)]
@@ -399,8 +400,8 @@ def _host_pieces_to(flat: List[torch.Tensor], device: torch.device) -> List[torc
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t.to(device)``; a CPU tensor bound for CUDA goes through pinned memory without
-    blocking (from pageable memory the copy first waits for the device's queue)."""
+    """``t.to(device)``; a CPU tensor bound for CUDA is staged in pinned memory and copied
+    without blocking (a blocking copy waits for the device's queue first)."""
     if t.device == device:
         return t
     if t.device.type == "cpu" and device.type == "cuda":
