@@ -47,6 +47,21 @@ EXTREMES = ("adv_max", "adv_min", "logr_max", "logr_min")
 _N_SUM = len(SUMS)
 _N_COLS = _N_SUM + 2 * len(EXTREMES)  # sums, NaN flags of the extremes, extremes
 
+# Column indices the kernel writes, named after the states (taken from the tuples above,
+# so the kernel and ``token_stats`` cannot disagree on the layout).
+_N_TOK, _N_ENT, _N_ADV, _N_REF, _N_OLD = (tl.constexpr(SUMS.index(c)) for c in
+                                          ("n_tok", "n_ent", "n_adv", "n_ref", "n_old"))
+_CLIP_N, _CLIP_LOW, _CLIP_HIGH, _N_BAD = (tl.constexpr(SUMS.index(c)) for c in
+                                          ("clip_n", "clip_low", "clip_high", "n_bad"))
+_SUM_NEW, _SUM_ENT, _SUM_ADV, _SUM_REF_KL = (tl.constexpr(SUMS.index(c)) for c in
+                                             ("sum_new", "sum_ent", "sum_adv", "sum_ref_kl"))
+_SUM_OLD, _SUM_DIFF, _SUM_KL, _SUM_RATIO, _CLIP_NAN = (tl.constexpr(SUMS.index(c)) for c in
+                                                       ("sum_old", "sum_diff", "sum_kl", "sum_ratio", "clip_nan"))
+# NaN flag columns (summed, then added to their extreme), then the extremes (as maxima)
+_NAN_ADV_MAX, _NAN_ADV_MIN, _NAN_LOGR_MAX, _NAN_LOGR_MIN = (tl.constexpr(_N_SUM + i) for i in range(4))
+_ADV_MAX, _NEG_ADV_MIN, _LOGR_MAX, _NEG_LOGR_MIN = (tl.constexpr(_N_SUM + len(EXTREMES) + EXTREMES.index(c))
+                                                     for c in EXTREMES)
+
 
 @triton.jit
 def _k3_ratio(d):
@@ -127,87 +142,87 @@ def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, part_ptr, key_
     n = tl.sum(one, 0)
     out = part_ptr + (row * tl.num_programs(1) + blk) * N_COLS
     neg_inf = zero - float("inf")
-    # column order: SUMS, then NaN flags (adv, adv, d, d), then EXTREMES (as maxima)
-    tl.store(out + 0, n)
-    _store_sum(out, 8, tl.where(bad, 1.0, 0.0).to(tl.float64))
-    _store_sum(out, 9, lp)
+    # A column whose input is absent holds 0 (an extreme: -inf), so microbatches with
+    # other inputs can share the buffer.
+    tl.store(out + _N_TOK, n)
+    _store_sum(out, _N_BAD, tl.where(bad, 1.0, 0.0).to(tl.float64))
+    _store_sum(out, _SUM_NEW, lp)
     if HAS_ENT:
-        tl.store(out + 1, n)
-        _store_sum(out, 10, ent)
+        tl.store(out + _N_ENT, n)
+        _store_sum(out, _SUM_ENT, ent)
     else:
-        tl.store(out + 1, 0.0)
-        tl.store(out + 10, 0.0)
+        tl.store(out + _N_ENT, 0.0)
+        tl.store(out + _SUM_ENT, 0.0)
     if HAS_ADV:
-        tl.store(out + 2, n)
-        _store_sum(out, 11, adv)
+        tl.store(out + _N_ADV, n)
+        _store_sum(out, _SUM_ADV, adv)
         adv_nan = tl.sum(tl.where(m & (adv != adv), nan, zero), 0)
-        tl.store(out + 18, adv_nan)
-        tl.store(out + 19, adv_nan)
-        tl.store(out + 22, tl.max(tl.where(m & (adv == adv), adv, neg_inf), 0))
-        tl.store(out + 23, tl.max(tl.where(m & (adv == adv), -adv, neg_inf), 0))
+        tl.store(out + _NAN_ADV_MAX, adv_nan)
+        tl.store(out + _NAN_ADV_MIN, adv_nan)
+        tl.store(out + _ADV_MAX, tl.max(tl.where(m & (adv == adv), adv, neg_inf), 0))
+        tl.store(out + _NEG_ADV_MIN, tl.max(tl.where(m & (adv == adv), -adv, neg_inf), 0))
     else:
-        tl.store(out + 2, 0.0)
-        tl.store(out + 11, 0.0)
-        tl.store(out + 18, 0.0)
-        tl.store(out + 19, 0.0)
-        tl.store(out + 22, float("-inf"))
-        tl.store(out + 23, float("-inf"))
+        tl.store(out + _N_ADV, 0.0)
+        tl.store(out + _SUM_ADV, 0.0)
+        tl.store(out + _NAN_ADV_MAX, 0.0)
+        tl.store(out + _NAN_ADV_MIN, 0.0)
+        tl.store(out + _ADV_MAX, float("-inf"))
+        tl.store(out + _NEG_ADV_MIN, float("-inf"))
     if HAS_REF:
         kr, _ = _k3_ratio(ref - lp)
-        tl.store(out + 3, n)
-        _store_sum(out, 12, tl.where(m, kr, 0.0))
+        tl.store(out + _N_REF, n)
+        _store_sum(out, _SUM_REF_KL, tl.where(m, kr, 0.0))
     else:
-        tl.store(out + 3, 0.0)
-        tl.store(out + 12, 0.0)
+        tl.store(out + _N_REF, 0.0)
+        tl.store(out + _SUM_REF_KL, 0.0)
     if HAS_OLD:
         d = lp - old
         k3, ratio = _k3_ratio(d)
-        tl.store(out + 4, n)
-        _store_sum(out, 13, old)
-        _store_sum(out, 14, d)
-        _store_sum(out, 15, tl.where(m, k3, 0.0))
-        _store_sum(out, 16, tl.where(m, ratio, 0.0))
+        tl.store(out + _N_OLD, n)
+        _store_sum(out, _SUM_OLD, old)
+        _store_sum(out, _SUM_DIFF, d)
+        _store_sum(out, _SUM_KL, tl.where(m, k3, 0.0))
+        _store_sum(out, _SUM_RATIO, tl.where(m, ratio, 0.0))
         d_nan = tl.sum(tl.where(m & (d != d), nan, zero), 0)
-        tl.store(out + 20, d_nan)
-        tl.store(out + 21, d_nan)
-        tl.store(out + 24, tl.max(tl.where(m & (d == d), d, neg_inf), 0))
-        tl.store(out + 25, tl.max(tl.where(m & (d == d), -d, neg_inf), 0))
+        tl.store(out + _NAN_LOGR_MAX, d_nan)
+        tl.store(out + _NAN_LOGR_MIN, d_nan)
+        tl.store(out + _LOGR_MAX, tl.max(tl.where(m & (d == d), d, neg_inf), 0))
+        tl.store(out + _NEG_LOGR_MIN, tl.max(tl.where(m & (d == d), -d, neg_inf), 0))
         if KEY:  # the top-k records' key: k3 where it is > 0, else -inf
             tl.store(key_ptr + row * s + cols, tl.where(m & (k3 > 0), k3, neg_inf), mask=inside)
     else:
         d = zero
-        tl.store(out + 4, 0.0)
-        tl.store(out + 13, 0.0)
-        tl.store(out + 14, 0.0)
-        tl.store(out + 15, 0.0)
-        tl.store(out + 16, 0.0)
-        tl.store(out + 20, 0.0)
-        tl.store(out + 21, 0.0)
-        tl.store(out + 24, float("-inf"))
-        tl.store(out + 25, float("-inf"))
+        tl.store(out + _N_OLD, 0.0)
+        tl.store(out + _SUM_OLD, 0.0)
+        tl.store(out + _SUM_DIFF, 0.0)
+        tl.store(out + _SUM_KL, 0.0)
+        tl.store(out + _SUM_RATIO, 0.0)
+        tl.store(out + _NAN_LOGR_MAX, 0.0)
+        tl.store(out + _NAN_LOGR_MIN, 0.0)
+        tl.store(out + _LOGR_MAX, float("-inf"))
+        tl.store(out + _NEG_LOGR_MIN, float("-inf"))
+    clip_n = 0.0
+    clip_nan = 0.0
     if HAS_OLD and HAS_ADV:
-        if SKIP:
-            tl.store(out + 17, 0.0)
-        else:  # NaN when a gated token holds a NaN/inf d or A (a compare would drop it)
-            tl.store(out + 17, tl.sum(tl.where(m, (d + adv) * 0.0, 0.0), 0))
+        if not SKIP:  # NaN when a gated token holds a NaN/inf d or A (a compare would drop it)
+            clip_nan = tl.sum(tl.where(m, (d + adv) * 0.0, 0.0), 0)
         if TOKEN_CLIP:
             low = m & (d < LO)
             high = m & (d > HI)
             if BY_SIGN:
                 low = low & (adv < 0)
                 high = high & (adv > 0)
-            tl.store(out + 5, n)
-            _store_sum(out, 6, tl.where(low, 1.0, 0.0).to(tl.float64))
-            _store_sum(out, 7, tl.where(high, 1.0, 0.0).to(tl.float64))
+            clip_n = n
+            _store_sum(out, _CLIP_LOW, tl.where(low, 1.0, 0.0).to(tl.float64))
+            _store_sum(out, _CLIP_HIGH, tl.where(high, 1.0, 0.0).to(tl.float64))
         else:
-            tl.store(out + 5, 0.0)
-            tl.store(out + 6, 0.0)
-            tl.store(out + 7, 0.0)
+            tl.store(out + _CLIP_LOW, 0.0)
+            tl.store(out + _CLIP_HIGH, 0.0)
     else:
-        tl.store(out + 5, 0.0)
-        tl.store(out + 6, 0.0)
-        tl.store(out + 7, 0.0)
-        tl.store(out + 17, 0.0)
+        tl.store(out + _CLIP_LOW, 0.0)
+        tl.store(out + _CLIP_HIGH, 0.0)
+    tl.store(out + _CLIP_N, clip_n)
+    tl.store(out + _CLIP_NAN, clip_nan)
 
 
 def _strides(x: Optional[torch.Tensor], like: torch.Tensor):
