@@ -712,63 +712,6 @@ def test_rl_and_dpo_one_kernel_paths_never_wait_for_the_device(fused, monkeypatc
 
 
 # ------------------------------------------------------- compiled for real GPUs (no GPU needed)
-def _compile_for(kernel, target, types, constexprs):
-    """Compile ``kernel`` ahead of time to a cubin for ``target`` (triton's own LLVM and
-    ptxas; no GPU involved): what the first launch on that GPU would do."""
-    import inspect
-
-    import triton
-    from triton.compiler import ASTSource
-    names = list(inspect.signature(kernel.fn).parameters)
-    signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
-    src = ASTSource(fn=kernel, signature=signature,
-                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=target)
-
-
-def _variants():
-    """(label, kernel, argument types, constexprs): the variants the metrics launch, in each
-    input dtype they accept, both NaN policies, every flag that changes the code."""
-    from twinkle_metrics.kernels import triton_argmax, triton_entropy, triton_rl, triton_rollout
-    out = []
-    strides = {n: "i32" for n in ("s", "lp_s0", "lp_s1", "m_s0", "m_s1", "old_s0", "old_s1", "adv_s0",
-                                  "adv_s1", "ref_s0", "ref_s1", "ent_s0", "ent_s1")}
-    lo, hi = math.log(0.8), math.log1p(0.28)
-    rl_flags = [dict(HAS_OLD=1, HAS_ADV=1, HAS_REF=1, HAS_ENT=1, TOKEN_CLIP=1, BY_SIGN=1, SKIP=0, KEY=1),
-                dict(HAS_OLD=1, HAS_ADV=1, HAS_REF=0, HAS_ENT=0, TOKEN_CLIP=0, BY_SIGN=1, SKIP=1, KEY=0),  # GSPO
-                dict(HAS_OLD=1, HAS_ADV=1, HAS_REF=0, HAS_ENT=1, TOKEN_CLIP=1, BY_SIGN=0, SKIP=0, KEY=0),  # CISPO
-                dict(HAS_OLD=0, HAS_ADV=1, HAS_REF=1, HAS_ENT=0, TOKEN_CLIP=1, BY_SIGN=1, SKIP=1, KEY=0)]
-    for dtype in ("fp32", "fp64", "bf16"):
-        for flags in rl_flags:
-            types = dict(strides, lp_ptr=f"*{dtype}", m_ptr="*u8", old_ptr=f"*{dtype}", adv_ptr="*fp64",
-                         ref_ptr=f"*{dtype}", ent_ptr="*fp32", part_ptr="*fp64", key_ptr="*fp64")
-            const = dict({k: bool(v) for k, v in flags.items()}, LO=lo, HI=hi, N_COLS=triton_rl._N_COLS,
-                         BLOCK=1024)
-            out.append((f"GRPO {dtype} {flags}", triton_rl._rl_kernel, types, const))
-    out.append(("GRPO unbounded clip", triton_rl._rl_kernel, types,
-                dict(const, LO=-math.inf, HI=math.inf, BLOCK=64)))
-    for two in (True, False):
-        out.append((f"DPO row sums two={two}", triton_rl._row_sums_kernel,
-                    dict(a_ptr="*fp32", b_ptr="*bf16", m_ptr="*u8", out_ptr="*fp64", s="i32", a_s0="i32",
-                         a_s1="i32", b_s0="i32", b_s1="i32", m_s0="i32", m_s1="i32"),
-                    dict(TWO=two, BLOCK=1024)))
-    for skip in (False, True):
-        out.append((f"rollout skip={skip}", triton_rollout._rollout_kernel,
-                    dict(lp_ptr="*fp32", roll_ptr="*fp32", has_ptr="*u8", part_ptr="*fp64", s="i32",
-                         lp_s0="i32", lp_s1="i32", roll_s0="i32", roll_s1="i32", has_s0="i32", has_s1="i32"),
-                    dict(LO=math.log(0.5), HI=math.log(2.0), SKIP=skip, N_COLS=triton_rollout._N_COLS,
-                         BLOCK=1024)))
-    logit_types = dict(n_cols="i32", inner="i32", outer_stride="i64", inner_stride="i64")
-    for dtype in ("bf16", "fp16", "fp32"):
-        out.append((f"entropy {dtype}", triton_entropy._partials_kernel,
-                    dict(logit_types, x_ptr=f"*{dtype}", out_ptr="*fp64", inv_t="fp32"), dict(BLOCK=4096)))
-        for mode in (0, 1, 2):
-            out.append((f"argmax {dtype} mode={mode}", triton_argmax._argmax_kernel,
-                        dict(logit_types, x_ptr=f"*{dtype}", out_ptr="*i64", labels_ptr="*i64", offset="i32",
-                             vocab="i32"), dict(MODE=mode, BLOCK=4096)))
-    return out
-
-
 @pytest.mark.skipif(INTERPRETED, reason="compiles in the parent; the child interprets")
 @pytest.mark.parametrize("arch", [90, 80])
 def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch):
@@ -777,12 +720,18 @@ def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch):
     interpreter runs but the compiler rejects (or whose float64 exp does not link) fails
     here, not on the user's first step."""
     from triton.backends.compiler import GPUTarget
+
+    from benchmarks.kernel_build import compile_for, ptxas_report, variants
     target = GPUTarget("cuda", arch, 32)
-    failed = []
-    for label, kernel, types, const in _variants():
+    failed, reported = [], 0
+    for label, kernel, types, const, warps in variants():
         try:
-            compiled = _compile_for(kernel, target, types, const)
+            compiled = compile_for(kernel, target, types, const, warps)
             assert compiled.asm.get("cubin"), "no cubin"
+            spills = ptxas_report(compiled.asm["ptx"], arch).get("spill_bytes")
+            reported += spills is not None
+            assert spills in (0, None), f"{spills} bytes of register spills"
         except Exception as e:  # noqa: BLE001 - report every variant that fails
             failed.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
     assert not failed, "\n".join(failed)
+    assert reported, "triton's ptxas reported no register use for any kernel: the spill check did not run"

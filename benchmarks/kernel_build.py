@@ -1,0 +1,127 @@
+"""Every Triton kernel variant the metrics launch, compiled ahead of time for CUDA GPUs
+with triton's own toolchain (TTIR, TTGIR, LLVM, PTX, ptxas): no GPU needed.
+
+    .venv/bin/python -m benchmarks.kernel_build     # registers and spills per variant (~30 s)
+
+``tests/test_triton_kernels.py`` compiles every variant to sm_90 (H100/H200) and sm_80
+(A100) cubins and requires no register spills, so a kernel that the interpreter runs but
+the compiler rejects fails in CI rather than on a user's first step; this script prints
+what ptxas reports for each (registers per thread bound how many programs share an SM).
+"""
+from __future__ import annotations
+
+import glob
+import inspect
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+
+def compile_for(kernel, target, types, constexprs, num_warps=4):
+    """Compile ``kernel`` ahead of time to a cubin for ``target`` (triton's own LLVM and
+    ptxas; no GPU involved): what the first launch on that GPU would do."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=target, options={"num_warps": num_warps})
+
+
+def variants():
+    """(label, kernel, argument types, constexprs, warps): the variants the metrics launch
+    (their default tile widths and warps), in each input dtype they accept, both NaN
+    policies, every flag that changes the code."""
+    from twinkle_metrics.kernels import triton_argmax, triton_entropy, triton_rl, triton_rollout
+    out = []
+    strides = {n: "i32" for n in ("s", "lp_s0", "lp_s1", "m_s0", "m_s1", "old_s0", "old_s1", "adv_s0",
+                                  "adv_s1", "ref_s0", "ref_s1", "ent_s0", "ent_s1")}
+    lo, hi = math.log(0.8), math.log1p(0.28)
+    rl_flags = [dict(HAS_OLD=1, HAS_ADV=1, HAS_REF=1, HAS_ENT=1, TOKEN_CLIP=1, BY_SIGN=1, SKIP=0, KEY=1),
+                dict(HAS_OLD=1, HAS_ADV=1, HAS_REF=0, HAS_ENT=0, TOKEN_CLIP=0, BY_SIGN=1, SKIP=1, KEY=0),  # GSPO
+                dict(HAS_OLD=1, HAS_ADV=1, HAS_REF=0, HAS_ENT=1, TOKEN_CLIP=1, BY_SIGN=0, SKIP=0, KEY=0),  # CISPO
+                dict(HAS_OLD=0, HAS_ADV=1, HAS_REF=1, HAS_ENT=0, TOKEN_CLIP=1, BY_SIGN=1, SKIP=1, KEY=0)]
+    for dtype in ("fp32", "fp64", "bf16"):
+        for flags in rl_flags:
+            types = dict(strides, lp_ptr=f"*{dtype}", m_ptr="*u8", old_ptr=f"*{dtype}", adv_ptr="*fp64",
+                         ref_ptr=f"*{dtype}", ent_ptr="*fp32", part_ptr="*fp64", key_ptr="*fp64")
+            const = dict({k: bool(v) for k, v in flags.items()}, LO=lo, HI=hi, N_COLS=triton_rl._N_COLS,
+                         BLOCK=triton_rl.BLOCK)
+            out.append((f"GRPO {dtype} {flags}", triton_rl._rl_kernel, types, const, triton_rl.NUM_WARPS))
+    out.append(("GRPO unbounded clip", triton_rl._rl_kernel, types,
+                dict(const, LO=-math.inf, HI=math.inf, BLOCK=64), triton_rl.NUM_WARPS))
+    for two in (True, False):
+        out.append((f"DPO row sums two={two}", triton_rl._row_sums_kernel,
+                    dict(a_ptr="*fp32", b_ptr="*bf16", m_ptr="*u8", out_ptr="*fp64", s="i32", a_s0="i32",
+                         a_s1="i32", b_s0="i32", b_s1="i32", m_s0="i32", m_s1="i32"),
+                    dict(TWO=two, BLOCK=1024), 4))
+    for skip in (False, True):
+        out.append((f"rollout skip={skip}", triton_rollout._rollout_kernel,
+                    dict(lp_ptr="*fp32", roll_ptr="*fp32", has_ptr="*u8", part_ptr="*fp64", s="i32",
+                         lp_s0="i32", lp_s1="i32", roll_s0="i32", roll_s1="i32", has_s0="i32", has_s1="i32"),
+                    dict(LO=math.log(0.5), HI=math.log(2.0), SKIP=skip, N_COLS=triton_rollout._N_COLS,
+                         BLOCK=triton_rollout.BLOCK), 4))
+    logit_types = dict(n_cols="i32", inner="i32", outer_stride="i64", inner_stride="i64")
+    for dtype in ("bf16", "fp16", "fp32"):
+        out.append((f"entropy {dtype}", triton_entropy._partials_kernel,
+                    dict(logit_types, x_ptr=f"*{dtype}", out_ptr="*fp64", inv_t="fp32"), dict(BLOCK=4096), 8))
+        for mode in (0, 1, 2):
+            out.append((f"argmax {dtype} mode={mode}", triton_argmax._argmax_kernel,
+                        dict(logit_types, x_ptr=f"*{dtype}", out_ptr="*i64", labels_ptr="*i64", offset="i32",
+                             vocab="i32"), dict(MODE=mode, BLOCK=4096), 8))
+    return out
+
+
+
+
+def ptxas_report(ptx: str, arch: int) -> Dict[str, int]:
+    """Registers per thread and bytes of spill stores ptxas reports for ``ptx`` (``{}`` when
+    triton's ptxas cannot say): a streaming kernel that spills reads and writes local
+    memory per token, and registers bound how many programs share an SM."""
+    tools = sorted(glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                          "ptxas*")), reverse=True)  # the newest PTX first
+    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M)  # sm_90a for Hopper's own instructions
+    sm = target.group(1) if target else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        for tool in tools:
+            r = subprocess.run([tool, f"-arch={sm}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                               capture_output=True, text=True)
+            spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+            regs = re.findall(r"Used (\d+) registers", r.stderr)
+            if r.returncode == 0 and spills and regs:
+                return {"registers": max(map(int, regs)), "spill_bytes": sum(map(int, spills))}
+    return {}
+
+
+def main():
+    out = {}
+    for arch in (90, 80):
+        target = GPUTarget("cuda", arch, 32)
+        for label, kernel, types, const, warps in variants():
+            compiled = compile_for(kernel, target, types, const, warps)
+            out[f"sm_{arch} {label}"] = dict(ptxas_report(compiled.asm["ptx"], arch), warps=warps,
+                                             block=const.get("BLOCK"))
+    from benchmarks.common import save
+    saved = save("kernel_build", {"kernels": out}, "python -m benchmarks.kernel_build")
+    width = max(map(len, out))
+    for k, v in out.items():
+        print(f"{k:<{width}}  {v}")
+    print("saved", saved)
+
+
+if __name__ == "__main__":
+    main()
