@@ -36,7 +36,7 @@ def compile_for(kernel, target, types, constexprs, num_warps=4):
     signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=target, options={"num_warps": num_warps})
+    return triton.compile(src, target=target, options={"num_warps": num_warps, "enable_fp_fusion": False})
 
 
 def variants():

@@ -3,6 +3,10 @@
 Triton is optional: it is imported only the first time a CUDA tensor asks, so CPU
 runs and machines without it never pay for (or need) the import.
 
+Every launch passes ``enable_fp_fusion=False``: no multiply-add contraction, so each value
+rounds as written (as in the torch path's separate kernels; Triton 3.10's default), and no
+warning from Triton 3.9 about the default changing.
+
 Opt-in for now: the kernels are tested on CPU under Triton's interpreter but have not
 yet been compiled or timed on a GPU, so CUDA runs use the torch path unless
 ``TWINKLE_METRICS_TRITON=1`` is set (``benchmarks/gpu_bench.py`` compares the two).

@@ -63,7 +63,7 @@ def _launch(logits: torch.Tensor, mode: int, labels: Optional[torch.Tensor] = No
     blk = block or min(4096, triton.next_power_of_2(max(n_cols, 16)))
     lab = out if labels is None else labels.reshape(-1).contiguous()
     _argmax_kernel[(rows,)](x, out, lab, n_cols, inner, outer_stride, inner_stride, offset, vocab,
-                            MODE=mode, BLOCK=blk, num_warps=8 if blk >= 2048 else 4)
+                            MODE=mode, BLOCK=blk, num_warps=8 if blk >= 2048 else 4, enable_fp_fusion=False)
     return out
 
 

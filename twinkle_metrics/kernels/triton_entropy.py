@@ -83,6 +83,6 @@ def triton_token_partials(logits: torch.Tensor, temperature: float = 1.0, *, blo
         return out
     blk = _block(n_cols, block)
     _partials_kernel[(rows,)](x, out, n_cols, inner, outer_stride, inner_stride, 1.0 / temperature,
-                              BLOCK=blk, num_warps=8 if blk >= 2048 else 4)
+                              BLOCK=blk, num_warps=8 if blk >= 2048 else 4, enable_fp_fusion=False)
     return out
 

@@ -285,7 +285,7 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
                                HAS_OLD=old is not None, HAS_ADV=mb.get("adv") is not None,
                                HAS_REF=mb.get("ref") is not None, HAS_ENT=mb.get("ent") is not None,
                                TOKEN_CLIP=token_clip, BY_SIGN=by_sign, SKIP=skip, KEY=key is not None,
-                               N_COLS=_N_COLS, BLOCK=blk, num_warps=NUM_WARPS)
+                               N_COLS=_N_COLS, BLOCK=blk, num_warps=NUM_WARPS, enable_fp_fusion=False)
     sums = part[:, :_N_SUM + len(EXTREMES)].sum(0)
     ext = part[:, _N_SUM + len(EXTREMES):].amax(0) + sums[_N_SUM:]  # a NaN flag makes its extreme NaN
     mins = ext[1::2].neg()
@@ -335,5 +335,6 @@ def masked_row_sums(a: torch.Tensor, m: torch.Tensor, b: Optional[torch.Tensor] 
     mm = m.view(torch.uint8) if m.dtype == torch.bool else m
     other = a if b is None else b
     _row_sums_kernel[(rows,)](a, other, mm, out, s, a.stride(0), a.stride(1), other.stride(0), other.stride(1),
-                              mm.stride(0), mm.stride(1), TWO=b is not None, BLOCK=block, num_warps=4)
+                              mm.stride(0), mm.stride(1), TWO=b is not None, BLOCK=block, num_warps=4,
+                              enable_fp_fusion=False)
     return out
