@@ -28,15 +28,44 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+#: integer arguments that are row lengths or row strides: multiples of 16 in the usual launch
+_ALIGNED_INTS = ("s", "n_cols", "outer_stride", "inner_stride")
 
-def compile_for(kernel, target, types, constexprs, num_warps=4):
+
+def compile_for(kernel, target, types, constexprs, num_warps=4, contiguous=True):
     """Compile ``kernel`` ahead of time to a cubin for ``target`` (triton's own LLVM and
-    ptxas; no GPU involved): what the first launch on that GPU would do."""
+    ptxas; no GPU involved): what the first launch on that GPU would do.
+
+    ``contiguous``: specialise as triton does at launch for contiguous rows of a length
+    that is a multiple of 16: column strides (``*_s1``) equal to 1 become constants, and
+    pointers, row strides (``*_s0``) and lengths are known multiples of 16. That is what
+    lets a kernel load 128 bits at a time, so it is what its load widths are judged on.
+    """
     names = list(inspect.signature(kernel.fn).parameters)
+    constexprs = dict(constexprs)
+    attrs = {}
+    if contiguous:
+        constexprs.update({n: 1 for n in names if n.endswith("_s1") and n not in constexprs})
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs
+                 and (types[n].startswith("*") or n.endswith("_s0") or n in _ALIGNED_INTS)}
     signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
-    src = ASTSource(fn=kernel, signature=signature,
+    src = ASTSource(fn=kernel, signature=signature, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=target, options={"num_warps": num_warps, "enable_fp_fusion": False})
+
+
+def global_loads(ptx: str) -> Dict[str, int]:
+    """PTX global loads by kind (``ld.global.v4.b32``: 128 bits a thread per instruction)."""
+    out: Dict[str, int] = {}
+    for kind in re.findall(r"ld\.global(?:\.\w+)*?\.((?:v\d\.)?[bfu]\d+)\b", ptx):
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+def narrow_loads(ptx: str) -> Dict[str, int]:
+    """Global loads of less than 32 bits a thread: one element at a time (a streaming kernel
+    should move 4 to 16 bytes per thread per load)."""
+    return {k: n for k, n in global_loads(ptx).items() if not k.startswith("v") and int(k[1:]) < 32}
 
 
 def variants():
@@ -60,7 +89,7 @@ def variants():
                          BLOCK=triton_rl.BLOCK)
             out.append((f"GRPO {dtype} {flags}", triton_rl._rl_kernel, types, const, triton_rl.NUM_WARPS))
     out.append(("GRPO unbounded clip", triton_rl._rl_kernel, types,
-                dict(const, LO=-math.inf, HI=math.inf, BLOCK=64), triton_rl.NUM_WARPS))
+                dict(const, LO=-math.inf, HI=math.inf), triton_rl.NUM_WARPS))
     for two in (True, False):
         out.append((f"DPO row sums two={two}", triton_rl._row_sums_kernel,
                     dict(a_ptr="*fp32", b_ptr="*bf16", m_ptr="*u8", out_ptr="*fp64", s="i32", a_s0="i32",
@@ -114,7 +143,7 @@ def main():
         for label, kernel, types, const, warps in variants():
             compiled = compile_for(kernel, target, types, const, warps)
             out[f"sm_{arch} {label}"] = dict(ptxas_report(compiled.asm["ptx"], arch), warps=warps,
-                                             block=const.get("BLOCK"))
+                                             block=const.get("BLOCK"), loads=global_loads(compiled.asm["ptx"]))
     from benchmarks.common import save
     saved = save("kernel_build", {"kernels": out}, "python -m benchmarks.kernel_build")
     width = max(map(len, out))

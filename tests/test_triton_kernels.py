@@ -712,25 +712,36 @@ def test_rl_and_dpo_one_kernel_paths_never_wait_for_the_device(fused, monkeypatc
 
 
 # ------------------------------------------------------- compiled for real GPUs (no GPU needed)
+SPILL_BYTES_ALLOWED = 16
+
+
 @pytest.mark.skipif(INTERPRETED, reason="compiles in the parent; the child interprets")
 @pytest.mark.parametrize("arch", [90, 80])
 def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch):
     """Every kernel variant the metrics launch goes through triton's whole CUDA pipeline (TTIR,
     TTGIR, LLVM, PTX, ptxas) for sm_90 (H100/H200) and sm_80 (A100): a kernel the
     interpreter runs but the compiler rejects (or whose float64 exp does not link) fails
-    here, not on the user's first step."""
+    here, not on the user's first step. On contiguous rows each must load in vectors and
+    keep its working set in registers: a streaming kernel that does neither is far from
+    the memory bandwidth it should reach."""
     from triton.backends.compiler import GPUTarget
 
-    from benchmarks.kernel_build import compile_for, ptxas_report, variants
+    from benchmarks.kernel_build import compile_for, global_loads, narrow_loads, ptxas_report, variants
     target = GPUTarget("cuda", arch, 32)
     failed, reported = [], 0
     for label, kernel, types, const, warps in variants():
         try:
             compiled = compile_for(kernel, target, types, const, warps)
             assert compiled.asm.get("cubin"), "no cubin"
-            spills = ptxas_report(compiled.asm["ptx"], arch).get("spill_bytes")
+            ptx = compiled.asm["ptx"]
+            spills = ptxas_report(ptx, arch).get("spill_bytes")
             reported += spills is not None
-            assert spills in (0, None), f"{spills} bytes of register spills"
+            # a few bytes (ptxas parks one value around a reduction on sm_80) cost nothing;
+            # a kernel that spills its working set in the loop would show hundreds
+            assert spills is None or spills <= SPILL_BYTES_ALLOWED, f"{spills} bytes of register spills"
+            # contiguous rows: every load moves >= 32 bits a thread, some move 128
+            assert not narrow_loads(ptx), f"element-wise loads {narrow_loads(ptx)}"
+            assert any(k.startswith("v") for k in global_loads(ptx)), f"no vector load {global_loads(ptx)}"
         except Exception as e:  # noqa: BLE001 - report every variant that fails
             failed.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
     assert not failed, "\n".join(failed)

@@ -10,7 +10,8 @@ tokens; a column sum and a column max finish them. Counts are exact in float64 (
 
 The numbers are the torch path's, with the same rules:
 
-- masked-out positions are never loaded (NaN/-inf padding there is ignored);
+- masked-out positions never enter a value (loaded with the row, then replaced by 0 in
+  a select, so NaN/-inf padding there is ignored);
 - d = logp - old_logp in float64 (exact for 16/32-bit inputs); k3 = expm1(d) - d is
   computed directly (a series for |d| < 1/2, ``exp(d) - 1 - d`` beyond), so it keeps
   full relative precision where the torch path subtracts two sums;
@@ -97,6 +98,15 @@ def _k3_ratio(d):
 
 
 @triton.jit
+def _counted(ptrs, inside, m):
+    """float64 values at ``ptrs`` where ``m`` (the tokens that count), else 0. The load is
+    masked by the row's range only, so contiguous rows load in 128-bit vectors (a mask
+    that varies token by token forces one load per element); the select then drops
+    whatever padding holds (NaN, -inf) before any arithmetic sees it."""
+    return tl.where(m, tl.load(ptrs, mask=inside, other=0.0).to(tl.float64), 0.0)
+
+
+@triton.jit
 def _store_sum(out, col: tl.constexpr, x):
     tl.store(out + col, tl.sum(x, 0))
 
@@ -115,24 +125,24 @@ def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, part_ptr, key_
     m = (tl.load(m_ptr + row * m_s0 + cols * m_s1, mask=inside, other=0) != 0) & inside
     zero = tl.zeros([BLOCK], tl.float64)
     nan = zero + float("nan")
-    # Only counted tokens are read: padding at masked positions never enters.
-    lp = tl.load(lp_ptr + row * lp_s0 + cols * lp_s1, mask=m, other=0.0).to(tl.float64)
+    # Padding at masked positions never enters (see _counted).
+    lp = _counted(lp_ptr + row * lp_s0 + cols * lp_s1, inside, m)
     probe = lp * 0.0  # 0 where every value of the token is finite, NaN where one is not
     old = zero
     adv = zero
     ref = zero
     ent = zero
     if HAS_OLD:
-        old = tl.load(old_ptr + row * old_s0 + cols * old_s1, mask=m, other=0.0).to(tl.float64)
+        old = _counted(old_ptr + row * old_s0 + cols * old_s1, inside, m)
         probe += old * 0.0
     if HAS_ADV:
-        adv = tl.load(adv_ptr + row * adv_s0 + cols * adv_s1, mask=m, other=0.0).to(tl.float64)
+        adv = _counted(adv_ptr + row * adv_s0 + cols * adv_s1, inside, m)
         probe += adv * 0.0
     if HAS_REF:
-        ref = tl.load(ref_ptr + row * ref_s0 + cols * ref_s1, mask=m, other=0.0).to(tl.float64)
+        ref = _counted(ref_ptr + row * ref_s0 + cols * ref_s1, inside, m)
         probe += ref * 0.0
     if HAS_ENT:
-        ent = tl.load(ent_ptr + row * ent_s0 + cols * ent_s1, mask=m, other=0.0).to(tl.float64)
+        ent = _counted(ent_ptr + row * ent_s0 + cols * ent_s1, inside, m)
         probe += ent * 0.0
     bad = m & (probe != probe)
     if SKIP:  # the token leaves every column
@@ -263,8 +273,8 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
     offset = 0
     for mb in batches:
         b, s = mb["m"].shape
-        # 512 tokens per program: 91 registers a thread on sm_90 with every input given,
-        # against 162 at 1024 (ptxas -v; no spills either way), so more programs fit an SM
+        # 512 tokens per program: 80 registers a thread on sm_90 with every input given,
+        # against 162 at 1024 (ptxas -v, benchmarks/kernel_build.py), so more programs fit an SM
         blk = block or min(BLOCK, triton.next_power_of_2(max(s, 16)))
         n_blk = triton.cdiv(s, blk)
         plans.append((offset, b, s, blk, n_blk))
@@ -312,9 +322,9 @@ def _row_sums_kernel(a_ptr, b_ptr, m_ptr, out_ptr, s, a_s0, a_s1, b_s0, b_s1, m_
     for start in range(0, s, BLOCK):
         cols = (start + tl.arange(0, BLOCK)).to(tl.int64)
         m = (tl.load(m_ptr + row * m_s0 + cols * m_s1, mask=cols < s, other=0) != 0) & (cols < s)
-        sa += tl.load(a_ptr + row * a_s0 + cols * a_s1, mask=m, other=0.0).to(tl.float64)
+        sa += _counted(a_ptr + row * a_s0 + cols * a_s1, cols < s, m)
         if TWO:
-            sb += tl.load(b_ptr + row * b_s0 + cols * b_s1, mask=m, other=0.0).to(tl.float64)
+            sb += _counted(b_ptr + row * b_s0 + cols * b_s1, cols < s, m)
     if TWO:
         tl.store(out_ptr + row * 2, tl.sum(sa, 0))
         tl.store(out_ptr + row * 2 + 1, tl.sum(sb, 0))
@@ -325,7 +335,7 @@ def _row_sums_kernel(a_ptr, b_ptr, m_ptr, out_ptr, s, a_s0, a_s1, b_s0, b_s1, m_
 def masked_row_sums(a: torch.Tensor, m: torch.Tensor, b: Optional[torch.Tensor] = None, *,
                     block: int = 0) -> torch.Tensor:
     """``[rows, 1 or 2]`` float64 sums over ``m`` of each row of ``a`` (and ``b``), all
-    ``[rows, s]`` with any strides, in one read; masked-out positions are never loaded
+    ``[rows, s]`` with any strides, in one read; masked-out positions never enter the sums
     (DPOMetric's sequence log-probs and their references)."""
     rows, s = m.shape
     out = torch.empty(rows, 1 if b is None else 2, dtype=torch.float64, device=a.device)

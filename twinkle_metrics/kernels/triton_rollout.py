@@ -11,8 +11,9 @@ per call).
 
 The numbers are the torch path's, with the same rules:
 
-- only tokens that count and have a rollout log-prob are read (NaN/-inf padding
-  elsewhere is never loaded);
+- only tokens that count and have a rollout log-prob enter a value (rows are loaded
+  whole and the rest replaced by 0 in a select, ``triton_rl._counted``: NaN/-inf padding
+  elsewhere is ignored);
 - d = logp_train - logp_rollout in float64 (exact for 16/32-bit inputs); w - 1 =
   expm1(d) and the k3 term expm1(-d) + d come from ``triton_rl._k3_ratio``, which
   keeps full relative precision without ``libdevice``;
@@ -43,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rl import _k3_ratio
+from .triton_rl import _counted, _k3_ratio
 
 #: partial columns: per-sequence (sum of d, tokens) first, then sums, the NaN flag of the
 #: extremes, and the extremes (as maxima; d_min negated)
@@ -65,9 +66,9 @@ def _rollout_kernel(lp_ptr, roll_ptr, has_ptr, part_ptr, s, lp_s0, lp_s1, roll_s
     cols = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     inside = cols < s
     m = (tl.load(has_ptr + row * has_s0 + cols * has_s1, mask=inside, other=0) != 0) & inside
-    # Only counted tokens with a rollout log-prob are read: padding elsewhere never enters.
-    lp = tl.load(lp_ptr + row * lp_s0 + cols * lp_s1, mask=m, other=0.0).to(tl.float64)
-    roll = tl.load(roll_ptr + row * roll_s0 + cols * roll_s1, mask=m, other=0.0).to(tl.float64)
+    # Only counted tokens with a rollout log-prob enter: padding elsewhere never does.
+    lp = _counted(lp_ptr + row * lp_s0 + cols * lp_s1, inside, m)
+    roll = _counted(roll_ptr + row * roll_s0 + cols * roll_s1, inside, m)
     probe = lp * 0.0 + roll * 0.0  # NaN where either log-prob is NaN/inf
     bad = m & (probe != probe)
     if SKIP:  # the token leaves every column
@@ -122,8 +123,8 @@ def token_stats(batches: Sequence[Mapping[str, torch.Tensor]], *, lo: float, hi:
     """
     device = batches[0]["lp"].device
     longest = max(mb["has"].shape[1] for mb in batches)
-    # at most 512 tokens per program: 80-96 registers a thread on sm_90, against 150-198
-    # at 1024 (ptxas -v; no spills either way), so more programs fit an SM
+    # at most 512 tokens per program: 90-96 registers a thread on sm_90, against 150-198
+    # at 1024 (ptxas -v, benchmarks/kernel_build.py), so more programs fit an SM
     blk = block or min(BLOCK, triton.next_power_of_2(max(longest, 16)))
     # Every row gets the same number of blocks (those past a shorter row write neutral
     # partials), so the per-sequence parts of all microbatches are one reduction.
