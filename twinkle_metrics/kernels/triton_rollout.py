@@ -123,7 +123,7 @@ def token_stats(batches: Sequence[Mapping[str, torch.Tensor]], *, lo: float, hi:
     """
     device = batches[0]["lp"].device
     longest = max(mb["has"].shape[1] for mb in batches)
-    # at most 512 tokens per program: 90-96 registers a thread on sm_90, against 150-198
+    # at most 512 tokens per program: 90-96 registers a thread on sm_90, against 148-202
     # at 1024 (ptxas -v, benchmarks/kernel_build.py), so more programs fit an SM
     blk = block or min(BLOCK, triton.next_power_of_2(max(longest, 16)))
     # Every row gets the same number of blocks (those past a shorter row write neutral
