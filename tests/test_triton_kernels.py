@@ -746,3 +746,55 @@ def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch):
             failed.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
     assert not failed, "\n".join(failed)
     assert reported, "triton's ptxas reported no register use for any kernel: the spill check did not run"
+
+
+_CPU_CHECK = r"""
+import math, torch
+from tests.rlref import make_rl_batch
+from twinkle_metrics import Accuracy, DPOMetric, GRPOMetric, RolloutMismatchMetric
+from twinkle_metrics.kernels import _triton, triton_argmax, triton_entropy, triton_rl, triton_rollout
+assert _triton.device_ok(torch.zeros(1)), "CPU tensors should take the kernels"
+used = []
+for mod, name in ((triton_rl, "token_stats"), (triton_rl, "masked_row_sums"), (triton_rollout, "token_stats"),
+                  (triton_entropy, "triton_token_partials"), (triton_argmax, "triton_argmax")):
+    def counted(*a, _real=getattr(mod, name), _tag=mod.__name__ + "." + name, **k):
+        used.append(_tag)
+        return _real(*a, **k)
+    setattr(mod, name, counted)
+b = make_rl_batch(11, n_seq=6, seq_len=24)
+lab, lp, old, ref, adv, z = b["labels"], b["logps"], b["old"], b["ref"], b["adv"], b["logits"].float()
+def run():
+    out = {}
+    out.update(GRPOMetric(entropy_from_logits=True, top_k_kl=2).accumulate(
+        {"labels": lab}, {"logps": lp, "logits": z}, old_logps=old, advantages=adv, ref_logps=ref).calculate())
+    out.update(DPOMetric().accumulate({"labels": lab}, {"logps": lp}, ref_outputs={"logps": ref}).calculate())
+    out.update(RolloutMismatchMetric().accumulate({"labels": lab}, {"logps": lp}, rollout_logps=old).calculate())
+    out.update(Accuracy().accumulate({"labels": lab}, {"logits": z}).calculate())
+    return out
+got = run()
+assert _triton.failed is None, _triton.failed
+_triton.ENABLED = False
+want = run()
+assert got.keys() == want.keys()
+for k, w in want.items():
+    if isinstance(w, float):
+        assert math.isclose(got[k], w, rel_tol=1e-5, abs_tol=1e-12), (k, got[k], w)
+print(sorted(set(used)))
+"""
+
+
+@pytest.mark.skipif(INTERPRETED, reason="starts its own interpreted process")
+def test_the_public_switch_runs_the_kernels_on_cpu_under_the_interpreter():
+    """``TRITON_INTERPRET=1 TWINKLE_METRICS_TRITON=1``: the metrics' own calls go through
+    every kernel on CPU tensors, and agree with the torch paths (how a user without a GPU
+    checks the fused paths)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", TWINKLE_METRICS_TRITON="1")
+    r = subprocess.run([sys.executable, "-c", _CPU_CHECK], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.strip() == str(sorted({
+        "twinkle_metrics.kernels.triton_rl.token_stats", "twinkle_metrics.kernels.triton_rl.masked_row_sums",
+        "twinkle_metrics.kernels.triton_rollout.token_stats",
+        "twinkle_metrics.kernels.triton_entropy.triton_token_partials",
+        "twinkle_metrics.kernels.triton_argmax.triton_argmax"})), r.stdout

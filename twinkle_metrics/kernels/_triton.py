@@ -7,9 +7,14 @@ Every launch passes ``enable_fp_fusion=False``: no multiply-add contraction, so 
 rounds as written (as in the torch path's separate kernels; Triton 3.10's default), and no
 warning from Triton 3.9 about the default changing.
 
-Opt-in for now: the kernels are tested on CPU under Triton's interpreter but have not
-yet been compiled or timed on a GPU, so CUDA runs use the torch path unless
-``TWINKLE_METRICS_TRITON=1`` is set (``benchmarks/gpu_bench.py`` compares the two).
+Opt-in for now: the kernels are tested on CPU under Triton's interpreter and compiled
+for sm_80/sm_90 in CI, but have not yet been timed on a GPU, so CUDA runs use the torch
+path unless ``TWINKLE_METRICS_TRITON=1`` is set (``benchmarks/gpu_bench.py`` compares the
+two). With ``TRITON_INTERPRET=1`` as well, CPU tensors take the kernel paths too, run by
+Triton's interpreter: slow, for checking the kernels against the torch paths on a machine
+without a GPU::
+
+    TRITON_INTERPRET=1 TWINKLE_METRICS_TRITON=1 python my_metric_check.py
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _available: Optional[bool] = None
 #: whether CUDA runs use the kernels (``TWINKLE_METRICS_TRITON=1``)
 ENABLED = os.environ.get("TWINKLE_METRICS_TRITON", "0") == "1"
+#: Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``): CPU tensors qualify
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def available() -> bool:
@@ -41,9 +48,10 @@ failed: Optional[str] = None
 
 
 def device_ok(x: torch.Tensor) -> bool:
-    """The kernels run where ``x`` lives: enabled, a CUDA tensor, triton installed, and no
-    kernel has failed in this process."""
-    return ENABLED and failed is None and x.is_cuda and available()
+    """The kernels run where ``x`` lives: enabled, a CUDA tensor (or a CPU tensor under
+    Triton's interpreter), triton installed, and no kernel has failed in this process."""
+    return (ENABLED and failed is None and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
+            and available())
 
 
 def attempt(what: str, fn: Callable[..., T], *args, **kwargs) -> Optional[T]:
