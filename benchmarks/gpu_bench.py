@@ -11,7 +11,8 @@ bf16 logits (fewer tokens if memory is short):
 - ``Accuracy().accumulate`` on both paths;
 - the two kernels alone at several vocab tile widths (for tuning the default);
 - ``GRPOMetric.accumulate`` (old log-probs, advantages, reference log-probs,
-  ``top_k_kl=8``) and ``DPOMetric.accumulate`` (with references) at [64, 4096]
+  ``top_k_kl=8``), ``DPOMetric.accumulate`` (with references) and
+  ``RolloutMismatchMetric.accumulate`` at [64, 4096]
   float32 log-probs, torch path vs the one-kernel path, beside one elementwise pass
   over the log-probs (``(logps - old).sum()``) as the floor;
 
@@ -109,7 +110,8 @@ def _max_rel_diff(got, want):
 
 def rl_updates(triton_ok):
     """GRPO and DPO accumulate at [64, 4096]: torch path vs one-kernel path (ms, ratios)."""
-    from twinkle_metrics import DPOMetric, GRPOMetric
+    from twinkle_metrics import DPOMetric, GRPOMetric, RolloutMismatchMetric
+    from twinkle_metrics.kernels import _triton
     g = torch.Generator(device=DEVICE).manual_seed(1)
     b, s = RL_SHAPE
     labels = torch.randint(0, 1000, (b, s), device=DEVICE, generator=g)
@@ -126,26 +128,31 @@ def rl_updates(triton_ok):
     def dpo():
         return DPOMetric().accumulate({"labels": labels}, {"logps": lp}, ref_outputs={"logps": ref})
 
+    def rollout():
+        return RolloutMismatchMetric().accumulate({"labels": labels}, {"logps": lp}, rollout_logps=old)
+
     def on_torch(fn):
         def run():
             with torch_path():
                 return fn()
         return run
 
-    fns = {"one_pass_floor": lambda: (lp - old).sum(), "grpo_torch": on_torch(grpo), "dpo_torch": on_torch(dpo)}
+    fns = {"one_pass_floor": lambda: (lp - old).sum(), "grpo_torch": on_torch(grpo), "dpo_torch": on_torch(dpo),
+           "rollout_torch": on_torch(rollout)}
     if triton_ok:
-        fns.update({"grpo_triton": grpo, "dpo_triton": dpo})
+        fns.update({"grpo_triton": grpo, "dpo_triton": dpo, "rollout_triton": rollout})
     for fn in fns.values():
         fn()
     synchronize()
     ms = time_interleaved(fns, ITERS if DRY else max(ITERS, 30))
     out = {"rl_shape": [b, s], "rl_median_ms": ms}
     if triton_ok:
-        out["rl_triton_speedup"] = {k: ms[f"{k}_torch"] / ms[f"{k}_triton"] for k in ("grpo", "dpo")}
+        out["rl_triton_speedup"] = {k: ms[f"{k}_torch"] / ms[f"{k}_triton"] for k in ("grpo", "dpo", "rollout")}
         with torch_path():
-            want_g, want_d = grpo().calculate(), dpo().calculate()
-        out["rl_max_rel_diff"] = {"grpo": _max_rel_diff(grpo().calculate(), want_g),
-                                  "dpo": _max_rel_diff(dpo().calculate(), want_d)}
+            want = {"grpo": grpo().calculate(), "dpo": dpo().calculate(), "rollout": rollout().calculate()}
+        got = {"grpo": grpo().calculate(), "dpo": dpo().calculate(), "rollout": rollout().calculate()}
+        out["rl_max_rel_diff"] = {k: _max_rel_diff(got[k], want[k]) for k in want}
+        out["triton_failed"] = _triton.failed  # None: no kernel fell back to torch
     return out
 
 

@@ -418,8 +418,9 @@ def test_gpu_bench_script_runs_end_to_end_dry():
     out = json.loads(r.stdout)
     assert out["triton"] and out["saved"] is None
     assert out["accuracy_equal"] and out["entropy_rel_diff"] < 1e-5
-    assert set(out["rl_median_ms"]) == {"one_pass_floor", "grpo_torch", "dpo_torch", "grpo_triton", "dpo_triton"}
-    assert max(out["rl_max_rel_diff"].values()) < 1e-9
+    assert set(out["rl_median_ms"]) == {"one_pass_floor", "grpo_torch", "dpo_torch", "rollout_torch",
+                                        "grpo_triton", "dpo_triton", "rollout_triton"}
+    assert max(out["rl_max_rel_diff"].values()) < 1e-9 and out["triton_failed"] is None
 
 
 class _Broken:
