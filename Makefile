@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py | cksum | cut -d
 # CPU build of torch, pinned first so nothing pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install lint test test-fast test-twinkle demo bench clean
+.PHONY: install lint test test-fast test-twinkle test-triton-image demo bench clean
 
 $(STAMP):
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,15 @@ test-twinkle:
 	[ -x benchmarks/.venv/bin/python ] || bash benchmarks/setup_env.sh
 	benchmarks/.venv/bin/python -c "import pytest" 2>/dev/null || benchmarks/.venv/bin/python -m pip install -q pytest
 	benchmarks/.venv/bin/python -m pytest -q -p no:cacheprovider tests/test_twinkle_compat.py
+
+# The kernels compiled with the Triton of the GPU image this project measures on (3.6), beside
+# the one the test extra installs: every variant must build there too.
+TRITON_IMAGE_VERSION ?= 3.6.0
+test-triton-image: install
+	[ -d .triton-$(TRITON_IMAGE_VERSION) ] || .venv/bin/python -m pip install -q --no-deps \
+		--target .triton-$(TRITON_IMAGE_VERSION) triton==$(TRITON_IMAGE_VERSION)
+	PYTHONPATH=.triton-$(TRITON_IMAGE_VERSION) .venv/bin/python -m pytest -q -p no:cacheprovider -p no:xdist \
+		tests/test_triton_kernels.py -k compiles
 
 # Benchmarks run in their own environment (benchmarks/.venv: peers twinkle-kit, torchmetrics).
 bench:

@@ -713,7 +713,7 @@ def test_rl_and_dpo_one_kernel_paths_never_wait_for_the_device(fused, monkeypatc
 
 
 # ------------------------------------------------------- compiled for real GPUs (no GPU needed)
-SPILL_BYTES_ALLOWED = 16
+SPILL_BYTES_ALLOWED = 64
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles in the parent; the child interprets")
@@ -737,8 +737,9 @@ def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch):
             ptx = compiled.asm["ptx"]
             spills = ptxas_report(ptx, arch).get("spill_bytes")
             reported += spills is not None
-            # a few bytes (ptxas parks one value around a reduction on sm_80) cost nothing;
-            # a kernel that spills its working set in the loop would show hundreds
+            # a few bytes (a value or three parked around a reduction: 8 on sm_80 with Triton
+            # 3.9, 24 with the GPU image's 3.6) cost nothing; a kernel that spills its
+            # working set would show hundreds
             assert spills is None or spills <= SPILL_BYTES_ALLOWED, f"{spills} bytes of register spills"
             # contiguous rows: every load moves >= 32 bits a thread, some move 128
             assert not narrow_loads(ptx), f"element-wise loads {narrow_loads(ptx)}"
