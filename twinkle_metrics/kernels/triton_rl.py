@@ -1,7 +1,7 @@
 """The per-token policy statistics of the GRPO family in one read of its inputs (Triton, CUDA).
 
-The torch path (``GRPOMetric``'s named steps) issues about a hundred small kernels per
-microbatch: masks, float64 casts, differences, ``expm1``, clip compares, one sum per
+The torch path (``GRPOMetric``'s named steps) issues about seventy small kernels per
+microbatch (``benchmarks/launches.py``): masks, float64 casts, differences, ``expm1``, clip compares, one sum per
 state. On a GPU that is launch-bound. Here one kernel reads each token's log-prob,
 mask and (where given) old log-prob, advantage, reference log-prob and entropy once,
 and each program writes one row of float64 partials for a block of one sequence's
@@ -26,8 +26,9 @@ The numbers are the torch path's, with the same rules:
 ``token_stats`` takes all of a call's microbatches: one launch each into one buffer, then
 the same few launches to finish, so the count does not grow with the states or inputs.
 
-Used only on CUDA with ``TWINKLE_METRICS_TRITON=1`` (see ``_triton``); tested on CPU
-under Triton's interpreter against the torch path.
+Used on CUDA with ``TWINKLE_METRICS_TRITON=1`` (see ``_triton``); tested on CPU under
+Triton's interpreter against the torch path, and compiled for sm_80/sm_90 in CI
+(``benchmarks/kernel_build.py``).
 """
 from __future__ import annotations
 
