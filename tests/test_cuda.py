@@ -140,7 +140,7 @@ def test_cpu_contribution_after_cuda_states_is_not_lost():
 def test_calculate_makes_one_synchronisation():
     """calculate() of CUDA-resident and CPU-resident metrics together (a Train metric fed
     Python numbers, rewards from lists): the one device-to-host copy of the results, no
-    copy per CPU state (they travel in one pinned, non-blocking copy)."""
+    copy per CPU state (they travel in one non-blocking copy)."""
     import warnings
 
     from twinkle_metrics import MetricCollection

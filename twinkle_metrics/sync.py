@@ -71,6 +71,7 @@ import torch.distributed as dist
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_ranks, group_size
 
+from ._checks import from_host
 from ._order import from_ordered_f64, ordered_f64
 
 _HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
@@ -363,7 +364,7 @@ def _pack(plan: Optional[_Plan], metrics, width: int, pack, device, *, need: boo
     Packs where the states are (one cat), then moves the one buffer to the
     collectives' device: never a copy per state. Where some states are on an
     accelerator, that device packs: pieces on the CPU (the header, metrics fed only
-    Python numbers) go over in one pinned, non-blocking copy, so that packing never
+    Python numbers) go over in one non-blocking copy, so that packing never
     waits for the work queued on the device (a blocking copy per CPU state did, once
     each: those were calculate()'s extra synchronisations on a GPU).
     """
@@ -400,12 +401,12 @@ def _host_pieces_to(flat: List[torch.Tensor], device: torch.device) -> List[torc
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t.to(device)``; a CPU tensor bound for CUDA is staged in pinned memory and copied
-    without blocking (a blocking copy waits for the device's queue first)."""
+    """``t.to(device)``; from the CPU without blocking (``_checks.from_host``: a blocking
+    copy waits for the device's queue first)."""
     if t.device == device:
         return t
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
+    if t.device.type == "cpu":
+        return from_host(t, device)
     return t.to(device)
 
 
