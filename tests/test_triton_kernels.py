@@ -718,7 +718,7 @@ SPILL_BYTES_ALLOWED = 64
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles in the parent; the child interprets")
 @pytest.mark.parametrize("arch", [90, 80])
-def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch):
+def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch, tmp_path, monkeypatch):
     """Every kernel variant the metrics launch goes through triton's whole CUDA pipeline (TTIR,
     TTGIR, LLVM, PTX, ptxas) for sm_90 (H100/H200) and sm_80 (A100): a kernel the
     interpreter runs but the compiler rejects (or whose float64 exp does not link) fails
@@ -728,6 +728,7 @@ def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch):
     from triton.backends.compiler import GPUTarget
 
     from benchmarks.kernel_build import compile_for, global_loads, narrow_loads, ptxas_report, variants
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # built fresh; nothing written outside the test
     target = GPUTarget("cuda", arch, 32)
     failed, reported = [], 0
     for label, kernel, types, const, warps in variants():
