@@ -228,11 +228,16 @@ def test_accuracy_through_triton_path_matches_torch(wired, monkeypatch):
 # ------------------------------------------------------------------ RL statistics
 
 
+def _cpu_as_triton_device(monkeypatch):
+    """Every tensor qualifies for the kernel paths, until a kernel fails (as on CUDA)."""
+    monkeypatch.setattr(_triton, "failed", None)
+    monkeypatch.setattr(_triton, "device_ok", lambda x: _triton.failed is None)
+
+
 @pytest.fixture
 def fused(monkeypatch):
     """The CPU counts as a Triton device for the GRPO family; counts the kernel's calls."""
-    monkeypatch.setattr(_triton, "failed", None)
-    monkeypatch.setattr(_triton, "device_ok", lambda x: _triton.failed is None)
+    _cpu_as_triton_device(monkeypatch)
     calls = []
     real = TR.token_stats
     monkeypatch.setattr(TR, "token_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -477,8 +482,7 @@ def test_failed_logits_kernels_fall_back(wired, monkeypatch):
 def fused_rollout(monkeypatch):
     """The CPU counts as a Triton device for RolloutMismatchMetric; records how many
     microbatches each call of the kernel path took."""
-    monkeypatch.setattr(_triton, "failed", None)
-    monkeypatch.setattr(_triton, "device_ok", lambda x: _triton.failed is None)
+    _cpu_as_triton_device(monkeypatch)
     calls = []
     real = TRO.token_stats
     monkeypatch.setattr(TRO, "token_stats", lambda batches, **k: calls.append(len(batches)) or real(batches, **k))
@@ -635,22 +639,26 @@ def test_failed_rollout_kernel_falls_back_to_torch_with_one_warning(fused_rollou
     assert got["rollout/seq_ess"] == want["rollout/seq_ess"]
 
 
-@kernel_test
-def test_rollout_one_kernel_path_never_waits_for_the_device(fused_rollout, monkeypatch):
+def _launch_allowing_host_reads(real, launches=None):
+    """A kernel as launched, its interpreter's numpy traffic allowed (on CUDA it is one
+    launch); each launch is appended to ``launches``."""
     from twinkle_metrics._host import host_reads
-    from twinkle_metrics.testing import forbid_device_waits
-    real = TRO._rollout_kernel
 
     class Interpreted:
-        """The kernel as launched, its interpreter's numpy traffic allowed (on CUDA it is one launch)."""
-
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
+                if launches is not None:
+                    launches.append(grid)
                 with host_reads():
                     return real[grid](*args, **kwargs)
             return launch
+    return Interpreted()
 
-    monkeypatch.setattr(TRO, "_rollout_kernel", Interpreted())
+
+@kernel_test
+def test_rollout_one_kernel_path_never_waits_for_the_device(fused_rollout, monkeypatch):
+    from twinkle_metrics.testing import forbid_device_waits
+    monkeypatch.setattr(TRO, "_rollout_kernel", _launch_allowing_host_reads(TRO._rollout_kernel))
     b = make_rl_batch(2, n_seq=6, seq_len=40)
     lab, lp, roll = b["labels"], b["logps"], b["old"]
     m = RolloutMismatchMetric()
@@ -672,22 +680,6 @@ def test_float_bounds_reach_the_kernels_as_float64_constants():
     for kernel in (TR._rl_kernel, triton_rollout._rollout_kernel):
         params = inspect.signature(kernel.fn).parameters
         assert all("constexpr" in str(params[name].annotation) for name in ("LO", "HI")), kernel.fn.__name__
-
-
-def _launch_allowing_host_reads(real, launches=None):
-    """A kernel as launched, its interpreter's numpy traffic allowed (on CUDA it is one
-    launch); each launch is appended to ``launches``."""
-    from twinkle_metrics._host import host_reads
-
-    class Interpreted:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                if launches is not None:
-                    launches.append(grid)
-                with host_reads():
-                    return real[grid](*args, **kwargs)
-            return launch
-    return Interpreted()
 
 
 @kernel_test
