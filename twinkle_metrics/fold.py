@@ -33,6 +33,12 @@ def minimum(out: Dict[str, Any], key: str, value: Any) -> None:
     out[key] = _pair(torch.minimum, min, out[key], value) if key in out else value
 
 
+def by(out: Dict[str, Any], key: str, value: Any, reduce: str) -> None:
+    """``add``, ``maximum`` or ``minimum`` as a state declares it (``"sum"``, ``"max"``,
+    ``"min"``): folds many states' contributions, each by its own reduction."""
+    _BY[reduce](out, key, value)
+
+
 def _pair(tensor_op, number_op, a, b):
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return tensor_op(a, b)
@@ -41,3 +47,6 @@ def _pair(tensor_op, number_op, a, b):
         t, x = (a, b) if isinstance(a, torch.Tensor) else (b, a)
         return tensor_op(t, torch.full_like(t, x))
     return number_op(a, b)
+
+
+_BY = {"sum": add, "max": maximum, "min": minimum}

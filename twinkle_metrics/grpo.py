@@ -459,26 +459,10 @@ class GRPOMetric(Metric):
         if result is None:
             return {}  # every microbatch takes the torch path
         totals, keys, rows = result
-        given = {f: any(getattr(mb, f) is not None for mb in mbs) for f in ("ent", "adv", "ref", "old")}
-        names = ["n_bad", "n_tok", "sum_new"]
-        if given["ent"]:
-            names += ["n_ent", "sum_ent"]
-        if given["adv"]:
-            names += ["n_adv", "sum_adv"]
-            fold.minimum(acc, "adv_min", totals["adv_min"])
-            fold.maximum(acc, "adv_max", totals["adv_max"])
-        if given["ref"]:
-            names += ["n_ref", "sum_ref_kl"]
-        if given["old"]:
-            names += ["n_old", "sum_old", "sum_diff", "sum_kl", "sum_ratio"]
-            fold.minimum(acc, "logr_min", totals["logr_min"])
-            fold.maximum(acc, "logr_max", totals["logr_max"])
-        if any(both):
-            names += [] if skip else ["clip_nan"]
-            if not self.sequence_level_clip:
-                names += ["clip_n", "clip_low", "clip_high"]
-        for name in names:
-            fold.add(acc, name, totals[name])
+        # Every state the kernel writes, by its declared reduction; a column whose input no
+        # microbatch gave holds the reduction's identity (0, -inf, +inf) and changes nothing.
+        for name, value in totals.items():
+            fold.by(acc, name, value, self._specs[name].reduce)
         return {mb: (key, r if ok else None) for mb, key, r, ok in zip(mbs, keys, rows, both)}
 
     def _count_nonfinite(self, acc, mb: "_Microbatch") -> None:

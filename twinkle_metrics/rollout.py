@@ -218,12 +218,8 @@ class RolloutMismatchMetric(Metric):
         if result is None:
             return {}
         totals, rows = result
-        for name in ("n_bad", "n_tok", "sum_abs", "sum_d", "sum_em", "sum_em2", "sum_k3", "n_high", "n_low",
-                     "sum_lp_train", "sum_lp_rollout"):
-            fold.add(acc, name, totals[name])
-        fold.maximum(acc, "abs_max", totals["abs_max"])
-        fold.maximum(acc, "d_max", totals["d_max"])
-        fold.minimum(acc, "d_min", totals["d_min"])
+        for name, value in totals.items():  # every token state, by its declared reduction
+            fold.by(acc, name, value, self._specs[name].reduce)
         return dict(zip(which, rows))
 
     def _token_sums(self, acc, item) -> torch.Tensor:
