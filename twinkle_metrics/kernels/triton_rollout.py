@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rl import _counted, _k3_ratio
+from .triton_rl import _counted, _k3_ratio, _store_sum
 
 #: partial columns: per-sequence (sum of d, tokens) first, then sums, the NaN flag of the
 #: extremes, and the extremes (as maxima; d_min negated)
@@ -56,6 +56,13 @@ _FLAG = len(SUMS)
 _N_COLS = _FLAG + 1 + len(EXTREMES)
 #: tokens of one sequence per program (at most)
 BLOCK = 512
+
+# Column indices the kernel writes, named after the states (taken from the tuples above).
+_SUM_D, _N_TOK, _N_BAD, _N_HIGH, _N_LOW, _SUM_ABS, _SUM_EM, _SUM_EM2, _SUM_K3, _SUM_LP_TRAIN, _SUM_LP_ROLLOUT = (
+    tl.constexpr(SUMS.index(c)) for c in ("sum_d", "n_tok", "n_bad", "n_high", "n_low", "sum_abs", "sum_em",
+                                          "sum_em2", "sum_k3", "sum_lp_train", "sum_lp_rollout"))
+_NAN_FLAG = tl.constexpr(_FLAG)
+_ABS_MAX, _D_MAX, _NEG_D_MIN = (tl.constexpr(_FLAG + 1 + EXTREMES.index(c)) for c in EXTREMES)
 
 
 @triton.jit
@@ -89,21 +96,21 @@ def _rollout_kernel(lp_ptr, roll_ptr, has_ptr, part_ptr, s, lp_s0, lp_s1, roll_s
     neg_inf = zero - float("inf")
     out = part_ptr + (row * tl.num_programs(1) + blk) * N_COLS
     # column order: SUMS, the NaN flag, EXTREMES (as maxima)
-    tl.store(out + 0, tl.sum(d, 0))
-    tl.store(out + 1, tl.sum(tl.where(m, 1.0, 0.0).to(tl.float64), 0))
-    tl.store(out + 2, tl.sum(tl.where(bad, 1.0, 0.0).to(tl.float64), 0))
-    tl.store(out + 3, tl.sum(tl.where(m & (d > HI), 1.0, 0.0).to(tl.float64), 0) + poison)
-    tl.store(out + 4, tl.sum(tl.where(m & (d < LO), 1.0, 0.0).to(tl.float64), 0) + poison)
-    tl.store(out + 5, tl.sum(tl.abs(d), 0))
-    tl.store(out + 6, tl.sum(em, 0))
-    tl.store(out + 7, tl.sum(em * em, 0))
-    tl.store(out + 8, tl.sum(kr, 0))
-    tl.store(out + 9, tl.sum(lp, 0))
-    tl.store(out + 10, tl.sum(roll, 0))
-    tl.store(out + 11, tl.sum(tl.where(m & (d != d), zero + float("nan"), zero), 0))
-    tl.store(out + 12, tl.max(tl.where(ok, tl.abs(d), neg_inf), 0))
-    tl.store(out + 13, tl.max(tl.where(ok, d, neg_inf), 0))
-    tl.store(out + 14, tl.max(tl.where(ok, -d, neg_inf), 0))
+    _store_sum(out, _SUM_D, d)
+    _store_sum(out, _N_TOK, tl.where(m, 1.0, 0.0).to(tl.float64))
+    _store_sum(out, _N_BAD, tl.where(bad, 1.0, 0.0).to(tl.float64))
+    tl.store(out + _N_HIGH, tl.sum(tl.where(m & (d > HI), 1.0, 0.0).to(tl.float64), 0) + poison)
+    tl.store(out + _N_LOW, tl.sum(tl.where(m & (d < LO), 1.0, 0.0).to(tl.float64), 0) + poison)
+    _store_sum(out, _SUM_ABS, tl.abs(d))
+    _store_sum(out, _SUM_EM, em)
+    _store_sum(out, _SUM_EM2, em * em)
+    _store_sum(out, _SUM_K3, kr)
+    _store_sum(out, _SUM_LP_TRAIN, lp)
+    _store_sum(out, _SUM_LP_ROLLOUT, roll)
+    _store_sum(out, _NAN_FLAG, tl.where(m & (d != d), zero + float("nan"), zero))
+    tl.store(out + _ABS_MAX, tl.max(tl.where(ok, tl.abs(d), neg_inf), 0))
+    tl.store(out + _D_MAX, tl.max(tl.where(ok, d, neg_inf), 0))
+    tl.store(out + _NEG_D_MIN, tl.max(tl.where(ok, -d, neg_inf), 0))
 
 
 def token_stats(batches: Sequence[Mapping[str, torch.Tensor]], *, lo: float, hi: float, skip: bool = False,
