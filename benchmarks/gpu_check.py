@@ -12,13 +12,14 @@
    ours vs Twinkle when ``twinkle.metric`` is importable: each of Twinkle's
    ``.item()`` calls waits for the whole queue.
 4. Peak extra GPU memory (torch.cuda.max_memory_allocated) of Accuracy and
-   entropy-from-logits on [2, 512, 152064] logits, ours vs the naive full-vocab code.
+   entropy-from-logits on [2, 512, 152064] logits, ours (torch path, and the Triton path
+   where triton is installed) vs the naive full-vocab code.
 5. ``calculate(async_op=True)`` of the same collection with 0, 25 and 100 ms of matmuls
-   queued on the compute stream: host ms of the call against the synchronous
-   ``calculate()`` (which must wait for the queue to copy its results), whether the
-   handle completed while the compute stream was still busy (the sync ran on its side
-   stream and private NCCL groups, overlapping the queued work), and whether the
-   results equal the synchronous ones exactly.
+   queued on the compute stream before the call: host ms of the call against the
+   synchronous ``calculate()`` (which must wait for the queue to copy its results); with
+   50 ms more queued after the call, whether the handle completed while that later work
+   still ran (the sync on its side stream and private NCCL groups, overlapping compute);
+   and whether the results equal the synchronous ones exactly.
 """
 from __future__ import annotations
 
@@ -159,9 +160,31 @@ def _synchronize(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def async_check(dev, busy_ms=(0.0, 25.0, 100.0), repeats: int = 3):
+def _matmul_queue(dev):
+    """(a, ms of device time per ``a @ a``): a matmul big enough that queueing N of them puts
+    N times that much work on the stream while the host returns at once (a small one would
+    measure the host's launch time, and the GPU would keep up with the queue)."""
+    n = 4096 if dev.type == "cuda" else 64
+    a = torch.randn(n, n, device=dev)
+    _busy(a, 2)
+    _synchronize(dev)
+    t0 = time.perf_counter()
+    _busy(a, 10)
+    _synchronize(dev)
+    return a, max((time.perf_counter() - t0) / 10 * 1e3, 1e-4)
+
+
+def async_check(dev, busy_ms=(0.0, 25.0, 100.0), after_ms: float = 50.0, repeats: int = 3):
     """Host time of calculate(async_op=True) vs calculate() behind queued compute work,
-    overlap of the background sync with that work, and equality of the results."""
+    overlap of the background sync with compute queued after the call, and equality of
+    the results.
+
+    For each row, ``busy_ms`` of matmuls are queued before the call: the synchronous
+    ``calculate()`` waits for them (it copies its results to the host), the asynchronous
+    one returns at once. Then ``after_ms`` more are queued behind the asynchronous call, as
+    the next step's work would be: its sync runs on a side stream after the work queued
+    before the call, so it completes while that later work still runs (overlap), unless
+    it waited for the compute stream's whole queue."""
     from parallel import DeviceMesh
     suites = {mode: suite.OursSuite(suite.ALL, mesh=DeviceMesh.current()) for mode in ("sync", "async")}
     b = to_dev(suite.make_batch(2), dev)
@@ -170,18 +193,14 @@ def async_check(dev, busy_ms=(0.0, 25.0, 100.0), repeats: int = 3):
         ours.calculate()
         ours.accumulate(b)
         ours.collection.calculate(async_op=True).wait()
-    n = 256 if dev.type == "cuda" else 64
-    a = torch.randn(n, n, device=dev)
-    _synchronize(dev)
-    t0 = time.perf_counter()
-    _busy(a, 10)
-    _synchronize(dev)
-    per_mm = max((time.perf_counter() - t0) / 10, 1e-7)
-    out = {"rows": [], "results_equal": True}
+    a, per_mm = _matmul_queue(dev)
+    n_after = max(1, int(after_ms / per_mm))
+    out = {"matmul_ms": round(per_mm, 3), "queued_after_ms": round(per_mm * n_after, 2), "rows": [],
+           "results_equal": True}
     for ms in busy_ms:
-        n_mm = int(ms / 1e3 / per_mm)
-        row = {"queued_ms": round(1e3 * per_mm * n_mm, 2), "sync_host_ms": [], "async_host_ms": [],
-               "async_done_while_compute_busy": []}
+        n_mm = int(ms / per_mm)
+        row = {"queued_before_ms": round(per_mm * n_mm, 2), "sync_host_ms": [], "async_host_ms": [],
+               "async_done_while_later_compute_runs": []}
         for _ in range(repeats):
             results = {}
             for mode, ours in suites.items():
@@ -195,10 +214,10 @@ def async_check(dev, busy_ms=(0.0, 25.0, 100.0), repeats: int = 3):
                     continue
                 handle = ours.collection.calculate(async_op=True)
                 row["async_host_ms"].append(1e3 * (time.perf_counter() - t0))
+                _busy(a, n_after)  # the next step's work, queued behind the call
                 while not handle.done():
                     time.sleep(1e-4)
-                overlapped = _stream_busy(dev)  # done while the compute queue still runs
-                row["async_done_while_compute_busy"].append(overlapped)
+                row["async_done_while_later_compute_runs"].append(_stream_busy(dev))
                 results[mode] = handle.wait()
                 _synchronize(dev)
             # everything but TrainMetric's clock readings (two collections, two clocks)
@@ -207,6 +226,15 @@ def async_check(dev, busy_ms=(0.0, 25.0, 100.0), repeats: int = 3):
             row[key] = sorted(row[key])[len(row[key]) // 2]
         out["rows"].append(row)
     return out
+
+
+def _on_kernel_path(fn, z):
+    from twinkle_metrics.kernels import _triton
+    saved, _triton.ENABLED = _triton.ENABLED, True
+    try:
+        return fn(z)
+    finally:
+        _triton.ENABLED = saved
 
 
 def memory_check(dev, shape=(2, 512, 152064)):
@@ -224,6 +252,10 @@ def memory_check(dev, shape=(2, 512, 152064)):
             {"labels": labels[:, :z.shape[1]]}, {"logps": logps[:, :z.shape[1]], "logits": z}),
         "entropy_naive": lambda z: -(torch.softmax(z.float(), -1) * torch.log_softmax(z.float(), -1)).sum(-1),
     }
+    from twinkle_metrics.kernels import _triton
+    if _triton.available():  # the same calls on the opt-in kernel path
+        for name in ("accuracy_ours", "entropy_ours"):
+            cases[name + "_triton"] = (lambda fn: lambda z: _on_kernel_path(fn, z))(cases[name])
     for dtype in (torch.bfloat16, torch.float32):
         z = torch.randn(shape, device=dev, dtype=dtype)
         for name, fn in cases.items():

@@ -103,12 +103,14 @@ def variants():
                          BLOCK=triton_rollout.BLOCK), 4))
     logit_types = dict(n_cols="i32", inner="i32", outer_stride="i64", inner_stride="i64")
     for dtype in ("bf16", "fp16", "fp32"):
-        out.append((f"entropy {dtype}", triton_entropy._partials_kernel,
-                    dict(logit_types, x_ptr=f"*{dtype}", out_ptr="*fp64", inv_t="fp32"), dict(BLOCK=4096), 8))
+        for variant, kernel in (("", triton_entropy._partials_kernel), (" lane", triton_entropy._partials_lane_kernel)):
+            out.append((f"entropy{variant} {dtype}", kernel, dict(logit_types, x_ptr=f"*{dtype}", out_ptr="*fp64",
+                                                                  inv_t="fp32"),
+                        dict(BLOCK=triton_entropy.BLOCK), triton_entropy.NUM_WARPS))
         for mode in (0, 1, 2):
             out.append((f"argmax {dtype} mode={mode}", triton_argmax._argmax_kernel,
                         dict(logit_types, x_ptr=f"*{dtype}", out_ptr="*i64", labels_ptr="*i64", offset="i32",
-                             vocab="i32"), dict(MODE=mode, BLOCK=4096), 8))
+                             vocab="i32"), dict(MODE=mode, BLOCK=triton_argmax.BLOCK), triton_argmax.NUM_WARPS))
     return out
 
 

@@ -122,12 +122,14 @@ def case_gpu_check_async_section():
     finds it working: equal results, the host times and overlap flags it reports."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks import gpu_check
-    return gpu_check.async_check(torch.device("cpu"), busy_ms=(0.0, 2.0), repeats=1)
+    return gpu_check.async_check(torch.device("cpu"), busy_ms=(0.0, 2.0), after_ms=2.0, repeats=1)
 
 
 def test_gpu_check_async_section_runs_on_gloo(dist_pool):
     for out in dist_pool.run(case_gpu_check_async_section):
         assert out["results_equal"]
-        assert [set(r) for r in out["rows"]] == [{"queued_ms", "sync_host_ms", "async_host_ms",
-                                                  "async_done_while_compute_busy"}] * 2
-        assert all(r["async_done_while_compute_busy"] == [False] for r in out["rows"])  # no CUDA stream here
+        assert [set(r) for r in out["rows"]] == [{"queued_before_ms", "sync_host_ms", "async_host_ms",
+                                                  "async_done_while_later_compute_runs"}] * 2
+        assert out["matmul_ms"] > 0 and out["queued_after_ms"] >= out["matmul_ms"]
+        # no CUDA stream here: nothing is still running when the handle is done
+        assert all(r["async_done_while_later_compute_runs"] == [False] for r in out["rows"])

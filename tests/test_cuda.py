@@ -30,7 +30,9 @@ def _cuda(b):
 
 
 def _calls():
-    """(label, metric, call); every input is built here, outside the sync-checked window."""
+    """(label, metric, call); every input is built here, outside the sync-checked window, and
+    the same on every call (seeded), so that two paths can be compared."""
+    torch.manual_seed(0)
     b = _cuda(make_rl_batch(0))
     lab, lp = b["labels"], b["logps"]
     feats = [{"labels": lab[:5]}, {"labels": lab[5:]}]
@@ -107,12 +109,18 @@ def test_accumulate_never_synchronises(index, kernel_path):
 @pytest.mark.parametrize("index", range(N_CALLS))
 def test_triton_path_agrees_with_torch_path(index, monkeypatch):
     """The same calls on both paths: the same keys, the same numbers (float64 inputs; the
-    float32 logits paths within float32 rounding)."""
+    float32 logits paths within float32 rounding). TrainMetric's clock is held still, so its
+    timings compare too."""
+    import types
+
+    import twinkle_metrics.train as train_module
     from twinkle_metrics.kernels import _triton
     if not _triton.available():
         pytest.skip("triton is not installed")
     results = {}
     for path in ("torch", "triton"):
+        clock = iter(range(10**6)).__next__  # each path's clock reads 0, 1, 2, ...
+        monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=clock))
         monkeypatch.setattr(_triton, "ENABLED", path == "triton")
         monkeypatch.setattr(_triton, "failed", None)
         label, metric, call = _calls()[index]

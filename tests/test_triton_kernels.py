@@ -53,6 +53,13 @@ def wired(monkeypatch):
     monkeypatch.setattr(_triton, "applies", lambda x: x.dtype in _triton.DTYPES and _triton.failed is None)
 
 
+@pytest.fixture(params=["tile", "lane"])
+def entropy_variant(request, monkeypatch):
+    """Each entropy-partials kernel: one running max per row, or one per lane."""
+    monkeypatch.setattr(TE, "VARIANT", request.param)
+    return request.param
+
+
 def _torch_entropy(x2d, t):
     """The torch path's per-row entropy (float64) of ``[rows, V]``."""
     return entropy.token_entropy([x2d], [torch.Size([x2d.shape[0]])], t, None, x2d.device)[0]
@@ -70,7 +77,7 @@ def _logits(rows, v, dtype=torch.float32, seed=0, scale=4.0):
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("t", [1.0, 0.6, 1.7])
-def test_entropy_partials_match_torch(dtype, t):
+def test_entropy_partials_match_torch(dtype, t, entropy_variant):
     x = _logits(9, 203, dtype, seed=int(t * 10))  # 203 = 3 tiles of 64 + a ragged tail
     x[2, :150] = float("-inf")                     # masked vocab entries
     x[3, 7] = float("-inf")
@@ -83,7 +90,7 @@ def test_entropy_partials_match_torch(dtype, t):
 
 
 @kernel_test
-def test_entropy_uniform_and_one_hot_rows():
+def test_entropy_uniform_and_one_hot_rows(entropy_variant):
     x = torch.zeros(2, 100)
     x[1] = float("-inf")
     x[1, 42] = 3.0
@@ -93,7 +100,7 @@ def test_entropy_uniform_and_one_hot_rows():
 
 
 @kernel_test
-def test_entropy_nan_inf_rows_are_nan_as_in_torch():
+def test_entropy_nan_inf_rows_are_nan_as_in_torch(entropy_variant):
     x = _logits(4, 70)
     x[0, 5] = float("nan")
     x[1, 69] = float("inf")
@@ -108,7 +115,21 @@ def test_entropy_nan_inf_rows_are_nan_as_in_torch():
 
 
 @kernel_test
-def test_entropy_strided_views_read_in_place():
+def test_entropy_of_extreme_finite_logits(entropy_variant):
+    """Rows far below any stand-in for -inf, and a range wider than float32 can subtract."""
+    x = _logits(4, 90, seed=5)
+    x[0] = x[0] - 3.0e38 / 2             # every logit near -1.5e38
+    x[1, :45] = -3.0e38                  # half the row at -3e38, the rest ordinary
+    x[2, ::2] = 3.0e38                   # ties at the top, far above the rest
+    x[3] = torch.finfo(torch.float32).min  # every logit the lowest float32
+    with warnings.catch_warnings():  # gaps overflow to -inf on purpose; the kernels clamp them
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = _h(TE.triton_token_partials(x, 1.0, block=32))
+    torch.testing.assert_close(got, _torch_entropy(x, 1.0), rtol=1e-5, atol=1e-6)
+
+
+@kernel_test
+def test_entropy_strided_views_read_in_place(entropy_variant):
     big = _logits(24, 150, seed=3)
     sliced = big[:, 20:120]                          # row stride 150, data offset 20
     assert not sliced.is_contiguous()
@@ -126,7 +147,7 @@ def test_entropy_strided_views_read_in_place():
 
 @kernel_test
 @pytest.mark.parametrize("split", [100, 37, 1])
-def test_entropy_two_vocab_shards_combine_to_whole(split):
+def test_entropy_two_vocab_shards_combine_to_whole(split, entropy_variant):
     x = _logits(8, 200, seed=split)
     x[0, :split] = float("-inf")   # a whole shard masked in one row
     t = 0.7
@@ -426,6 +447,23 @@ def test_gpu_bench_script_runs_end_to_end_dry():
     assert set(out["rl_median_ms"]) == {"one_pass_floor", "grpo_torch", "dpo_torch", "rollout_torch",
                                         "grpo_triton", "dpo_triton", "rollout_triton"}
     assert max(out["rl_max_rel_diff"].values()) < 1e-9 and out["triton_failed"] is None
+
+
+@kernel_test
+def test_gpu_tune_script_runs_end_to_end_dry():
+    """The GPU tuning sweep, whole, at tiny shapes on the CPU (as gpu_bench above): every
+    kernel variant it times runs, and every accumulate it profiles takes the kernel path."""
+    import json
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, GPU_BENCH_DRY="1", TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_tune.py")], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.split("\n=====")[0])
+    assert set(out["kernels"]["best"]) == {"entropy_tile", "entropy_lane", "argmax_hits"}
+    assert all(v["host_ms"] > 0 and v["gpu_event_ms"] > 0 for v in out["accumulate"].values())
+    assert out["triton_failed"] is None
+    assert r.stdout.count("===== cProfile") == 4
 
 
 class _Broken:

@@ -59,11 +59,60 @@ def _partials_kernel(x_ptr, out_ptr, n_cols, inner, outer_stride, inner_stride, 
     tl.store(out + 2, tl.sum(w, 0))
 
 
+@triton.jit
+def _partials_lane_kernel(x_ptr, out_ptr, n_cols, inner, outer_stride, inner_stride, inv_t,
+                          BLOCK: tl.constexpr):
+    """The same partials with a running max per lane instead of per row: no reduction
+    across the tile inside the loop, and still one exp per logit (``exp(-|y - m|)``
+    rescales the lane's sums when ``y`` is a new maximum, and weighs ``y`` otherwise).
+    The lanes' ``(m, S, W)`` combine at the end as vocab shards do."""
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + (row // inner) * outer_stride + (row % inner) * inner_stride
+    cols = tl.arange(0, BLOCK)
+    lowest = -3.4028234663852886e38  # a lane's max before any value: -inf - lowest is -inf, not NaN
+    floor = -1.0e30                  # gaps below it count as it: exp(floor) = 0, floor * S is finite
+    m = tl.full([BLOCK], lowest, tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    w = tl.zeros([BLOCK], tl.float32)
+    nan = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n_cols, BLOCK):
+        idx = start + cols
+        y = tl.load(base + idx, mask=idx < n_cols, other=float("-inf")).to(tl.float32) * inv_t
+        nan = nan | (y != y).to(tl.int32)  # NaN adds nothing below, but makes the row NaN
+        up = y > m                         # a new lane maximum (never for NaN or -inf)
+        top = tl.where(up, y, m)
+        gap = tl.maximum(tl.where(up, m, y) - top, floor)  # -|y - m|; -inf and padding: floor
+        t = tl.exp(gap)
+        w = tl.where(up, t * (w + gap * s), w + t * gap)
+        s = tl.where(up, s * t + 1.0, s + t)
+        m = top
+    row_m = tl.max(m, 0)
+    d = tl.maximum(m - row_m, floor)
+    a = tl.exp(d)
+    total_s = tl.sum(a * s, 0)
+    total_w = tl.sum(a * (w + d * s), 0)
+    bad = (tl.max(nan, 0) > 0) | (row_m == float("inf"))  # NaN, or inf - inf, in torch
+    out = out_ptr + row * 3
+    tl.store(out, tl.where(total_s > 0, row_m, float("-inf")))  # no value: the max of nothing
+    tl.store(out + 1, tl.where(bad, float("nan"), total_s))
+    tl.store(out + 2, tl.where(bad, float("nan"), total_w))
+
+
+# Which kernel computes the partials ("tile": one running max per row; "lane": one per lane).
+# "tile" is the one measured on a GPU (benchmarks/README.md, "GPU run 2026-12-01"); "lane"
+# waits for its measurement (benchmarks/gpu_tune.py sweeps both).
+VARIANT = "tile"
+# The vocab tile and warps per row: on one H200, [16384, 152064] bf16 rows took 1.93x the read
+# ceiling at 1024 / 4 warps, against 2.02x at 2048, 2.51x at 4096 and 3.36x at 8192 / 8 warps.
+BLOCK, NUM_WARPS = 1024, 4
+
+
 def _block(n_cols: int, block: int = 0) -> int:
-    return block or min(4096, triton.next_power_of_2(max(n_cols, 16)))
+    return block or min(BLOCK, triton.next_power_of_2(max(n_cols, 16)))
 
 
-def triton_token_partials(logits: torch.Tensor, temperature: float = 1.0, *, block: int = 0) -> torch.Tensor:
+def triton_token_partials(logits: torch.Tensor, temperature: float = 1.0, *, block: int = 0,
+                          num_warps: int = 0, variant: str = "") -> torch.Tensor:
     """``[rows, 3]`` float64 ``(m, S, W)`` per row of ``logits [..., V]`` (16/32-bit floats,
     strided views read in place): ``m = max(z / T)``, ``S = sum exp(z / T - m)``,
     ``W = sum exp(z / T - m) * (z / T - m)``; the entropy is ``log S - W / S``.
@@ -73,7 +122,8 @@ def triton_token_partials(logits: torch.Tensor, temperature: float = 1.0, *, blo
         p = triton_token_partials(torch.zeros(1, 8, device="cuda"))
         torch.log(p[:, 1]) - p[:, 2] / p[:, 1]   # tensor([2.0794])  (log 8)
 
-    ``block`` (a power of two) overrides the vocab tile width, for tests.
+    ``block`` (a power of two), ``num_warps`` and ``variant`` override the launch's tile
+    width, warps and kernel (``VARIANT``), for tests and benchmarks.
     """
     x, inner, outer_stride, inner_stride = rows_view(logits)
     n_cols = x.shape[-1]
@@ -82,7 +132,8 @@ def triton_token_partials(logits: torch.Tensor, temperature: float = 1.0, *, blo
     if rows == 0:
         return out
     blk = _block(n_cols, block)
-    _partials_kernel[(rows,)](x, out, n_cols, inner, outer_stride, inner_stride, 1.0 / temperature,
-                              BLOCK=blk, num_warps=8 if blk >= 2048 else 4, enable_fp_fusion=False)
+    kernel = _partials_lane_kernel if (variant or VARIANT) == "lane" else _partials_kernel
+    kernel[(rows,)](x, out, n_cols, inner, outer_stride, inner_stride, 1.0 / temperature,
+                    BLOCK=blk, num_warps=num_warps or NUM_WARPS, enable_fp_fusion=False)
     return out
 
