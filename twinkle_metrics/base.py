@@ -485,7 +485,7 @@ class Metric:
             states = install
             specs = {**specs, **new_specs}
         groups: Dict[Any, tuple] = {}  # (op, tensors or numbers) -> (states, values)
-        copies = []  # (state, new value) for "last" and callable local merges
+        copies = []  # (state, new value: a tensor, or a Python number to fill) for "last" and callable merges
         for name, value in contributions.items():
             state, spec = states[name], specs[name]
             if type(value) is torch.Tensor and value.requires_grad:
@@ -503,6 +503,11 @@ class Metric:
                     group = groups.setdefault((op, 1), ([], []))
                     group[0].append(name)
                     group[1].append(number)
+                    continue
+            if op == "last":
+                number = _plain_number(value, state.dtype)
+                if number is not None:  # filled in place: no tensor made for it, no copy
+                    copies.append((name, number))
                     continue
             value = _as_tensor(value, state)
             if not _broadcasts_to(value.shape, state.shape):
@@ -548,7 +553,10 @@ class _Staged:
             for (op, _), (names, values) in self.groups.items():
                 _FOREACH[op]([states[n] for n in names], values)
             for name, value in self.copies:
-                states[name].copy_(value)
+                if isinstance(value, torch.Tensor):
+                    states[name].copy_(value)
+                else:
+                    states[name].fill_(value)
 
 
 _ARGUMENTS: Dict[type, List[str]] = {}

@@ -416,7 +416,9 @@ class GRPOMetric(Metric):
             acc["n_seq"] = sum(batch["sizes"])
             acc["dp_index"] = dp_rank
             acc["cp_index"] = cp_rank
-            if candidates:
+            if len(candidates) == 1 and candidates[0].shape[0] == self.top_k_kl:
+                acc["topk"] = candidates[0]  # torch.topk's rows, largest first: the top k already
+            elif candidates:
                 acc["topk"] = _topk_rows(torch.cat(candidates), self.top_k_kl)
         parts = torch.cat(seq_parts) if self.sequence_level_clip and seq_parts else None
         return acc, parts
@@ -644,26 +646,24 @@ class GRPOMetric(Metric):
         feat, m, lp, old = mb.feat, mb.m, mb.lp, mb.old
         b, s = m.shape
         key = key.reshape(-1)
-        k = min(self.top_k_kl, key.shape[0])
-        idx = torch.topk(key, k).indices
-        i, p = idx // s, idx % s
+        val, idx = torch.topk(key, min(self.top_k_kl, key.shape[0]))
+        i, p = idx.div(s, rounding_mode="floor"), idx.remainder(s)
         pos = feat.get("position_ids")
         if pos is not None:
             pos = as_tensor(pos, m.device)
-            pos = (pos.unsqueeze(0) if pos.dim() == 1 else pos).expand(b, -1)[:, :s]
-            pos_v = pos[i, p].to(torch.float64)
+            p_col = (pos.unsqueeze(0) if pos.dim() == 1 else pos).expand(b, -1)[:, :s][i, p]
         else:
-            pos_v = p.to(torch.float64)
+            p_col = p
         labels = feat.get("labels")
         if labels is not None:
             labels = as_tensor(labels, m.device)
-            labels = labels.unsqueeze(0) if labels.dim() == 1 else labels
-            tok = labels[:, :s][i, p].to(torch.float64)
+            tok = (labels.unsqueeze(0) if labels.dim() == 1 else labels)[:, :s][i, p]
         else:
-            tok = torch.full_like(pos_v, -1.0)
-        gsi = (i + seq_start).to(torch.float64) + self._states["n_seq"].to(i.device, torch.float64)
+            tok = torch.full_like(val, -1.0)
+        gsi = i + (self._states["n_seq"].to(i.device) + seq_start)
         lp_k, old_k = lp[i, p].to(torch.float64), old.expand(b, s)[i, p].to(torch.float64)
-        return torch.stack([key[idx], gsi, pos_v, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
+        # one stack casts the integer columns to float64 (exact below 2**53)
+        return torch.stack([val, gsi, p_col, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
 
     def _entropy_chunks(self, name, jobs):
         """(row chunks of every job's logits, job shapes): validated, no collective."""

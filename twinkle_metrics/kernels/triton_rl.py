@@ -300,9 +300,9 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
     sums = part[:, :_N_SUM + len(EXTREMES)].sum(0)
     ext = part[:, _N_SUM + len(EXTREMES):].amax(0) + sums[_N_SUM:]  # a NaN flag makes its extreme NaN
     mins = ext[1::2].neg()
-    counts = sums[:N_COUNTS].to(torch.int64)
-    out = {name: counts[i] for i, name in enumerate(SUMS[:N_COUNTS])}
-    out.update({name: sums[i] for i, name in enumerate(SUMS) if i >= N_COUNTS})
+    # 0-d views, made by two unbinds rather than one indexing call per state
+    out = dict(zip(SUMS[:N_COUNTS], sums[:N_COUNTS].to(torch.int64).unbind()))
+    out.update(zip(SUMS[N_COUNTS:], sums[N_COUNTS:_N_SUM].unbind()))
     out.update({"adv_max": ext[0], "adv_min": mins[0], "logr_max": ext[2], "logr_min": mins[1]})
     rows: List[Optional[torch.Tensor]] = []
     for off, b, _, _, n_blk in plans:
