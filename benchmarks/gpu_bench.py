@@ -9,6 +9,9 @@ bf16 logits (fewer tokens if memory is short):
 - ``GRPOMetric(entropy_from_logits=True).accumulate`` on the torch path and on the
   Triton path, also for a transposed Megatron ``[s, b, V]`` view;
 - ``Accuracy().accumulate`` on both paths;
+- each accumulate into one live metric, call after call (the training loop's case), and
+  for the Triton path also into a new metric per call (``*_new_metric``: its states are
+  created and moved to the GPU within the timed call);
 - the two kernels alone at several vocab tile widths (for tuning the default);
 - ``GRPOMetric.accumulate`` (old log-probs, advantages, reference log-probs,
   ``top_k_kl=8``), ``DPOMetric.accumulate`` (with references) and
@@ -121,15 +124,15 @@ def rl_updates(triton_ok):
     ref = lp + 0.01 * torch.randn(b, s, device=DEVICE, generator=g)
     adv = torch.randn(b, device=DEVICE, generator=g)
 
-    def grpo():
-        return GRPOMetric(top_k_kl=8).accumulate({"labels": labels}, {"logps": lp}, old_logps=old,
-                                                 advantages=adv, ref_logps=ref)
+    def grpo(m=None):
+        return (m or GRPOMetric(top_k_kl=8)).accumulate({"labels": labels}, {"logps": lp}, old_logps=old,
+                                                        advantages=adv, ref_logps=ref)
 
-    def dpo():
-        return DPOMetric().accumulate({"labels": labels}, {"logps": lp}, ref_outputs={"logps": ref})
+    def dpo(m=None):
+        return (m or DPOMetric()).accumulate({"labels": labels}, {"logps": lp}, ref_outputs={"logps": ref})
 
-    def rollout():
-        return RolloutMismatchMetric().accumulate({"labels": labels}, {"logps": lp}, rollout_logps=old)
+    def rollout(m=None):
+        return (m or RolloutMismatchMetric()).accumulate({"labels": labels}, {"logps": lp}, rollout_logps=old)
 
     def on_torch(fn):
         def run():
@@ -137,10 +140,19 @@ def rl_updates(triton_ok):
                 return fn()
         return run
 
-    fns = {"one_pass_floor": lambda: (lp - old).sum(), "grpo_torch": on_torch(grpo), "dpo_torch": on_torch(dpo),
-           "rollout_torch": on_torch(rollout)}
+    def live(fn, make):  # one metric accumulating call after call, as in a training loop
+        m = make()
+        return lambda: fn(m)
+
+    fns = {"one_pass_floor": lambda: (lp - old).sum(),
+           "grpo_torch": on_torch(live(grpo, lambda: GRPOMetric(top_k_kl=8))),
+           "dpo_torch": on_torch(live(dpo, DPOMetric)),
+           "rollout_torch": on_torch(live(rollout, RolloutMismatchMetric))}
     if triton_ok:
-        fns.update({"grpo_triton": grpo, "dpo_triton": dpo, "rollout_triton": rollout})
+        fns.update({"grpo_triton": live(grpo, lambda: GRPOMetric(top_k_kl=8)), "dpo_triton": live(dpo, DPOMetric),
+                    "rollout_triton": live(rollout, RolloutMismatchMetric),
+                    # a new metric per call (the 2026-12-01 run's only form): states created and moved too
+                    "grpo_triton_new_metric": grpo, "dpo_triton_new_metric": dpo})
     for fn in fns.values():
         fn()
     synchronize()
@@ -176,13 +188,13 @@ def main():
     if DRY:
         _triton.device_ok = lambda x: True  # the CPU stands in for the GPU, kernels interpreted
 
-    def grpo(z):
-        m = GRPOMetric(entropy_from_logits=True)
+    def grpo(z, m=None):
+        m = m or GRPOMetric(entropy_from_logits=True)
         m.accumulate({"labels": labels}, {"logps": logps, "logits": z})
         return m
 
-    def acc():
-        return Accuracy().accumulate({"labels": labels}, {"logits": logits})
+    def acc(m=None):
+        return (m or Accuracy()).accumulate({"labels": labels}, {"logits": logits})
 
     def on_torch(fn):
         def run():
@@ -190,14 +202,20 @@ def main():
                 return fn()
         return run
 
+    def live(fn, *args):  # one metric accumulating call after call, as in a training loop
+        m = GRPOMetric(entropy_from_logits=True) if args else Accuracy()
+        return lambda: fn(*args, m=m)
+
     fns = {"read_ceiling_amax": lambda: logits.amax(-1),
-           "grpo_entropy_torch": on_torch(lambda: grpo(logits)),
-           "grpo_entropy_torch_sbv": on_torch(lambda: grpo(sbv)),
-           "accuracy_torch": on_torch(acc)}
+           "grpo_entropy_torch": on_torch(live(grpo, logits)),
+           "grpo_entropy_torch_sbv": on_torch(live(grpo, sbv)),
+           "accuracy_torch": on_torch(live(acc))}
     if triton_ok:
-        fns.update({"grpo_entropy_triton": lambda: grpo(logits),
-                    "grpo_entropy_triton_sbv": lambda: grpo(sbv),
-                    "accuracy_triton": acc})
+        fns.update({"grpo_entropy_triton": live(grpo, logits),
+                    "grpo_entropy_triton_sbv": live(grpo, sbv),
+                    "accuracy_triton": live(acc),
+                    "grpo_entropy_triton_new_metric": lambda: grpo(logits),
+                    "accuracy_triton_new_metric": acc})
     for fn in fns.values():  # warm up: kernel compilation, allocator
         fn()
     synchronize()
