@@ -6,7 +6,7 @@ import torch
 
 from parallel import DeviceMesh, Layout
 from tests.refmetric import TokenStats, make_batch
-from twinkle_metrics import Metric, MetricCollection, State, UnknownArgumentWarning, microbatches
+from twinkle_metrics import GRPOMetric, Metric, MetricCollection, State, UnknownArgumentWarning, microbatches
 from twinkle_metrics.testing import DeviceWaitError, assert_results_close, forbid_device_waits
 
 
@@ -410,3 +410,25 @@ def test_state_scope_is_validated():
         State("max", scope="model", per_rank=True)
     # ranks must agree on the scope: it is part of what they compare
     assert State("sum").signature != State("sum", scope="stage").signature
+
+
+def test_states_move_to_an_accelerator_in_one_copy_per_dtype():
+    """``move_states`` (first accumulate on a GPU, ``reset()`` there, ``Metric.to``): the
+    host states of each dtype travel as one block, each state a view of it with its own
+    shape; the meta device stands in for the accelerator (no data, the same code path)."""
+    from twinkle_metrics.state import move_states, new_states
+    m = GRPOMetric(top_k_kl=3)
+    moved = move_states(m._states, "meta")
+    assert list(moved) == list(m._states)
+    for name, t in moved.items():
+        src = m._states[name]
+        assert t.device.type == "meta" and t.dtype == src.dtype and t.shape == src.shape, name
+    bases = {}
+    for t in moved.values():
+        bases.setdefault(t.dtype, set()).add(id(t._base))
+    assert all(len(b) == 1 and None not in b for b in bases.values()), bases  # one block per dtype
+    fresh = new_states(m._specs, "meta")
+    assert {k: (v.dtype, v.shape) for k, v in fresh.items()} == {k: (v.dtype, v.shape) for k, v in moved.items()}
+    assert new_states(m._specs, "cpu").keys() == m._states.keys()
+    for name, t in new_states(m._specs, "cpu").items():
+        assert torch.equal(t, m._specs[name].new("cpu")), name

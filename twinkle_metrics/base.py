@@ -28,7 +28,7 @@ from parallel import DeviceMesh, as_device_mesh, dist_ready, group_size
 
 from . import pending, slicing
 from .exchange import join_failed
-from .state import State, _as_tensor
+from .state import State, _as_tensor, move_states, new_states
 from .sync import plain_states, sync_and_compute
 
 #: Keyword arguments of ``accumulate`` that some metric's ``update`` names. A trainer
@@ -189,7 +189,7 @@ class Metric:
 
     def reset(self) -> "Metric":
         """Restore every state to its default."""
-        self._states = {name: spec.new(self._device) for name, spec in self._specs.items()}
+        self._states = new_states(self._specs, self._device)
         return self
 
     def to(self, device) -> "Metric":
@@ -201,8 +201,7 @@ class Metric:
         """
         device = torch.device(device)
         if device != self._device:
-            blocking = device.type == "cpu"
-            self._states = {k: v.to(device, non_blocking=not blocking) for k, v in self._states.items()}
+            self._states = move_states(self._states, device)  # host ones in one copy per dtype
             self._device = device
         return self
 
@@ -480,8 +479,8 @@ class Metric:
                 device = move
         install = None  # the states apply() swaps in: moved copies and new states
         if move is not None or new_specs:
-            install = {k: (v.to(move, non_blocking=True) if move is not None else v) for k, v in states.items()}
-            install.update({k: spec.new(device) for k, spec in new_specs.items()})
+            install = move_states(states, move) if move is not None else dict(states)
+            install.update(new_states(new_specs, device))
             states = install
             specs = {**specs, **new_specs}
         groups: Dict[Any, tuple] = {}  # (op, tensors or numbers) -> (states, values)
