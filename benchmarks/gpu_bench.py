@@ -8,7 +8,8 @@ bf16 logits (fewer tokens if memory is short):
 - the read ceiling ``logits.amax(-1)`` (one read of the logits, nothing else);
 - ``GRPOMetric(entropy_from_logits=True).accumulate`` on the torch path and on the
   Triton path, also for a transposed Megatron ``[s, b, V]`` view;
-- ``Accuracy().accumulate`` on both paths;
+- ``Accuracy().accumulate`` on both paths, and TorchMetrics' ``MulticlassAccuracy.update``
+  where torchmetrics is installed;
 - each accumulate into one live metric, call after call (the training loop's case), and
   for the Triton path also into a new metric per call (``*_new_metric``: its states are
   created and moved to the GPU within the timed call);
@@ -106,6 +107,15 @@ def time_interleaved(fns, iters):
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
+def torchmetrics_accuracy(num_classes):
+    """TorchMetrics' ``MulticlassAccuracy`` (micro) on the device, or None where it is not installed."""
+    try:
+        from torchmetrics.classification import MulticlassAccuracy
+    except ImportError:
+        return None
+    return MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False).to(DEVICE)
+
+
 def _max_rel_diff(got, want):
     keys = [k for k, w in want.items() if isinstance(w, float)]
     return max((abs(got[k] - want[k]) / max(abs(want[k]), 1e-300) for k in keys), default=0.0)
@@ -184,7 +194,7 @@ def main():
     logps = torch.randn(b, s, device=DEVICE, dtype=torch.float32)
     sbv = logits.transpose(0, 1).contiguous().transpose(0, 1)  # Megatron [s, b, V] seen as [b, s, V]
     triton_ok = _triton.available()
-    _triton.ENABLED = True  # the kernels are opt-in in the library until measured here
+    _triton.ENABLED = True  # whatever TWINKLE_METRICS_TRITON says: both paths are measured
     if DRY:
         _triton.device_ok = lambda x: True  # the CPU stands in for the GPU, kernels interpreted
 
@@ -216,6 +226,9 @@ def main():
                     "accuracy_triton": live(acc),
                     "grpo_entropy_triton_new_metric": lambda: grpo(logits),
                     "accuracy_triton_new_metric": acc})
+    peer = torchmetrics_accuracy(v)
+    if peer is not None:  # the peer a user would otherwise reach for, its checks off (its fastest)
+        fns["accuracy_torchmetrics"] = lambda: peer.update(logits.reshape(-1, v), labels.reshape(-1))
     for fn in fns.values():  # warm up: kernel compilation, allocator
         fn()
     synchronize()

@@ -228,9 +228,9 @@ def async_check(dev, busy_ms=(0.0, 25.0, 100.0), after_ms: float = 50.0, repeats
     return out
 
 
-def _on_kernel_path(fn, z):
+def _on_path(enabled, fn, z):
     from twinkle_metrics.kernels import _triton
-    saved, _triton.ENABLED = _triton.ENABLED, True
+    saved, _triton.ENABLED = _triton.ENABLED, enabled
     try:
         return fn(z)
     finally:
@@ -253,9 +253,11 @@ def memory_check(dev, shape=(2, 512, 152064)):
         "entropy_naive": lambda z: -(torch.softmax(z.float(), -1) * torch.log_softmax(z.float(), -1)).sum(-1),
     }
     from twinkle_metrics.kernels import _triton
-    if _triton.available():  # the same calls on the opt-in kernel path
+    if _triton.available():  # the same calls on the kernel path
         for name in ("accuracy_ours", "entropy_ours"):
-            cases[name + "_triton"] = (lambda fn: lambda z: _on_kernel_path(fn, z))(cases[name])
+            cases[name + "_triton"] = (lambda fn: lambda z: _on_path(True, fn, z))(cases[name])
+    for name in ("accuracy_ours", "entropy_ours"):  # the torch path, whatever the default
+        cases[name] = (lambda fn: lambda z: _on_path(False, fn, z))(cases[name])
     for dtype in (torch.bfloat16, torch.float32):
         z = torch.randn(shape, device=dev, dtype=dtype)
         for name, fn in cases.items():

@@ -80,7 +80,7 @@ N_CALLS = 11  # len(_calls()); the calls build CUDA tensors, so not at collectio
 
 @pytest.fixture(params=["torch", "triton"])
 def kernel_path(request, monkeypatch):
-    """Every call on the torch path and on the opt-in Triton path."""
+    """Every call on the torch path and on the Triton path (the default where triton is installed)."""
     from twinkle_metrics.kernels import _triton
     if request.param == "triton" and not _triton.available():
         pytest.skip("triton is not installed")

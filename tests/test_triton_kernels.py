@@ -819,6 +819,26 @@ print(sorted(set(used)))
 """
 
 
+@pytest.mark.skipif(INTERPRETED, reason="reads the switches in fresh processes")
+@pytest.mark.parametrize("env, enabled, interpreted", [
+    ({}, True, False),                                                      # the default: on, for CUDA
+    ({"TWINKLE_METRICS_TRITON": "0"}, False, False),                        # off everywhere
+    ({"TRITON_INTERPRET": "1"}, True, False),                               # CPU tensors: only by name
+    ({"TRITON_INTERPRET": "1", "TWINKLE_METRICS_TRITON": "1"}, True, True),
+])
+def test_the_switches(env, enabled, interpreted):
+    """CUDA tensors take the kernels unless ``TWINKLE_METRICS_TRITON=0``; CPU tensors take them
+    (interpreted) only when both variables ask for it, so an interpreted test process keeps
+    its torch-path references on the torch path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = {k: v for k, v in os.environ.items() if k not in ("TWINKLE_METRICS_TRITON", "TRITON_INTERPRET")}
+    r = subprocess.run([sys.executable, "-c", "from twinkle_metrics.kernels import _triton as t; "
+                        "print(t.ENABLED, t.INTERPRETED)"], cwd=root, env=dict(base, **env),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [str(enabled), str(interpreted)]
+
+
 @pytest.mark.skipif(INTERPRETED, reason="starts its own interpreted process")
 def test_the_public_switch_runs_the_kernels_on_cpu_under_the_interpreter():
     """``TRITON_INTERPRET=1 TWINKLE_METRICS_TRITON=1``: the metrics' own calls go through

@@ -26,7 +26,7 @@ The numbers are the torch path's, with the same rules:
 ``token_stats`` takes all of a call's microbatches: one launch each into one buffer, then
 the same few launches to finish, so the count does not grow with the states or inputs.
 
-Used on CUDA with ``TWINKLE_METRICS_TRITON=1`` (see ``_triton``); tested on CPU under
+Used on CUDA unless ``TWINKLE_METRICS_TRITON=0`` (see ``_triton``); tested on CPU under
 Triton's interpreter against the torch path, and compiled for sm_80/sm_90 in CI
 (``benchmarks/kernel_build.py``).
 """

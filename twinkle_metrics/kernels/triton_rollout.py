@@ -33,7 +33,7 @@ every row with the same number of blocks, then the same few launches to finish
 (column sum, count cast, column max, NaN flag, negated minimum, and one per-row sum
 when rows span several blocks), so the count does not grow with the microbatches.
 
-Used on CUDA with ``TWINKLE_METRICS_TRITON=1`` (see ``_triton``); tested on CPU under
+Used on CUDA unless ``TWINKLE_METRICS_TRITON=0`` (see ``_triton``); tested on CPU under
 Triton's interpreter against the torch path, and compiled for sm_80/sm_90 in CI
 (``benchmarks/kernel_build.py``).
 """
