@@ -319,6 +319,36 @@ def test_rl_one_kernel_path_matches_torch(fused, monkeypatch, cls, kw):
 
 
 @kernel_test
+def test_top_k_records_of_many_microbatches_from_one_top_k(fused, monkeypatch):
+    """The kernel writes every fused microbatch's candidate fields into one buffer, and one
+    top-k over it picks the records: the same records as the torch path's per-microbatch
+    candidates, with position ids, features without labels (a completion mask) and a
+    microbatch that takes the torch path (ragged old log-probs) among them."""
+    b = make_rl_batch(12, n_seq=8, seq_len=19)
+    lab, lp, old, adv = b["labels"], b["logps"], b["old"], b["adv"]
+    parts = [slice(0, 3), slice(3, 5), slice(5, 8)]
+    feats = [{"labels": lab[parts[0]], "position_ids": torch.arange(100, 119)},
+             {"completion_mask": lab[parts[1]] != -100},
+             {"labels": lab[parts[2]]}]
+    olds = [old[parts[0]], old[parts[1]], ragged(old[parts[2]], lab[parts[2]])]
+    for k in (5, 200):  # fewer than the tokens, and more than the counted ones
+        args = (feats, [{"logps": lp[i]} for i in parts])
+        side = dict(old_logps=olds, advantages=[adv[i] for i in parts])
+        fused.clear()
+        m = GRPOMetric(top_k_kl=k)
+        got = m.accumulate(*args, **side).accumulate(*args, **side).calculate()
+        assert fused
+        with monkeypatch.context() as mp:
+            mp.setattr(_triton, "device_ok", lambda x: False)
+            want = GRPOMetric(top_k_kl=k).accumulate(*args, **side).accumulate(*args, **side).calculate()
+        _same(got, want)
+        recs = got["_high_kl_records"]
+        assert len(recs) == min(k, 2 * sum(int((lab[i] != -100).sum()) for i in parts))
+        assert {r["pos"] >= 100 for r in recs if r["gsi"] % 8 < 3} <= {True}   # position ids used
+        assert any(r["gsi"] >= 8 for r in recs)                                # the second call's sequences
+
+
+@kernel_test
 @pytest.mark.parametrize("nan_policy", ["propagate", "skip"])
 @pytest.mark.parametrize("cls", [GRPOMetric, GSPOMetric])
 def test_rl_one_kernel_path_nonfinite_tokens(fused, monkeypatch, nan_policy, cls):
@@ -374,16 +404,27 @@ def test_rl_kernel_blocks_rows_and_microbatches():
         old = lp + 0.3 * torch.randn(b, s, generator=g, dtype=torch.float64)
         adv = torch.randn(b, 1, generator=g, dtype=torch.float64)
         m = torch.rand(b, s, generator=g) < 0.7
-        mbs.append(dict(lp=lp, m=m, old=old, adv=adv))
+        mbs.append(dict(lp=lp, m=m, old=old, adv=adv, seq0=10 * len(mbs)))
         want_d.append(torch.where(m, lp - old, 0.0))
         want_adv.append(adv.expand(b, s)[m])
-    tot, keys, rows = TR.token_stats(mbs, want_rows=True, want_key=True, token_clip=False, block=16)
-    for mb, d, r, key in zip(mbs, want_d, rows, keys):
+    # between them, one without old log-probs (and no counted token): no records of its own
+    mbs.insert(1, dict(lp=lp[:, :5], m=torch.zeros_like(m[:, :5]), adv=adv))
+    tot, records, rows = TR.token_stats(mbs, want_rows=True, want_key=True, token_clip=False, block=16)
+    del mbs[1], rows[1]
+    assert records.shape == (len(TR.RECORD_ROWS), 3 * 70 + 2 * 17)
+    start = 0
+    for mb, d, r in zip(mbs, want_d, rows):
         m = mb["m"]
         torch.testing.assert_close(r, torch.stack([d.sum(1), m.sum(1).double(), (mb["adv"] * m).sum(1)], 1),
                                    rtol=1e-13, atol=1e-13)
+        b, s = m.shape
+        key, lp, old, seq, pos = records[:, start:start + b * s].view(len(TR.RECORD_ROWS), b, s)
+        start += b * s
         k3 = torch.expm1(d) - d
         torch.testing.assert_close(key, torch.where(m & (k3 > 0), k3, -math.inf), rtol=1e-9, atol=0)
+        assert torch.equal(lp[m], mb["lp"][m]) and torch.equal(old[m], mb["old"][m])
+        assert torch.equal(seq, (mb["seq0"] + torch.arange(b, dtype=torch.float64))[:, None].expand(b, s))
+        assert torch.equal(pos, torch.arange(s, dtype=torch.float64).expand(b, s))
     masks = [mb["m"] for mb in mbs]
     d_all = torch.cat([d[m] for d, m in zip(want_d, masks)])
     assert int(tot["n_tok"]) == sum(int(m.sum()) for m in masks) and tot["n_tok"].dtype == torch.int64

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -380,17 +380,20 @@ class GRPOMetric(Metric):
         acc: Dict[str, Any] = {}
         seq_parts: List[torch.Tensor] = []
         candidates: List[torch.Tensor] = []
-        seq_start = 0
         mbs = [_Microbatch(item, logit_ents.get(i)) for i, item in enumerate(batch["items"])]
-        fused = self._fused_sums(acc, [mb for mb in mbs if self._fuses(mb)])
+        starts = [0]  # each microbatch's first sequence in the call
         for mb in mbs:
-            if mb in fused:  # the one-kernel path: GSPO's rows and top-k keys, in microbatch order
-                key, rows = fused[mb]
-                if rows is not None:
-                    seq_parts.append(rows)
-                if key is not None:
-                    candidates.append(self._candidates(mb, key, seq_start))
-                seq_start += mb.m.shape[0]
+            starts.append(starts[-1] + mb.m.shape[0])
+        for mb, start in zip(mbs, starts):
+            mb.seq0 = start
+        fused, records = self._fused_sums(acc, [mb for mb in mbs if self._fuses(mb)])
+        if records is not None:  # every fused microbatch's candidates at once
+            candidates.append(self._fused_candidates(records, [mb for mb in fused if mb.old is not None]))
+        for mb in mbs:
+            seq_start = mb.seq0
+            if mb in fused:  # the one-kernel path: GSPO's rows, in microbatch order
+                if fused[mb] is not None:
+                    seq_parts.append(fused[mb])
                 continue
             self._count_nonfinite(acc, mb)
             self._token_sums(acc, mb)
@@ -407,7 +410,6 @@ class GRPOMetric(Metric):
                         candidates.append(self._candidates(mb, key, seq_start))
             if self.quantiles:
                 self._quantile_counts(acc, mb)
-            seq_start += mb.m.shape[0]
 
         if self.top_k_kl:
             mesh = self.resolve_mesh()
@@ -440,12 +442,13 @@ class GRPOMetric(Metric):
                 return False
         return True
 
-    def _fused_sums(self, acc, mbs: List["_Microbatch"]) -> Dict["_Microbatch", tuple]:
+    def _fused_sums(self, acc, mbs: List["_Microbatch"]) -> Tuple[Dict["_Microbatch", Any], Any]:
         """Every per-token contribution of ``mbs`` from one kernel each
         (``kernels.triton_rl``), folded into ``acc`` once: the same states and values as
-        the steps below. Returns ``{microbatch: (top-k key or None, GSPO rows or None)}``."""
+        the steps below. Returns ``({microbatch: GSPO rows or None}, the top-k record
+        buffer or None)``."""
         if not mbs:
-            return {}
+            return {}, None
         lo, hi = self._log_bounds
         skip = self.nan_policy == "skip"
         both = [mb.old is not None and mb.adv is not None for mb in mbs]
@@ -453,19 +456,19 @@ class GRPOMetric(Metric):
         def launch():
             from .kernels import triton_rl  # imports triton: CUDA only
             return triton_rl.token_stats(
-                [dict(lp=mb.lp, m=mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent) for mb in mbs],
+                [dict(lp=mb.lp, m=mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent, seq0=mb.seq0) for mb in mbs],
                 lo=lo, hi=hi, token_clip=not self.sequence_level_clip, by_sign=self.clip_by_advantage_sign,
                 skip=skip, want_key=bool(self.top_k_kl), want_rows=self.sequence_level_clip and any(both))
 
         result = _triton.attempt("RL token statistics", launch)
         if result is None:
-            return {}  # every microbatch takes the torch path
-        totals, keys, rows = result
+            return {}, None  # every microbatch takes the torch path
+        totals, records, rows = result
         # Every state the kernel writes, by its declared reduction; a column whose input no
         # microbatch gave holds the reduction's identity (0, -inf, +inf) and changes nothing.
         for name, value in totals.items():
             fold.by(acc, name, value, self._specs[name].reduce)
-        return {mb: (key, r if ok else None) for mb, key, r, ok in zip(mbs, keys, rows, both)}
+        return {mb: (r if ok else None) for mb, r, ok in zip(mbs, rows, both)}, records
 
     def _count_nonfinite(self, acc, mb: "_Microbatch") -> None:
         """Count the tokens that count and hold a NaN/inf in any input (padding at masked
@@ -665,6 +668,36 @@ class GRPOMetric(Metric):
         # one stack casts the integer columns to float64 (exact below 2**53)
         return torch.stack([val, gsi, p_col, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
 
+    def _fused_candidates(self, records: torch.Tensor, mbs: List["_Microbatch"]) -> torch.Tensor:
+        """The top-k rows of every fused microbatch at once, from the kernel's record buffer
+        (``triton_rl.RECORD_ROWS``: key, log-prob, old log-prob, sequence, position per token
+        of ``mbs``, in order): one top-k and one gather however many microbatches, plus the
+        token ids (and position ids, where given) gathered from the features."""
+        val, idx = torch.topk(records[0], min(self.top_k_kl, records.shape[1]))
+        _, lp_k, old_k, seq, col = records[:, idx].unbind()
+        tok = self._flat_feature(mbs, "labels")[idx]
+        pos = col if all(mb.feat.get("position_ids") is None for mb in mbs) else \
+            self._flat_feature(mbs, "position_ids")[idx]
+        gsi = seq + self._states["n_seq"].to(seq.device)
+        return torch.stack([val, gsi, pos, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
+
+    @staticmethod
+    def _flat_feature(mbs: List["_Microbatch"], field: str) -> torch.Tensor:
+        """``field`` of each microbatch's features over its ``[b, s]`` tokens, flattened and
+        joined in order: where absent, -1 for labels and the token's column for positions."""
+        parts = []
+        for mb in mbs:
+            b, s = mb.m.shape
+            x = mb.feat.get(field)
+            if x is None:
+                x = torch.arange(s, device=mb.m.device) if field == "position_ids" else \
+                    torch.full((1, s), -1, device=mb.m.device)
+            else:
+                x = as_tensor(x, mb.m.device)
+            x = x.unsqueeze(0) if x.dim() == 1 else x
+            parts.append(x.expand(b, -1)[:, :s].reshape(-1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def _entropy_chunks(self, name, jobs):
         """(row chunks of every job's logits, job shapes): validated, no collective."""
         blocks, shapes = [], []
@@ -830,6 +863,7 @@ class _Microbatch:
         self.ref, self.has_ref = item["ref"], item["has_ref"]
         self.old, self.has_old = item["old"], item["has_old"]
         self.n_tok = self.lpm = self.lp64 = self.d = self.ratio_m1 = None
+        self.seq0 = 0  # the index of its first sequence in the call
         self._bits: Dict[tuple, torch.Tensor] = {}
 
     def keep(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,11 @@ _ADV_MAX, _NEG_ADV_MIN, _LOGR_MAX, _NEG_LOGR_MIN = (tl.constexpr(_N_SUM + len(EX
                                                      for c in EXTREMES)
 
 
+#: rows of the top-k record buffer: one column per token of every microbatch with old log-probs
+RECORD_ROWS = ("key", "lp", "old", "seq", "pos")
+_REC_KEY, _REC_LP, _REC_OLD, _REC_SEQ, _REC_POS = (tl.constexpr(i) for i in range(len(RECORD_ROWS)))
+
+
 @triton.jit
 def _k3_ratio(d):
     """(k3, r) of d in float64, r = exp(d) and k3 = expm1(d) - d = d^2 (1/2! + d/3! + ...)."""
@@ -113,8 +118,9 @@ def _store_sum(out, col: tl.constexpr, x):
 
 
 @triton.jit
-def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, part_ptr, key_ptr,
-               s, lp_s0, lp_s1, m_s0, m_s1, old_s0, old_s1, adv_s0, adv_s1, ref_s0, ref_s1, ent_s0, ent_s1,
+def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, part_ptr, rec_ptr,
+               s, rec_stride, seq0,
+               lp_s0, lp_s1, m_s0, m_s1, old_s0, old_s1, adv_s0, adv_s1, ref_s0, ref_s1, ent_s0, ent_s1,
                LO: tl.constexpr, HI: tl.constexpr,
                HAS_OLD: tl.constexpr, HAS_ADV: tl.constexpr, HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr,
                TOKEN_CLIP: tl.constexpr, BY_SIGN: tl.constexpr, SKIP: tl.constexpr, KEY: tl.constexpr,
@@ -203,8 +209,14 @@ def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, part_ptr, key_
         tl.store(out + _NAN_LOGR_MIN, d_nan)
         tl.store(out + _LOGR_MAX, tl.max(tl.where(m & (d == d), d, neg_inf), 0))
         tl.store(out + _NEG_LOGR_MIN, tl.max(tl.where(m & (d == d), -d, neg_inf), 0))
-        if KEY:  # the top-k records' key: k3 where it is > 0, else -inf
-            tl.store(key_ptr + row * s + cols, tl.where(m & (k3 > 0), k3, neg_inf), mask=inside)
+        if KEY:  # the top-k records' fields of every token: key (k3 where > 0, else -inf), ...
+            rec = rec_ptr + row * s + cols
+            rec_stride = row * 0 + rec_stride  # int64: rows x tokens may pass 2**31
+            tl.store(rec + _REC_KEY * rec_stride, tl.where(m & (k3 > 0), k3, neg_inf), mask=inside)
+            tl.store(rec + _REC_LP * rec_stride, lp, mask=inside)
+            tl.store(rec + _REC_OLD * rec_stride, old, mask=inside)
+            tl.store(rec + _REC_SEQ * rec_stride, (seq0 + row).to(tl.float64) + zero, mask=inside)
+            tl.store(rec + _REC_POS * rec_stride, cols.to(tl.float64), mask=inside)
     else:
         d = zero
         tl.store(out + _N_OLD, 0.0)
@@ -251,7 +263,7 @@ def _strides(x: Optional[torch.Tensor], like: torch.Tensor):
 def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: float = -math.inf,
                 hi: float = math.inf, token_clip: bool = True, by_sign: bool = True, skip: bool = False,
                 want_key: bool = False, want_rows: bool = False, block: int = 0) -> Tuple[
-                    Dict[str, torch.Tensor], List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
+                    Dict[str, torch.Tensor], Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
     """The GRPO family's per-token contributions of several microbatches: one kernel per
     microbatch into one buffer of partials, then one column sum and one column max for
     all of them (a fixed number of launches beyond one per microbatch).
@@ -261,41 +273,45 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
     (one value per sequence); every value counts where ``m``. ``lo``/``hi``: the clip
     bounds on d = logp - old_logp; ``token_clip``: count token clips (False for GSPO,
     which clips sequences from ``rows``); ``by_sign``: gate them by the advantage's sign
-    (not CISPO); ``skip``: drop non-finite tokens.
+    (not CISPO); ``skip``: drop non-finite tokens. With ``want_key``, ``seq0`` (an int) is
+    the index of the microbatch's first sequence in the call.
 
-    Returns ``(totals, keys, rows)``: 0-d tensors named like the metric's states (counts
+    Returns ``(totals, records, rows)``: 0-d tensors named like the metric's states (counts
     int64, the rest float64; a column whose input no microbatch gave is 0, or -inf/+inf
-    for an extreme); per microbatch, with ``want_key`` and old log-probs, its ``[b, s]``
-    top-k key (k3 where > 0, else -inf); with ``want_rows``, its ``[b, 3]`` per-sequence
-    (sum of d, tokens, sum of A).
+    for an extreme); with ``want_key``, one float64 ``[len(RECORD_ROWS), tokens]`` buffer
+    holding, for every token of every microbatch with old log-probs (in order, row-major),
+    the top-k key (k3 where > 0 and counted, else -inf), log-prob, old log-prob, sequence
+    index (``seq0`` + row) and position in its row (else None); with ``want_rows``, per
+    microbatch its ``[b, 3]`` per-sequence (sum of d, tokens, sum of A).
     """
     device = batches[0]["lp"].device
     plans = []
-    offset = 0
+    offset = tokens = 0
     for mb in batches:
         b, s = mb["m"].shape
         # 512 tokens per program: 80 registers a thread on sm_90 with every input given,
         # against 162 at 1024 (ptxas -v, benchmarks/kernel_build.py), so more programs fit an SM
         blk = block or min(BLOCK, triton.next_power_of_2(max(s, 16)))
         n_blk = triton.cdiv(s, blk)
-        plans.append((offset, b, s, blk, n_blk))
+        keyed = want_key and mb.get("old") is not None
+        plans.append((offset, b, s, blk, n_blk, tokens if keyed else None))
         offset += b * n_blk
+        tokens += b * s if keyed else 0
     part = torch.empty(offset, _N_COLS, dtype=torch.float64, device=device)
-    keys: List[Optional[torch.Tensor]] = []
-    for mb, (off, b, s, blk, n_blk) in zip(batches, plans):
+    records = torch.empty(len(RECORD_ROWS), tokens, dtype=torch.float64, device=device) if tokens else None
+    for mb, (off, b, s, blk, n_blk, tok) in zip(batches, plans):
         lp, m, old = mb["lp"], mb["m"], mb.get("old")
-        key = torch.empty(b, s, dtype=torch.float64, device=device) if want_key and old is not None else None
-        keys.append(key)
         args = []
         for x in (lp, m.view(torch.uint8) if m.dtype == torch.bool else m, old, mb.get("adv"), mb.get("ref"),
                   mb.get("ent")):
             args.extend(_strides(x, lp))
         ptrs, strides = args[0::3], [v for i, v in enumerate(args) if i % 3]
-        _rl_kernel[(b, n_blk)](*ptrs, part[off:], part if key is None else key, s, *strides,
+        rec = part if tok is None else records[:, tok:]
+        _rl_kernel[(b, n_blk)](*ptrs, part[off:], rec, s, max(tokens, 1), int(mb.get("seq0", 0)), *strides,
                                LO=float(lo), HI=float(hi),
                                HAS_OLD=old is not None, HAS_ADV=mb.get("adv") is not None,
                                HAS_REF=mb.get("ref") is not None, HAS_ENT=mb.get("ent") is not None,
-                               TOKEN_CLIP=token_clip, BY_SIGN=by_sign, SKIP=skip, KEY=key is not None,
+                               TOKEN_CLIP=token_clip, BY_SIGN=by_sign, SKIP=skip, KEY=tok is not None,
                                N_COLS=_N_COLS, BLOCK=blk, num_warps=NUM_WARPS, enable_fp_fusion=False)
     sums = part[:, :_N_SUM + len(EXTREMES)].sum(0)
     ext = part[:, _N_SUM + len(EXTREMES):].amax(0) + sums[_N_SUM:]  # a NaN flag makes its extreme NaN
@@ -305,13 +321,13 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
     out.update(zip(SUMS[N_COUNTS:], sums[N_COUNTS:_N_SUM].unbind()))
     out.update({"adv_max": ext[0], "adv_min": mins[0], "logr_max": ext[2], "logr_min": mins[1]})
     rows: List[Optional[torch.Tensor]] = []
-    for off, b, _, _, n_blk in plans:
+    for off, b, _, _, n_blk, _ in plans:
         if not want_rows:
             rows.append(None)
             continue
         per_row = part[off:off + b * n_blk, :_N_SUM].view(b, n_blk, _N_SUM).sum(1)
         rows.append(torch.stack([per_row[:, SUMS.index(c)] for c in ("sum_diff", "n_old", "sum_adv")], 1))
-    return out, keys, rows
+    return out, records, rows
 
 
 @triton.jit
