@@ -33,8 +33,15 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from twinkle_metrics import DPOMetric, GRPOMetric, MoERoutingMetric, PPOValueMetric, RolloutMismatchMetric  # noqa: E402
-from twinkle_metrics.kernels import _triton, triton_rl, triton_rollout  # noqa: E402
+from twinkle_metrics import (  # noqa: E402
+    Accuracy,
+    DPOMetric,
+    GRPOMetric,
+    MoERoutingMetric,
+    PPOValueMetric,
+    RolloutMismatchMetric,
+)
+from twinkle_metrics.kernels import _triton, triton_argmax, triton_rl, triton_rollout  # noqa: E402
 
 _ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided"}
 
@@ -65,7 +72,7 @@ def counted_triton(counter: KernelCounter):
     """Each Triton kernel launch counts once; the interpreter's tensor work inside it does not."""
     saved = {}
     for module, name in ((triton_rl, "_rl_kernel"), (triton_rl, "_row_sums_kernel"),
-                         (triton_rollout, "_rollout_kernel")):
+                         (triton_rollout, "_rollout_kernel"), (triton_argmax, "_argmax_kernel")):
         real = getattr(module, name)
         saved[module, name] = real
 
@@ -110,7 +117,17 @@ def cases(n_mb: int):
     def grpo(m):
         return m.accumulate(inputs, outputs, old_logps=old, advantages=adv, ref_logps=ref)
 
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, 64, 512, generator=g)  # Accuracy: fewer tokens (the interpreter reads them all)
+    tokens = torch.randint(0, 512, (16, 64), generator=g)
+    tokens[:, :8] = -100
+    if n_mb == 1:
+        acc_in, acc_out = {"labels": tokens}, {"logits": logits}
+    else:
+        acc_in = [{"labels": x} for x in tokens.chunk(n_mb)]
+        acc_out = [{"logits": x} for x in logits.chunk(n_mb)]
     return {
+        "Accuracy": (Accuracy, lambda m: m.accumulate(acc_in, acc_out)),
         "GRPOMetric": (GRPOMetric, grpo),
         "GRPOMetric(top_k_kl=8)": (lambda: GRPOMetric(top_k_kl=8), grpo),
         "DPOMetric": (DPOMetric, lambda m: m.accumulate(inputs, outputs, ref_outputs=refs)),

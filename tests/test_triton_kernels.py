@@ -236,13 +236,18 @@ def test_accuracy_through_triton_path_matches_torch(wired, monkeypatch):
     labels[1] = 0
     labels[2, :3] = -100
     calls = []
-    real = TA.triton_argmax
-    monkeypatch.setattr(TA, "triton_argmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = TA._launch
+    monkeypatch.setattr(TA, "_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = Accuracy().accumulate({"labels": labels}, {"logits": x}).calculate()
-    assert calls
+    assert calls == [1]
+    # three microbatches (one a transposed view): one launch each into one buffer of hits
+    feats = [{"labels": labels[:1]}, {"labels": labels[1:2]}, {"labels": labels[2:]}]
+    outs = [{"logits": x[:1]}, {"logits": x[1:2].transpose(0, 1).contiguous().transpose(0, 1)}, {"logits": x[2:]}]
+    got_mb = Accuracy().accumulate(feats, outs).calculate()
+    assert calls == [1] * 4
     monkeypatch.setattr(_triton, "applies", lambda x: False)
     want = Accuracy().accumulate({"labels": labels}, {"logits": x}).calculate()
-    assert got == want
+    assert got == want == got_mb
     assert torch.equal(argmax.vocab_parallel_argmax([x], None, 0, 1)[0], x.argmax(-1))
 
 
@@ -833,7 +838,7 @@ from twinkle_metrics.kernels import _triton, triton_argmax, triton_entropy, trit
 assert _triton.device_ok(torch.zeros(1)), "CPU tensors should take the kernels"
 used = []
 for mod, name in ((triton_rl, "token_stats"), (triton_rl, "masked_row_sums"), (triton_rollout, "token_stats"),
-                  (triton_entropy, "triton_token_partials"), (triton_argmax, "triton_argmax")):
+                  (triton_entropy, "triton_token_partials"), (triton_argmax, "triton_argmax_hits_joined")):
     def counted(*a, _real=getattr(mod, name), _tag=mod.__name__ + "." + name, **k):
         used.append(_tag)
         return _real(*a, **k)
@@ -894,4 +899,4 @@ def test_the_public_switch_runs_the_kernels_on_cpu_under_the_interpreter():
         "twinkle_metrics.kernels.triton_rl.token_stats", "twinkle_metrics.kernels.triton_rl.masked_row_sums",
         "twinkle_metrics.kernels.triton_rollout.token_stats",
         "twinkle_metrics.kernels.triton_entropy.triton_token_partials",
-        "twinkle_metrics.kernels.triton_argmax.triton_argmax"})), r.stdout
+        "twinkle_metrics.kernels.triton_argmax.triton_argmax_hits_joined"})), r.stdout

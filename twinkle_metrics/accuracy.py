@@ -1,7 +1,7 @@
 """``Accuracy``: token accuracy, exact under data, context and tensor (vocab) parallelism."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from . import exchange
 from ._checks import floating_tensor, int_tensor, right_align
 from .base import Metric
-from .kernels.argmax import INDEX_LIMIT, argmax_hits, vocab_parallel_argmax
+from .kernels.argmax import INDEX_LIMIT, join, joined_hits, vocab_parallel_argmax
 from .microbatch import has_field, microbatches
 from .state import State
 
@@ -80,13 +80,9 @@ class Accuracy(Metric):
         hits = self._hits(work)
         if not work:
             return None
-        correct = total = None
-        for hit, (_, _, mask) in zip(hits, work):
-            c = (hit & mask).sum()
-            t = mask.sum()
-            correct = c if correct is None else correct + c
-            total = t if total is None else total + t
-        return {"correct": correct, "total": total}
+        # every microbatch's tokens at once: a fixed number of launches beyond the kernels
+        mask = join([m for _, _, m in work])
+        return {"correct": (hits & mask).sum(), "total": mask.sum()}
 
     def _agree_shapes(self, group, logits: List[torch.Tensor]) -> None:
         """Agree over TP; TP peers must hold the same tokens, vocab shard width and
@@ -143,14 +139,15 @@ class Accuracy(Metric):
             work.append((logits, labels, mask))
         return work
 
-    def _hits(self, work) -> List[torch.Tensor]:
-        """bool ``argmax == label`` per microbatch (the compare fused in the Triton path)."""
+    def _hits(self, work) -> Optional[torch.Tensor]:
+        """bool ``argmax == label`` of every microbatch's tokens, flattened and joined in
+        order (the compare fused in the Triton path, which writes one buffer for all)."""
         if not self.vocab_parallel:
-            return [argmax_hits(logits, labels) for logits, labels, _ in work]
+            return joined_hits([(logits, labels) for logits, labels, _ in work]) if work else None
         mesh = self.resolve_mesh()
         # Always enter the TP collective (even with nothing), so TP ranks stay in step.
         preds = vocab_parallel_argmax([w[0] for w in work], mesh.tp_group, mesh.tp_rank, mesh.tp_size)
-        return [pred == labels for pred, (_, labels, _) in zip(preds, work)]
+        return join([pred == labels for pred, (_, labels, _) in zip(preds, work)]) if work else None
 
     def tp_mismatch_hint(self):
         """Why TP replicas may disagree on the counts (used by ``calculate()``'s check)."""

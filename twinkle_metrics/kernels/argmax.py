@@ -9,7 +9,7 @@ float64 logits always stay here.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,23 @@ def argmax_hits(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if out is not None:
             return out
     return x.argmax(-1) == labels
+
+
+def joined_hits(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """bool ``x.argmax(-1) == labels`` of every ``(x, labels)``, flattened and joined in
+    order: on the Triton path one buffer that the kernels write in place (one launch per
+    microbatch, nothing to join); else ``argmax_hits`` of each, joined."""
+    if pairs and all(_triton.applies(x) and labels.shape == x.shape[:-1] for x, labels in pairs):
+        out = _triton.attempt("argmax", _joined_kernel_hits, pairs)
+        if out is not None:
+            return out
+    return join([argmax_hits(x, labels) for x, labels in pairs])
+
+
+def join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts`` flattened and joined in order (no copy for one part)."""
+    flat = [p.reshape(-1) for p in parts]
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
 def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_size: int) -> List[torch.Tensor]:
@@ -130,6 +147,11 @@ def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_si
 def _argmax_kernel(x, labels=None):
     from .triton_argmax import triton_argmax  # imports triton: CUDA only
     return triton_argmax(x, labels)
+
+
+def _joined_kernel_hits(pairs):
+    from .triton_argmax import triton_argmax_hits_joined
+    return triton_argmax_hits_joined(pairs)
 
 
 def _keys_kernel(x, offset, vocab):

@@ -11,7 +11,7 @@ the path on every other device and for float64 logits.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -55,12 +55,13 @@ def _argmax_kernel(x_ptr, out_ptr, labels_ptr, n_cols, inner, outer_stride, inne
 
 
 def _launch(logits: torch.Tensor, mode: int, labels: Optional[torch.Tensor] = None, offset: int = 0,
-            vocab: int = 0, block: int = 0, num_warps: int = 0) -> torch.Tensor:
+            vocab: int = 0, block: int = 0, num_warps: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     x, inner, outer_stride, inner_stride = rows_view(logits)
     n_cols = x.shape[-1]
     rows = math.prod(x.shape[:-1])
     dtype = torch.bool if mode == _OUT_HIT else torch.int64
-    out = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
+    if out is None:
+        out = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
     if rows == 0:
         return out
     blk = block or min(BLOCK, triton.next_power_of_2(max(n_cols, 16)))
@@ -80,6 +81,21 @@ def triton_argmax(logits: torch.Tensor, labels: Optional[torch.Tensor] = None, *
         raise ValueError(f"triton_argmax: labels {list(labels.shape)} do not match logits "
                          f"{list(logits.shape)}; pass labels shaped like logits[..., 0]")
     return _launch(logits, _OUT_INDEX if labels is None else _OUT_HIT, labels, block=block, num_warps=num_warps)
+
+
+def triton_argmax_hits_joined(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """bool ``x.argmax(-1) == labels`` of every ``(x, labels)`` (labels shaped like
+    ``x[..., 0]``), flattened and joined in order: each kernel writes its rows into its
+    slice of one buffer, so joining costs nothing."""
+    sizes = [labels.numel() for _, labels in pairs]
+    out = torch.empty(sum(sizes), dtype=torch.bool, device=pairs[0][0].device)
+    start = 0
+    for (x, labels), n in zip(pairs, sizes):
+        if labels.shape != x.shape[:-1]:
+            raise ValueError(f"triton_argmax: labels {list(labels.shape)} do not match logits {list(x.shape)}")
+        _launch(x, _OUT_HIT, labels, out=out[start:start + n].view(labels.shape))
+        start += n
+    return out
 
 
 def triton_argmax_keys(logits: torch.Tensor, offset: int, vocab: int, *, block: int = 0) -> torch.Tensor:
