@@ -3,8 +3,8 @@ under 2 minutes on one H200):
 
     python benchmarks/gpu_tune.py             # from the repository root; prints one JSON
 
-1. the entropy-partials kernels ("tile": one running max per row; "lane": one per lane)
-   and the argmax kernel, alone, at several tile widths and warp counts, each as a
+1. the entropy-partials kernels ("lean", the default, and "selects", the first one) and
+   the argmax kernel, alone, at several tile widths and warp counts, each as a
    ratio to the read ceiling ``logits.amax(-1)`` timed in the same loop;
 2. per accumulate, the host's time (perf_counter, no sync) and the GPU time (CUDA events)
    of GRPO (top_k_kl=8 and 0), DPO and Accuracy on a live metric (the training loop's
@@ -44,7 +44,7 @@ def kernel_sweep(logits, labels):
     fns = {"read_ceiling_amax": lambda: rows.amax(-1)}
     for blk in (256, 512, 1024, 2048)[:1 if DRY else 4]:
         for warps in (2, 4, 8)[:1 if DRY else 3]:
-            for variant in ("tile", "lane"):
+            for variant in ("lean", "selects"):
                 fns[f"entropy_{variant}_b{blk}_w{warps}"] = (
                     lambda b, w, v: lambda: triton_token_partials(rows, 1.0, block=b, num_warps=w, variant=v)
                 )(blk, warps, variant)
@@ -57,7 +57,7 @@ def kernel_sweep(logits, labels):
     ceiling = ms["read_ceiling_amax"]
     ratios = {k: round(t / ceiling, 3) for k, t in ms.items()}
     best = {kind: min((k for k in ratios if k.startswith(kind)), key=ratios.get)
-            for kind in ("entropy_tile", "entropy_lane", "argmax_hits")}
+            for kind in ("entropy_lean", "entropy_selects", "argmax_hits")}
     return {"ceiling_ms": ceiling, "ratio_to_read_ceiling": ratios,
             "best": {k: (v, ratios[v]) for k, v in best.items()}}
 

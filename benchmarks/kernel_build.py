@@ -18,7 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import Dict
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -32,7 +32,17 @@ from triton.compiler import ASTSource  # noqa: E402
 _ALIGNED_INTS = ("s", "n_cols", "outer_stride", "inner_stride")
 
 
-def compile_for(kernel, target, types, constexprs, num_warps=4, contiguous=True):
+class Variant(NamedTuple):
+    """One kernel launch the metrics make, as compiled: argument types, constexprs, warps."""
+    label: str
+    kernel: object
+    types: Dict[str, str]
+    const: Dict[str, object]
+    warps: int
+    fp_fusion: bool = False
+
+
+def compile_for(kernel, target, types, constexprs, num_warps=4, contiguous=True, fp_fusion=False):
     """Compile ``kernel`` ahead of time to a cubin for ``target`` (triton's own LLVM and
     ptxas; no GPU involved): what the first launch on that GPU would do.
 
@@ -51,7 +61,63 @@ def compile_for(kernel, target, types, constexprs, num_warps=4, contiguous=True)
     signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
     src = ASTSource(fn=kernel, signature=signature, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=target, options={"num_warps": num_warps, "enable_fp_fusion": False})
+    return triton.compile(src, target=target, options={"num_warps": num_warps, "enable_fp_fusion": fp_fusion})
+
+
+def compile_variant(v: Variant, target, contiguous=True):
+    return compile_for(v.kernel, target, v.types, v.const, v.warps, contiguous, v.fp_fusion)
+
+
+def _blocks(lines: List[str]) -> Tuple[Dict[str, int], List[Tuple[Optional[str], List[str]]]]:
+    """PTX lines as basic blocks ``(label, instructions)`` and each label's block index."""
+    blocks: List[Tuple[Optional[str], List[str]]] = [(None, [])]
+    for line in lines:
+        text = line.split("//")[0].strip()
+        if re.match(r"^\$L__BB\d+_\d+:", text):
+            blocks.append((text[:-1], []))
+        elif text and not text.startswith(("$", ".", "{", "}")):
+            blocks[-1][1].append(text)
+            if re.search(r"\bbra(?:\.uni)?\s", text):  # a branch ends its block
+                blocks.append((None, []))
+    return {label: i for i, (label, _) in enumerate(blocks) if label}, blocks
+
+
+def loop_instructions(ptx: str) -> Optional[Tuple[int, int]]:
+    """PTX instructions one iteration of the kernel's main loop issues, along its shortest
+    and its longest path (a branch taken rarely, such as a rescale when a row's max grows,
+    lies on the longest only); None for a kernel without a loop. The main loop is the
+    largest region a backward branch closes."""
+    index, blocks = _blocks(ptx.splitlines())
+    loops = []
+    for i, (_, body) in enumerate(blocks):
+        for ins in body:
+            m = re.search(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);", ins)
+            if m and m.group(1) in index and index[m.group(1)] <= i:
+                loops.append((index[m.group(1)], i))
+    if not loops:
+        return None
+    head, tail = max(loops, key=lambda hl: hl[1] - hl[0])
+    best: Dict[int, Tuple[int, int]] = {head: (len(blocks[head][1]), len(blocks[head][1]))}
+    for i in range(head, tail + 1):  # blocks in order; edges only go forward inside the loop
+        if i not in best:
+            continue
+        low, high = best[i]
+        body = blocks[i][1]
+        jump = re.search(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);", body[-1]) if body else None
+        targets = []
+        if jump and index.get(jump.group(1), -1) > i:
+            targets.append(index[jump.group(1)])
+        if not (jump and not body[-1].startswith("@")):  # falls through unless an unconditional jump
+            targets.append(i + 1)
+        for t in targets:
+            if t <= tail:
+                n = len(blocks[t][1])
+                old = best.get(t)
+                best[t] = (low + n, high + n) if old is None else (min(old[0], low + n), max(old[1], high + n))
+    head_label = blocks[head][0]
+    ends = [best[i] for i in best if any(re.search(r"bra(?:\.uni)?\s+" + re.escape(head_label) + ";", ins)
+                                         for ins in blocks[i][1])]  # blocks that start the next iteration
+    return min(e[0] for e in ends), max(e[1] for e in ends)
 
 
 def global_loads(ptx: str) -> Dict[str, int]:
@@ -87,28 +153,31 @@ def variants():
                          ref_ptr=f"*{dtype}", ent_ptr="*fp32", part_ptr="*fp64", rec_ptr="*fp64")
             const = dict({k: bool(v) for k, v in flags.items()}, LO=lo, HI=hi, N_COLS=triton_rl._N_COLS,
                          BLOCK=triton_rl.BLOCK)
-            out.append((f"GRPO {dtype} {flags}", triton_rl._rl_kernel, types, const, triton_rl.NUM_WARPS))
-    out.append(("GRPO unbounded clip", triton_rl._rl_kernel, types,
+            out.append(Variant(f"GRPO {dtype} {flags}", triton_rl._rl_kernel, types, const, triton_rl.NUM_WARPS))
+    out.append(Variant("GRPO unbounded clip", triton_rl._rl_kernel, types,
                 dict(const, LO=-math.inf, HI=math.inf), triton_rl.NUM_WARPS))
     for two in (True, False):
-        out.append((f"DPO row sums two={two}", triton_rl._row_sums_kernel,
+        out.append(Variant(f"DPO row sums two={two}", triton_rl._row_sums_kernel,
                     dict(a_ptr="*fp32", b_ptr="*bf16", m_ptr="*u8", out_ptr="*fp64", s="i32", a_s0="i32",
                          a_s1="i32", b_s0="i32", b_s1="i32", m_s0="i32", m_s1="i32"),
                     dict(TWO=two, BLOCK=1024), 4))
     for skip in (False, True):
-        out.append((f"rollout skip={skip}", triton_rollout._rollout_kernel,
+        out.append(Variant(f"rollout skip={skip}", triton_rollout._rollout_kernel,
                     dict(lp_ptr="*fp32", roll_ptr="*fp32", has_ptr="*u8", part_ptr="*fp64", s="i32",
                          lp_s0="i32", lp_s1="i32", roll_s0="i32", roll_s1="i32", has_s0="i32", has_s1="i32"),
                     dict(LO=math.log(0.5), HI=math.log(2.0), SKIP=skip, N_COLS=triton_rollout._N_COLS,
                          BLOCK=triton_rollout.BLOCK), 4))
     logit_types = dict(n_cols="i32", inner="i32", outer_stride="i64", inner_stride="i64")
     for dtype in ("bf16", "fp16", "fp32"):
-        for variant, kernel in (("", triton_entropy._partials_kernel), (" lane", triton_entropy._partials_lane_kernel)):
-            out.append((f"entropy{variant} {dtype}", kernel, dict(logit_types, x_ptr=f"*{dtype}", out_ptr="*fp64",
-                                                                  inv_t="fp32"),
-                        dict(BLOCK=triton_entropy.BLOCK), triton_entropy.NUM_WARPS))
+        types = dict(logit_types, x_ptr=f"*{dtype}", out_ptr="*fp64", inv_t="fp32")
+        for scaled in (False, True):  # temperature 1, and another
+            out.append(Variant(f"entropy {dtype} scaled={scaled}", triton_entropy._partials_lean_kernel, types,
+                               dict(SCALED=scaled, BLOCK=triton_entropy.BLOCK), triton_entropy.NUM_WARPS,
+                               fp_fusion=True))
+        out.append(Variant(f"entropy selects {dtype}", triton_entropy._partials_kernel, types,
+                           dict(BLOCK=triton_entropy.BLOCK), triton_entropy.NUM_WARPS))
         for mode in (0, 1, 2):
-            out.append((f"argmax {dtype} mode={mode}", triton_argmax._argmax_kernel,
+            out.append(Variant(f"argmax {dtype} mode={mode}", triton_argmax._argmax_kernel,
                         dict(logit_types, x_ptr=f"*{dtype}", out_ptr="*i64", labels_ptr="*i64", offset="i32",
                              vocab="i32"), dict(MODE=mode, BLOCK=triton_argmax.BLOCK), triton_argmax.NUM_WARPS))
     return out
@@ -142,10 +211,14 @@ def main():
     out = {}
     for arch in (90, 80):
         target = GPUTarget("cuda", arch, 32)
-        for label, kernel, types, const, warps in variants():
-            compiled = compile_for(kernel, target, types, const, warps)
-            out[f"sm_{arch} {label}"] = dict(ptxas_report(compiled.asm["ptx"], arch), warps=warps,
-                                             block=const.get("BLOCK"), loads=global_loads(compiled.asm["ptx"]))
+        for v in variants():
+            ptx = compile_variant(v, target).asm["ptx"]
+            row = dict(ptxas_report(ptx, arch), warps=v.warps, block=v.const.get("BLOCK"), loads=global_loads(ptx))
+            loop = loop_instructions(ptx)
+            if loop is not None and v.const.get("BLOCK"):  # per element a thread handles in one iteration
+                per = v.const["BLOCK"] / (32 * v.warps)
+                row["loop_instructions_per_element"] = [round(loop[0] / per, 1), round(loop[1] / per, 1)]
+            out[f"sm_{arch} {v.label}"] = row
     from benchmarks.common import save
     saved = save("kernel_build", {"kernels": out}, "python -m benchmarks.kernel_build")
     width = max(map(len, out))

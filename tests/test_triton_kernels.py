@@ -53,9 +53,9 @@ def wired(monkeypatch):
     monkeypatch.setattr(_triton, "applies", lambda x: x.dtype in _triton.DTYPES and _triton.failed is None)
 
 
-@pytest.fixture(params=["tile", "lane"])
+@pytest.fixture(params=["lean", "selects"])
 def entropy_variant(request, monkeypatch):
-    """Each entropy-partials kernel: one running max per row, or one per lane."""
+    """Each entropy-partials kernel: the default, and the first one (selects on every logit)."""
     monkeypatch.setattr(TE, "VARIANT", request.param)
     return request.param
 
@@ -509,7 +509,7 @@ def test_gpu_tune_script_runs_end_to_end_dry():
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.split("\n=====")[0])
-    assert set(out["kernels"]["best"]) == {"entropy_tile", "entropy_lane", "argmax_hits"}
+    assert set(out["kernels"]["best"]) == {"entropy_lean", "entropy_selects", "argmax_hits"}
     assert all(v["host_ms"] > 0 and v["gpu_event_ms"] > 0 for v in out["accumulate"].values())
     assert out["triton_failed"] is None
     assert r.stdout.count("===== cProfile") == 4
@@ -554,7 +554,7 @@ def test_failed_logits_kernels_fall_back(wired, monkeypatch):
         mp.setattr(_triton, "applies", lambda x: False)
         want_h = GRPOMetric(entropy_from_logits=True).accumulate(**kw).calculate()
         want_a = Accuracy().accumulate({"labels": b["labels"]}, {"logits": b["logits"].float()}).calculate()
-    monkeypatch.setattr(TE, "_partials_kernel", _Broken())
+    monkeypatch.setattr(TE, "_partials_lean_kernel", _Broken())  # the default kernel
     with pytest.warns(RuntimeWarning, match="entropy partials"):
         got_h = GRPOMetric(entropy_from_logits=True).accumulate(**kw).calculate()
     assert math.isclose(got_h["train/entropy"], want_h["train/entropy"], rel_tol=1e-12)
@@ -806,13 +806,14 @@ def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch, tmp_path, 
     the memory bandwidth it should reach."""
     from triton.backends.compiler import GPUTarget
 
-    from benchmarks.kernel_build import compile_for, global_loads, narrow_loads, ptxas_report, variants
+    from benchmarks.kernel_build import compile_variant, global_loads, narrow_loads, ptxas_report, variants
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # built fresh; nothing written outside the test
     target = GPUTarget("cuda", arch, 32)
     failed, reported = [], 0
-    for label, kernel, types, const, warps in variants():
+    for v in variants():
+        label = v.label
         try:
-            compiled = compile_for(kernel, target, types, const, warps)
+            compiled = compile_variant(v, target)
             assert compiled.asm.get("cubin"), "no cubin"
             ptx = compiled.asm["ptx"]
             spills = ptxas_report(ptx, arch).get("spill_bytes")

@@ -3,13 +3,16 @@
 One program per row streams the vocab once with an online softmax, temperature
 folded in: with ``y = z / T`` it keeps the running row max ``m`` and, per lane,
 ``S = sum exp(y - m)`` and ``W = sum exp(y - m) * (y - m)``, rescaling both when
-``m`` grows (``W`` also shifts by ``(m_old - m) S``), then sums the lanes. ``H = log S - W / S``. A vocab shard's
+``m`` grows (``W`` also shifts by ``(m_old - m) S``), then sums the lanes.
+``H = log S - W / S``. A vocab shard's
 ``(m, S, W)`` combine exactly with the other shards' (see ``rescale``), so the
 vocab-parallel path keeps the torch path's two collectives (``entropy.rescale``).
 
-Compute is float32 (the logits are 16/32-bit); the partials are stored as
-float64. The torch implementation in ``entropy.py`` stays the path on every other
-device and for float64 logits.
+Two kernels compute them (``VARIANT``): ``_partials_lean_kernel``, the default, and
+``_partials_kernel``, the first, which guards every logit with selects and was timed on an
+H200 (bound by instruction issue there; see ``VARIANT``'s note). Compute is float32 (the
+logits are 16/32-bit); the partials are stored as float64. The torch implementation in
+``entropy.py`` stays the path on every other device and for float64 logits.
 """
 from __future__ import annotations
 
@@ -60,50 +63,56 @@ def _partials_kernel(x_ptr, out_ptr, n_cols, inner, outer_stride, inner_stride, 
 
 
 @triton.jit
-def _partials_lane_kernel(x_ptr, out_ptr, n_cols, inner, outer_stride, inner_stride, inv_t,
-                          BLOCK: tl.constexpr):
-    """The same partials with a running max per lane instead of per row: no reduction
-    across the tile inside the loop, and still one exp per logit (``exp(-|y - m|)``
-    rescales the lane's sums when ``y`` is a new maximum, and weighs ``y`` otherwise).
-    The lanes' ``(m, S, W)`` combine at the end as vocab shards do."""
+def _partials_lean_kernel(x_ptr, out_ptr, n_cols, inner, outer_stride, inner_stride, inv_t,
+                          SCALED: tl.constexpr, BLOCK: tl.constexpr):
+    """The same partials in about 9 instructions per logit instead of 24: the lanes' sums
+    move to a new row max only when a tile raises it (a branch the whole program takes
+    together, rare after the first tiles), and non-finite logits need no selects: -inf
+    (and padding) is clamped to a floor whose exp is 0, NaN passes through the clamp into
+    S and W, and a +inf max makes ``inf - inf`` = NaN there, as in torch."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + (row // inner) * outer_stride + (row % inner) * inner_stride
     cols = tl.arange(0, BLOCK)
-    lowest = -3.4028234663852886e38  # a lane's max before any value: -inf - lowest is -inf, not NaN
-    floor = -1.0e30                  # gaps below it count as it: exp(floor) = 0, floor * S is finite
-    m = tl.full([BLOCK], lowest, tl.float32)
+    neg_inf = float("-inf")
+    floor = -1.0e30  # exp(floor) = 0 and floor * 0 = 0, where -inf would give NaN
+    m = tl.max(tl.full([BLOCK], neg_inf, tl.float32), 0)
     s = tl.zeros([BLOCK], tl.float32)
     w = tl.zeros([BLOCK], tl.float32)
-    nan = tl.zeros([BLOCK], tl.int32)
     for start in range(0, n_cols, BLOCK):
         idx = start + cols
-        y = tl.load(base + idx, mask=idx < n_cols, other=float("-inf")).to(tl.float32) * inv_t
-        nan = nan | (y != y).to(tl.int32)  # NaN adds nothing below, but makes the row NaN
-        up = y > m                         # a new lane maximum (never for NaN or -inf)
-        top = tl.where(up, y, m)
-        gap = tl.maximum(tl.where(up, m, y) - top, floor)  # -|y - m|; -inf and padding: floor
-        t = tl.exp(gap)
-        w = tl.where(up, t * (w + gap * s), w + t * gap)
-        s = tl.where(up, s * t + 1.0, s + t)
-        m = top
-    row_m = tl.max(m, 0)
-    d = tl.maximum(m - row_m, floor)
-    a = tl.exp(d)
-    total_s = tl.sum(a * s, 0)
-    total_w = tl.sum(a * (w + d * s), 0)
-    bad = (tl.max(nan, 0) > 0) | (row_m == float("inf"))  # NaN, or inf - inf, in torch
+        y = tl.load(base + idx, mask=idx < n_cols, other=neg_inf).to(tl.float32)
+        if SCALED:  # temperature != 1
+            y = y * inv_t
+        m_new = tl.maximum(m, tl.max(y, 0))
+        if m_new > m:  # the lanes' sums move to the new max (never from -inf: they are 0 then)
+            if m > neg_inf:
+                d = m - m_new
+                a = tl.exp(d)
+                w = a * (w + d * s)
+                s = a * s
+            m = m_new
+        ref = tl.where(m > neg_inf, m, 0.0)  # no -inf - -inf while the row has only -inf so far
+        yd = tl.maximum(y - ref, floor, propagate_nan=tl.PropagateNan.ALL)
+        e = tl.exp(yd)
+        s += e
+        w += e * yd
     out = out_ptr + row * 3
-    tl.store(out, tl.where(total_s > 0, row_m, float("-inf")))  # no value: the max of nothing
-    tl.store(out + 1, tl.where(bad, float("nan"), total_s))
-    tl.store(out + 2, tl.where(bad, float("nan"), total_w))
+    tl.store(out, m)
+    tl.store(out + 1, tl.sum(s, 0))
+    tl.store(out + 2, tl.sum(w, 0))
 
 
-# Which kernel computes the partials ("tile": one running max per row; "lane": one per lane).
-# "tile" is the one measured on a GPU (benchmarks/README.md, "GPU run 2026-12-01"); "lane"
-# waits for its measurement (benchmarks/gpu_tune.py sweeps both).
-VARIANT = "tile"
+# Which kernel computes the partials: "lean" (above, the default) or "selects" (the first
+# one, which guards every logit with selects). "selects" is the one timed on a GPU so far
+# (benchmarks/README.md, "GPU run, 2026-12-01"): 1.93x the read ceiling at 1024-wide tiles,
+# where its 24 instructions per logit (benchmarks/kernel_build.py counts them) take 1.3x the
+# ceiling's time to issue on an H200 before any memory stall: it is bound by instructions, not
+# bandwidth. "lean" issues about 9 per logit in the common case; benchmarks/gpu_tune.py times
+# both.
+VARIANT = "lean"
 # The vocab tile and warps per row: on one H200, [16384, 152064] bf16 rows took 1.93x the read
-# ceiling at 1024 / 4 warps, against 2.02x at 2048, 2.51x at 4096 and 3.36x at 8192 / 8 warps.
+# ceiling at 1024 / 4 warps, against 2.02x at 2048, 2.51x at 4096 and 3.36x at 8192 / 8 warps
+# ("selects").
 BLOCK, NUM_WARPS = 1024, 4
 
 
@@ -132,8 +141,13 @@ def triton_token_partials(logits: torch.Tensor, temperature: float = 1.0, *, blo
     if rows == 0:
         return out
     blk = _block(n_cols, block)
-    kernel = _partials_lane_kernel if (variant or VARIANT) == "lane" else _partials_kernel
-    kernel[(rows,)](x, out, n_cols, inner, outer_stride, inner_stride, 1.0 / temperature,
-                    BLOCK=blk, num_warps=num_warps or NUM_WARPS, enable_fp_fusion=False)
+    if (variant or VARIANT) == "lean":
+        # multiply-adds fused: the partials agree with the torch path to float32 rounding
+        # either way (it sums in another order), and one instruction in 9 is saved
+        _partials_lean_kernel[(rows,)](x, out, n_cols, inner, outer_stride, inner_stride, 1.0 / temperature,
+                                       SCALED=temperature != 1.0, BLOCK=blk, num_warps=num_warps or NUM_WARPS)
+    else:
+        _partials_kernel[(rows,)](x, out, n_cols, inner, outer_stride, inner_stride, 1.0 / temperature,
+                                  BLOCK=blk, num_warps=num_warps or NUM_WARPS, enable_fp_fusion=False)
     return out
 
