@@ -831,6 +831,23 @@ def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch, tmp_path, 
     assert reported, "triton's ptxas reported no register use for any kernel: the spill check did not run"
 
 
+@pytest.mark.skipif(INTERPRETED, reason="compiles in the parent; the child interprets")
+def test_default_entropy_kernel_issues_fewer_instructions_per_logit(tmp_path, monkeypatch):
+    """The first entropy kernel is bound by instruction issue on an H200 (24 PTX instructions
+    per logit take longer than reading the logit); the default one must stay well below it on
+    its common path (no rescale), or the kernel loses the point of being the default."""
+    from triton.backends.compiler import GPUTarget
+
+    from benchmarks.kernel_build import compile_variant, loop_instructions, variants
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    target = GPUTarget("cuda", 90, 32)
+    by_label = {v.label: v for v in variants()}
+    lean = loop_instructions(compile_variant(by_label["entropy bf16 scaled=False"], target).asm["ptx"])
+    first = loop_instructions(compile_variant(by_label["entropy selects bf16"], target).asm["ptx"])
+    assert lean[0] < lean[1]               # the rescale is a branch off the common path
+    assert lean[0] < 0.7 * first[0], (lean, first)
+
+
 _CPU_CHECK = r"""
 import math, torch
 from tests.rlref import make_rl_batch
