@@ -663,7 +663,7 @@ class GRPOMetric(Metric):
             tok = (labels.unsqueeze(0) if labels.dim() == 1 else labels)[:, :s][i, p]
         else:
             tok = torch.full_like(val, -1.0)
-        gsi = i + (self._states["n_seq"].to(i.device) + seq_start)
+        gsi = i + (self._states["n_seq"].to(i.device, non_blocking=True) + seq_start)
         lp_k, old_k = lp[i, p].to(torch.float64), old.expand(b, s)[i, p].to(torch.float64)
         # one stack casts the integer columns to float64 (exact below 2**53)
         return torch.stack([val, gsi, p_col, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
@@ -678,7 +678,7 @@ class GRPOMetric(Metric):
         tok = self._flat_feature(mbs, "labels")[idx]
         pos = col if all(mb.feat.get("position_ids") is None for mb in mbs) else \
             self._flat_feature(mbs, "position_ids")[idx]
-        gsi = seq + self._states["n_seq"].to(seq.device)
+        gsi = seq + self._states["n_seq"].to(seq.device, non_blocking=True)
         return torch.stack([val, gsi, pos, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
 
     @staticmethod
