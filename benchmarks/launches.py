@@ -41,7 +41,7 @@ from twinkle_metrics import (  # noqa: E402
     PPOValueMetric,
     RolloutMismatchMetric,
 )
-from twinkle_metrics.kernels import _triton, triton_argmax, triton_rl, triton_rollout  # noqa: E402
+from twinkle_metrics.kernels import _triton, triton_argmax, triton_entropy, triton_rl, triton_rollout  # noqa: E402
 
 _ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided"}
 
@@ -72,7 +72,8 @@ def counted_triton(counter: KernelCounter):
     """Each Triton kernel launch counts once; the interpreter's tensor work inside it does not."""
     saved = {}
     for module, name in ((triton_rl, "_rl_kernel"), (triton_rl, "_row_sums_kernel"),
-                         (triton_rollout, "_rollout_kernel"), (triton_argmax, "_argmax_kernel")):
+                         (triton_rollout, "_rollout_kernel"), (triton_argmax, "_argmax_kernel"),
+                         (triton_entropy, "_partials_lean_kernel"), (triton_entropy, "_partials_kernel")):
         real = getattr(module, name)
         saved[module, name] = real
 
@@ -121,13 +122,18 @@ def cases(n_mb: int):
     logits = torch.randn(16, 64, 512, generator=g)  # Accuracy: fewer tokens (the interpreter reads them all)
     tokens = torch.randint(0, 512, (16, 64), generator=g)
     tokens[:, :8] = -100
+    token_lp = -torch.rand(16, 64, generator=g)
     if n_mb == 1:
         acc_in, acc_out = {"labels": tokens}, {"logits": logits}
+        ent_out = {"logps": token_lp, "logits": logits}
     else:
         acc_in = [{"labels": x} for x in tokens.chunk(n_mb)]
         acc_out = [{"logits": x} for x in logits.chunk(n_mb)]
+        ent_out = [{"logps": a, "logits": b} for a, b in zip(token_lp.chunk(n_mb), logits.chunk(n_mb))]
     return {
         "Accuracy": (Accuracy, lambda m: m.accumulate(acc_in, acc_out)),
+        "GRPOMetric(entropy_from_logits=True), log-probs and logits only": (
+            lambda: GRPOMetric(entropy_from_logits=True), lambda m: m.accumulate(acc_in, ent_out)),
         "GRPOMetric": (GRPOMetric, grpo),
         "GRPOMetric(top_k_kl=8)": (lambda: GRPOMetric(top_k_kl=8), grpo),
         "DPOMetric": (DPOMetric, lambda m: m.accumulate(inputs, outputs, ref_outputs=refs)),
