@@ -41,6 +41,31 @@ def test_ppo_value_matches_reference_over_calls_and_microbatches():
     assert m.calculate() == {}  # reset
 
 
+def test_ppo_value_microbatches_in_one_call_equal_one_call_each():
+    """A call's microbatches are joined into one pass of launches: the same numbers as
+    accumulating them one call each, also when one microbatch lacks a side input, the
+    others give it per sequence or per token, and dtypes differ between microbatches."""
+    b = make_ppo_batch(4)
+    lab, v = b["labels"], b["values"]
+    rows = [torch.arange(0, 3), torch.arange(3, 7), torch.arange(7, lab.shape[0])]
+    feats = [{"labels": lab[r]} for r in rows]
+    values = [v[rows[0]].float(), v[rows[1]], v[rows[2]]]
+    olds = [b["old"][rows[0]], None, ragged(b["old"][rows[2]], lab[rows[2]])]
+    rets = [b["returns"][r] for r in rows]
+    advs = [b["adv"][rows[0]], b["adv"][rows[1]][:, :1], b["adv"][rows[2]]]  # per sequence in the middle
+    for policy in ("propagate", "skip"):
+        joined, one_each = PPOValueMetric(epsilon=0.2, nan_policy=policy), PPOValueMetric(epsilon=0.2,
+                                                                                          nan_policy=policy)
+        with forbid_device_waits():
+            joined.accumulate(feats, [{"values": x} for x in values], old_values=olds, returns=rets,
+                              advantages=advs)
+            for f, x, o, r, a in zip(feats, values, olds, rets, advs):
+                one_each.accumulate(f, {"values": x}, old_values=[o], returns=[r], advantages=[a])
+        got, want = joined.calculate(), one_each.calculate()
+        assert set(want) >= {"train/value_clip_ratio", "train/explained_variance", "train/advantage_std"}
+        assert_results_close(got, want, rel=REL)
+
+
 def test_ppo_value_float32_and_per_sequence_forms():
     b = make_ppo_batch(1)
     lab = b["labels"]

@@ -485,6 +485,7 @@ class Metric:
             specs = {**specs, **new_specs}
         groups: Dict[Any, tuple] = {}  # (op, tensors or numbers) -> (states, values)
         copies = []  # (state, new value: a tensor, or a Python number to fill) for "last" and callable merges
+        stacks: Dict[tuple, list] = {}  # (batched fold, dtype, shape) -> [(name, state, value)]
         for name, value in contributions.items():
             state, spec = states[name], specs[name]
             if type(value) is torch.Tensor and value.requires_grad:
@@ -512,19 +513,34 @@ class Metric:
             if not _broadcasts_to(value.shape, state.shape):
                 raise ValueError(f"{type(self).__name__}: contribution to state {name!r} has shape "
                                  f"{list(value.shape)}, expected {list(state.shape)}")
-            if callable(op):
-                value = _as_tensor(op(state, value), state).detach()  # pure: before any change
-                if not _broadcasts_to(value.shape, state.shape):
-                    raise ValueError(f"{type(self).__name__}: local merge of state {name!r} returned "
-                                     f"shape {list(value.shape)}, expected {list(state.shape)}")
-                copies.append((name, value))
+            if callable(op) and getattr(op, "batched", False):  # merged below, with its kind
+                stacks.setdefault((op, state.dtype, tuple(state.shape)), []).append(
+                    (name, state, value.expand(state.shape)))
+            elif callable(op):
+                copies.append((name, self._merged(name, op, state, value)))
             elif op == "last":
                 copies.append((name, value))
             else:
                 group = groups.setdefault((op, 0), ([], []))
                 group[0].append(name)
                 group[1].append(value)
+        for (op, _, _), entries in stacks.items():  # one merge for every state sharing a batched fold
+            names, olds, news = zip(*entries)
+            if len(names) == 1:
+                copies.append((names[0], self._merged(names[0], op, olds[0], news[0])))
+                continue
+            merged = self._merged(", ".join(names), op, torch.stack(olds), torch.stack(news))
+            copies.extend(zip(names, merged.unbind()))
         return _Staged(self, contributions, groups, copies, install, device, new_specs)
+
+    def _merged(self, name: str, op, state: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``op(state, value)``, a local merge, checked to keep the state's shape (pure: it
+        runs before any state changes)."""
+        value = _as_tensor(op(state, value), state).detach()
+        if not _broadcasts_to(value.shape, state.shape):
+            raise ValueError(f"{type(self).__name__}: local merge of state {name!r} returned "
+                             f"shape {list(value.shape)}, expected {list(state.shape)}")
+        return value
 
     def __repr__(self):
         return f"{type(self).__name__}(states={list(self._specs)})"

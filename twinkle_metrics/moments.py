@@ -13,28 +13,30 @@ from typing import Optional
 
 import torch
 
-from .state import State
+from .state import State, batched
 
 
 def chan(rows: torch.Tensor) -> torch.Tensor:
-    """Merge ``[k, 3]`` rows of (count, mean, M2) into one (Chan et al.'s parallel merge).
+    """Merge ``[..., k, 3]`` rows of (count, mean, M2) into one ``[..., 3]`` (Chan et al.'s
+    parallel merge), for each leading index.
 
     Rows with count 0 are identities (their mean is 0); all empty gives (0, 0, 0). The
     merged mean is the count-weighted mean; M2 adds each row's spread about it.
     """
-    n, mean, m2 = rows.unbind(1)
-    total = n.sum()
-    mu = (n * mean).sum() / total.clamp(min=1.0)  # 0 when every row is empty
-    dev = mean - mu
-    return torch.stack([total, mu, m2.sum() + (n * dev * dev).sum()])
+    n, mean, m2 = rows.unbind(-1)
+    total = n.sum(-1)
+    mu = (n * mean).sum(-1) / total.clamp(min=1.0)  # 0 when every row is empty
+    dev = mean - mu.unsqueeze(-1)
+    return torch.stack([total, mu, m2.sum(-1) + (n * dev * dev).sum(-1)], -1)
 
 
 def _moments_reduce(rows: torch.Tensor) -> torch.Tensor:
     return chan(rows)
 
 
+@batched
 def _moments_fold(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    return chan(torch.stack([old, new]))
+    return chan(torch.stack([old, new], -2))
 
 
 def moments_state() -> State:

@@ -10,7 +10,7 @@ from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .microbatch import has_field
 from .moments import chan, moments, moments_state
-from .rl_inputs import aligned_microbatches, nonfinite_tokens
+from .rl_inputs import aligned_microbatches, joined_microbatches, nonfinite_tokens
 from .state import State
 
 _SIDES = ("old_values", "returns", "advantages")
@@ -108,6 +108,7 @@ class PPOValueMetric(Metric):
         items = aligned_microbatches(type(self).__name__, inputs, outputs, "values", self.ignore_index,
                                      {"old_values": (old_values, True), "returns": (returns, True),
                                       "advantages": (advantages, True)})
+        items = joined_microbatches(items, _SIDES)  # one pass of launches for every microbatch
         acc: Dict[str, Any] = {}
         rows: Dict[str, List[torch.Tensor]] = {"ret_moments": [], "res_moments": [], "adv_moments": []}
         skip = self.nan_policy == "skip"

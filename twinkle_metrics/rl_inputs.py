@@ -301,6 +301,38 @@ def aligned_microbatches(metric: str, inputs, outputs, field: str, ignore_index:
     return items
 
 
+def joined_microbatches(items: List[Dict[str, Any]], sides: Sequence[str]) -> List[Dict[str, Any]]:
+    """``aligned_microbatches``' items as one ``[1, tokens]`` item, every microbatch's tokens
+    flattened and joined in order (``x``, ``m`` and each side input's ``(values, has)``;
+    a side input some microbatches lack gets no ``has`` there), so that element-wise
+    statistics take one pass of launches however many microbatches there are. Per-sequence
+    values are spread over their tokens. ``has`` stays the mask itself when it was in every
+    microbatch. One item or none: returned as they are. ``feat`` is dropped."""
+    if len(items) <= 1:
+        return items
+    masks = [item["m"] for item in items]
+    m = torch.cat([mask.reshape(-1) for mask in masks])[None]
+    out: Dict[str, Any] = {"x": torch.cat([item["x"].reshape(-1) for item in items])[None], "m": m,
+                           "full_len": m.shape[1]}
+    for name in sides:
+        if all(item[name] is None for item in items):
+            out[name] = None
+            continue
+        values, has, whole = [], [], True
+        for item, mask in zip(items, masks):
+            if item[name] is None:
+                values.append(torch.zeros(mask.numel(), device=mask.device))
+                has.append(torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device))
+                whole = False
+                continue
+            x, h = item[name]
+            values.append(x.expand(mask.shape).reshape(-1))
+            has.append(h.reshape(-1))
+            whole = whole and h is mask
+        out[name] = (torch.cat(values)[None], m if whole else torch.cat(has)[None])
+    return [out]
+
+
 def nonfinite_tokens(x: torch.Tensor, m: torch.Tensor,
                      sides: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """``[b, s]`` bool: tokens that count (``m``) holding a NaN/inf in ``x`` or, where a side

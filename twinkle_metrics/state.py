@@ -30,7 +30,9 @@ class State:
         shape: fixed shape; state size never grows with the number of steps.
         default: the value after ``reset()``; the identity of ``reduce`` when omitted.
         local: how ``accumulate`` folds a new value in: the reduce op by default,
-            ``"last"`` to overwrite, or a callable ``(old, new) -> merged``.
+            ``"last"`` to overwrite, or a callable ``(old, new) -> merged``. A callable
+            marked ``batched`` (see ``batched``) also merges ``[k, *shape]`` stacks of
+            ``k`` states at once, so a metric's states that share it fold in one call.
         per_rank: the value is a reading of this rank (a wall clock, a memory
             counter) that TP replicas need not agree on. Every other state must be
             the same on the TP ranks of a pipeline stage (they see the same tokens);
@@ -122,6 +124,14 @@ class State:
         if self.reduce == "sum":
             return rows.sum(0)
         return rows.amax(0) if self.reduce == "max" else rows.amin(0)
+
+
+def batched(fold: Callable) -> Callable:
+    """Mark a local merge ``(old, new) -> merged`` as elementwise over a leading dim: given
+    ``[k, *shape]`` stacks it returns the ``k`` merges stacked. ``accumulate`` then folds
+    every state that uses it (same dtype and shape) in one call instead of one each."""
+    fold.batched = True
+    return fold
 
 
 def new_states(specs: Dict[str, "State"], device) -> Dict[str, torch.Tensor]:
