@@ -121,10 +121,9 @@ def _max_rel_diff(got, want):
     return max((abs(got[k] - want[k]) / max(abs(want[k]), 1e-300) for k in keys), default=0.0)
 
 
-def rl_updates(triton_ok):
-    """GRPO and DPO accumulate at [64, 4096]: torch path vs one-kernel path (ms, ratios)."""
-    from twinkle_metrics import DPOMetric, GRPOMetric, RolloutMismatchMetric
-    from twinkle_metrics.kernels import _triton
+def rl_batch():
+    """The RL updates' inputs at ``RL_SHAPE``: labels (1/8 masked), log-probs, old and
+    reference log-probs, per-sequence advantages (seeded)."""
     g = torch.Generator(device=DEVICE).manual_seed(1)
     b, s = RL_SHAPE
     labels = torch.randint(0, 1000, (b, s), device=DEVICE, generator=g)
@@ -133,6 +132,14 @@ def rl_updates(triton_ok):
     old = lp + 0.01 * torch.randn(b, s, device=DEVICE, generator=g)
     ref = lp + 0.01 * torch.randn(b, s, device=DEVICE, generator=g)
     adv = torch.randn(b, device=DEVICE, generator=g)
+    return labels, lp, old, ref, adv
+
+
+def rl_updates(triton_ok):
+    """GRPO and DPO accumulate at [64, 4096]: torch path vs one-kernel path (ms, ratios)."""
+    from twinkle_metrics import DPOMetric, GRPOMetric, RolloutMismatchMetric
+    from twinkle_metrics.kernels import _triton
+    labels, lp, old, ref, adv = rl_batch()
 
     def grpo(m=None):
         return (m or GRPOMetric(top_k_kl=8)).accumulate({"labels": labels}, {"logps": lp}, old_logps=old,
@@ -167,7 +174,7 @@ def rl_updates(triton_ok):
         fn()
     synchronize()
     ms = time_interleaved(fns, ITERS if DRY else max(ITERS, 30))
-    out = {"rl_shape": [b, s], "rl_median_ms": ms}
+    out = {"rl_shape": list(RL_SHAPE), "rl_median_ms": ms}
     if triton_ok:
         out["rl_triton_speedup"] = {k: ms[f"{k}_torch"] / ms[f"{k}_triton"] for k in ("grpo", "dpo", "rollout")}
         with torch_path():

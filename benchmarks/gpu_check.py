@@ -110,13 +110,8 @@ def calculate_check(dev):
 
 def blocked_time(dev, busy_ms=50.0):
     """Host seconds spent inside accumulate while ~busy_ms of GPU work is queued ahead."""
-    a = torch.randn(4096, 4096, device=dev)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    torch.cuda.synchronize()
-    per_mm = (time.perf_counter() - t0) / 10
+    a, mm_ms = _matmul_queue(dev)
+    per_mm = mm_ms / 1e3
     n_mm = max(1, int(busy_ms / 1e3 / per_mm))
     try:
         import twinkle.metric as tm  # noqa: F401
@@ -135,8 +130,7 @@ def blocked_time(dev, busy_ms=50.0):
             samples = []
             for _ in range(5):
                 torch.cuda.synchronize()
-                for _ in range(n_mm):
-                    a @ a
+                _busy(a, n_mm)
                 t0 = time.perf_counter()
                 m.accumulate(w["inputs"], w["outputs"], **kw)
                 samples.append(time.perf_counter() - t0)

@@ -30,7 +30,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.gpu_bench import DEVICE, DRY, RL_SHAPE, SHAPE, allocate, synchronize, time_interleaved  # noqa: E402
+from benchmarks.gpu_bench import DEVICE, DRY, SHAPE, allocate, rl_batch, synchronize, time_interleaved  # noqa: E402
 
 ITERS = 2 if DRY else int(os.environ.get("GPU_TUNE_ITERS", "8"))
 WARM = 1 if DRY else 5
@@ -115,14 +115,7 @@ def main():
     out = {"gpu": "cpu (dry run)" if DRY else torch.cuda.get_device_name(), "torch": torch.__version__,
            "shape": [b, s, v], "kernels": kernel_sweep(logits, labels.clamp_min(0))}
 
-    g = torch.Generator(device=DEVICE).manual_seed(1)
-    rb, rs = RL_SHAPE
-    rl_labels = torch.randint(0, 1000, (rb, rs), device=DEVICE, generator=g)
-    rl_labels[:, :rs // 8] = -100
-    lp = -torch.rand(rb, rs, device=DEVICE, generator=g)
-    old = lp + 0.01 * torch.randn(rb, rs, device=DEVICE, generator=g)
-    ref = lp + 0.01 * torch.randn(rb, rs, device=DEVICE, generator=g)
-    adv = torch.randn(rb, device=DEVICE, generator=g)
+    rl_labels, lp, old, ref, adv = rl_batch()
     logps = torch.randn(b, s, device=DEVICE)
     live = {"grpo_topk8": GRPOMetric(top_k_kl=8), "grpo": GRPOMetric(), "dpo": DPOMetric(), "accuracy": Accuracy(),
             "grpo_entropy": GRPOMetric(entropy_from_logits=True)}
