@@ -9,8 +9,8 @@ import torch.distributed as dist
 from . import exchange
 from ._checks import floating_tensor, int_tensor, right_align
 from .base import Metric
-from .kernels.argmax import INDEX_LIMIT, join, joined_hits, vocab_parallel_argmax
-from .microbatch import has_field, microbatches
+from .kernels.argmax import INDEX_LIMIT, joined_hits, vocab_parallel_argmax
+from .microbatch import has_field, join, microbatches
 from .state import State
 
 _NAME = "Accuracy"

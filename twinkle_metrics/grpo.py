@@ -15,7 +15,7 @@ from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .histogram import Histogram, check_quantiles, quantile_keys
 from .kernels import _triton, entropy
-from .microbatch import has_field, microbatches
+from .microbatch import has_field, join, microbatches
 from .rl_inputs import (
     _float,
     common_length,
@@ -695,8 +695,8 @@ class GRPOMetric(Metric):
             else:
                 x = as_tensor(x, mb.m.device)
             x = x.unsqueeze(0) if x.dim() == 1 else x
-            parts.append(x.expand(b, -1)[:, :s].reshape(-1))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            parts.append(x.expand(b, -1)[:, :s])
+        return join(parts)
 
     def _entropy_chunks(self, name, jobs):
         """(row chunks of every job's logits, job shapes): validated, no collective."""

@@ -52,6 +52,12 @@ def as_feature_list(metric: str, inputs) -> List[Dict[str, Any]]:
                     f"{type(inputs).__name__}")
 
 
+def join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-microbatch tensors flattened and joined in order (no copy for one part)."""
+    flat = [p.reshape(-1) for p in parts]
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
+
+
 def microbatches(metric: str, inputs, outputs, fields: Sequence[str]) -> List[Pair]:
     """Aligned ``(input feature, {field: value})`` pairs, one per microbatch.
 

@@ -16,7 +16,7 @@ import torch
 from parallel import comm_device, group_size
 
 from ._checks import as_tensor, float_tensor, from_host, nonfinite
-from .microbatch import has_field, microbatches
+from .microbatch import has_field, join, microbatches
 
 
 def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tensor:
@@ -311,9 +311,8 @@ def joined_microbatches(items: List[Dict[str, Any]], sides: Sequence[str]) -> Li
     if len(items) <= 1:
         return items
     masks = [item["m"] for item in items]
-    m = torch.cat([mask.reshape(-1) for mask in masks])[None]
-    out: Dict[str, Any] = {"x": torch.cat([item["x"].reshape(-1) for item in items])[None], "m": m,
-                           "full_len": m.shape[1]}
+    m = join(masks)[None]
+    out: Dict[str, Any] = {"x": join([item["x"] for item in items])[None], "m": m, "full_len": m.shape[1]}
     for name in sides:
         if all(item[name] is None for item in items):
             out[name] = None
@@ -326,10 +325,10 @@ def joined_microbatches(items: List[Dict[str, Any]], sides: Sequence[str]) -> Li
                 whole = False
                 continue
             x, h = item[name]
-            values.append(x.expand(mask.shape).reshape(-1))
-            has.append(h.reshape(-1))
+            values.append(x.expand(mask.shape))
+            has.append(h)
             whole = whole and h is mask
-        out[name] = (torch.cat(values)[None], m if whole else torch.cat(has)[None])
+        out[name] = (join(values)[None], m if whole else join(has)[None])
     return [out]
 
 

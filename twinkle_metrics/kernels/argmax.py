@@ -18,6 +18,7 @@ from parallel import comm_device
 
 from .._order import ordered_f32 as _ordered_f32
 from .._order import ordered_f64 as _ordered_f64
+from ..microbatch import join
 from . import _triton
 
 _NAME = "vocab_parallel_argmax"
@@ -67,12 +68,6 @@ def joined_hits(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
         if out is not None:
             return out
     return join([argmax_hits(x, labels) for x, labels in pairs])
-
-
-def join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``parts`` flattened and joined in order (no copy for one part)."""
-    flat = [p.reshape(-1) for p in parts]
-    return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
 def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_size: int) -> List[torch.Tensor]:
