@@ -138,9 +138,9 @@ def test_threshold_from_the_environment(monkeypatch):
 def test_host_pieces_travel_in_one_copy_in_order(monkeypatch):
     """_pack on an accelerator: the CPU pieces (header, CPU-resident states) are moved in one
     copy and put back in their places; pieces already on the device are untouched."""
-    from twinkle_metrics import sync
-    copies = []
-    monkeypatch.setattr(sync, "_to_device", lambda t, device: copies.append(t.numel()) or t * 1.0)
+    from twinkle_metrics import _checks, sync
+    copies = []  # the host-to-device copies (_checks.from_host, under from_host_all)
+    monkeypatch.setattr(_checks, "from_host", lambda t, device: copies.append(t.numel()) or t * 1.0)
     a, c, d = torch.arange(4.0), torch.arange(10.0, 13.0), torch.tensor([7.0])
     b = torch.empty(5, device="meta")  # stands for a state already on the device
     out = sync._host_pieces_to([a, b, c, d], torch.device("meta"))

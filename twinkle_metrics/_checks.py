@@ -3,7 +3,7 @@ metric and the field, no device reads, device tensors kept where they are."""
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -47,6 +47,13 @@ def from_host(t: torch.Tensor, device=None) -> torch.Tensor:
     if device is None or torch.device(device).type == "cpu":
         return t
     return t.to(device, non_blocking=True)
+
+
+def from_host_all(tensors: Sequence[torch.Tensor], device) -> List[torch.Tensor]:
+    """Host tensors of one dtype moved to ``device`` in one non-blocking copy (``from_host``):
+    each a view of the moved block, shaped as it was, in order."""
+    block = from_host(torch.cat([t.reshape(-1) for t in tensors]), device)
+    return [piece.view(t.shape) for t, piece in zip(tensors, torch.split(block, [t.numel() for t in tensors]))]
 
 
 def float_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:

@@ -7,6 +7,8 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from ._checks import from_host_all
+
 Reduce = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 _OPS = ("sum", "max", "min")
 _SCOPES = ("data", "stage", "model")
@@ -156,9 +158,7 @@ def move_states(states: Dict[str, torch.Tensor], device) -> Dict[str, torch.Tens
         else:
             out[name] = t.to(device, non_blocking=device.type != "cpu")
     for names in host.values():
-        block = torch.cat([states[n].reshape(-1) for n in names]).to(device, non_blocking=True)
-        for n, piece in zip(names, torch.split(block, [states[n].numel() for n in names])):
-            out[n] = piece.view(states[n].shape)
+        out.update(zip(names, from_host_all([states[n] for n in names], device)))
     return {name: out[name] for name in states}
 
 

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_ranks, group_size
 
-from ._checks import from_host
+from ._checks import from_host, from_host_all
 from ._order import from_ordered_f64, ordered_f64
 
 _HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
@@ -393,9 +393,8 @@ def _host_pieces_to(flat: List[torch.Tensor], device: torch.device) -> List[torc
     where = [i for i, t in enumerate(flat) if t.device.type == "cpu"]
     if not where:
         return flat
-    moved = _to_device(torch.cat([flat[i] for i in where]), device)
     out = list(flat)
-    for i, piece in zip(where, torch.split(moved, [flat[i].numel() for i in where])):
+    for i, piece in zip(where, from_host_all([flat[i] for i in where], device)):
         out[i] = piece
     return out
 
