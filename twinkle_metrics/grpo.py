@@ -646,40 +646,31 @@ class GRPOMetric(Metric):
     def _candidates(self, mb: "_Microbatch", key: torch.Tensor, seq_start: int) -> torch.Tensor:
         """This microbatch's top-k rows [k, fields] with sequence indices offset so far;
         ``key`` [b, s]: each token's k3 where it has an old log-prob and k3 > 0, else -inf."""
-        feat, m, lp, old = mb.feat, mb.m, mb.lp, mb.old
-        b, s = m.shape
+        b, s = mb.m.shape
         key = key.reshape(-1)
         val, idx = torch.topk(key, min(self.top_k_kl, key.shape[0]))
         i, p = idx.div(s, rounding_mode="floor"), idx.remainder(s)
-        pos = feat.get("position_ids")
-        if pos is not None:
-            pos = as_tensor(pos, m.device)
-            p_col = (pos.unsqueeze(0) if pos.dim() == 1 else pos).expand(b, -1)[:, :s][i, p]
-        else:
-            p_col = p
-        labels = feat.get("labels")
-        if labels is not None:
-            labels = as_tensor(labels, m.device)
-            tok = (labels.unsqueeze(0) if labels.dim() == 1 else labels)[:, :s][i, p]
-        else:
-            tok = torch.full_like(val, -1.0)
-        gsi = i + (self._states["n_seq"].to(i.device, non_blocking=True) + seq_start)
-        lp_k, old_k = lp[i, p].to(torch.float64), old.expand(b, s)[i, p].to(torch.float64)
-        # one stack casts the integer columns to float64 (exact below 2**53)
-        return torch.stack([val, gsi, p_col, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
+        return self._record_rows([mb], idx, val, i + seq_start, p, mb.lp[i, p], mb.old.expand(b, s)[i, p])
 
     def _fused_candidates(self, records: torch.Tensor, mbs: List["_Microbatch"]) -> torch.Tensor:
         """The top-k rows of every fused microbatch at once, from the kernel's record buffer
         (``triton_rl.RECORD_ROWS``: key, log-prob, old log-prob, sequence, position per token
-        of ``mbs``, in order): one top-k and one gather however many microbatches, plus the
-        token ids (and position ids, where given) gathered from the features."""
+        of ``mbs``, in order): one top-k and one gather however many microbatches."""
         val, idx = torch.topk(records[0], min(self.top_k_kl, records.shape[1]))
         _, lp_k, old_k, seq, col = records[:, idx].unbind()
+        return self._record_rows(mbs, idx, val, seq, col, lp_k, old_k)
+
+    def _record_rows(self, mbs: List["_Microbatch"], idx, key, seq, col, lp_k, old_k) -> torch.Tensor:
+        """Top-k record rows in ``_FIELDS`` order from the picked tokens' key, sequence within
+        the call, column, log-prob and old log-prob; ``idx`` indexes the tokens of ``mbs``
+        joined in order, for their token ids (and position ids, where given)."""
         tok = self._flat_feature(mbs, "labels")[idx]
         pos = col if all(mb.feat.get("position_ids") is None for mb in mbs) else \
             self._flat_feature(mbs, "position_ids")[idx]
         gsi = seq + self._states["n_seq"].to(seq.device, non_blocking=True)
-        return torch.stack([val, gsi, pos, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
+        lp_k, old_k = lp_k.to(torch.float64), old_k.to(torch.float64)
+        # one stack casts the integer columns to float64 (exact below 2**53)
+        return torch.stack([key, gsi, pos, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
 
     @staticmethod
     def _flat_feature(mbs: List["_Microbatch"], field: str) -> torch.Tensor:
