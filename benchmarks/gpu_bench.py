@@ -82,6 +82,21 @@ def torch_path():
         _triton.device_ok = saved
 
 
+def on_torch(fn):
+    """``fn`` run on the torch paths (``torch_path``)."""
+    def run():
+        with torch_path():
+            return fn()
+    return run
+
+
+def live(fn, make, *args):
+    """``fn(*args, m=metric)`` into one metric from ``make()``, call after call, as in a
+    training loop (``fn`` makes a new metric per call when given none)."""
+    m = make()
+    return lambda: fn(*args, m=m)
+
+
 def allocate(shape):
     b, s, v = shape
     while s >= min(256, SHAPE[1]):
@@ -151,16 +166,6 @@ def rl_updates(triton_ok):
     def rollout(m=None):
         return (m or RolloutMismatchMetric()).accumulate({"labels": labels}, {"logps": lp}, rollout_logps=old)
 
-    def on_torch(fn):
-        def run():
-            with torch_path():
-                return fn()
-        return run
-
-    def live(fn, make):  # one metric accumulating call after call, as in a training loop
-        m = make()
-        return lambda: fn(m)
-
     fns = {"one_pass_floor": lambda: (lp - old).sum(),
            "grpo_torch": on_torch(live(grpo, lambda: GRPOMetric(top_k_kl=8))),
            "dpo_torch": on_torch(live(dpo, DPOMetric)),
@@ -205,32 +210,25 @@ def main():
     if DRY:
         _triton.device_ok = lambda x: True  # the CPU stands in for the GPU, kernels interpreted
 
+    def entropy_metric():
+        return GRPOMetric(entropy_from_logits=True)
+
     def grpo(z, m=None):
-        m = m or GRPOMetric(entropy_from_logits=True)
+        m = m or entropy_metric()
         m.accumulate({"labels": labels}, {"logps": logps, "logits": z})
         return m
 
     def acc(m=None):
         return (m or Accuracy()).accumulate({"labels": labels}, {"logits": logits})
 
-    def on_torch(fn):
-        def run():
-            with torch_path():
-                return fn()
-        return run
-
-    def live(fn, *args):  # one metric accumulating call after call, as in a training loop
-        m = GRPOMetric(entropy_from_logits=True) if args else Accuracy()
-        return lambda: fn(*args, m=m)
-
     fns = {"read_ceiling_amax": lambda: logits.amax(-1),
-           "grpo_entropy_torch": on_torch(live(grpo, logits)),
-           "grpo_entropy_torch_sbv": on_torch(live(grpo, sbv)),
-           "accuracy_torch": on_torch(live(acc))}
+           "grpo_entropy_torch": on_torch(live(grpo, entropy_metric, logits)),
+           "grpo_entropy_torch_sbv": on_torch(live(grpo, entropy_metric, sbv)),
+           "accuracy_torch": on_torch(live(acc, Accuracy))}
     if triton_ok:
-        fns.update({"grpo_entropy_triton": live(grpo, logits),
-                    "grpo_entropy_triton_sbv": live(grpo, sbv),
-                    "accuracy_triton": live(acc),
+        fns.update({"grpo_entropy_triton": live(grpo, entropy_metric, logits),
+                    "grpo_entropy_triton_sbv": live(grpo, entropy_metric, sbv),
+                    "accuracy_triton": live(acc, Accuracy),
                     "grpo_entropy_triton_new_metric": lambda: grpo(logits),
                     "accuracy_triton_new_metric": acc})
     peer = torchmetrics_accuracy(v)
