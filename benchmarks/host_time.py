@@ -60,9 +60,11 @@ def cases():
 
 
 def main():
-    saved = (_triton.device_ok, triton_rl._rl_kernel, triton_rl._row_sums_kernel, triton_rollout._rollout_kernel)
+    saved = (_triton.device_ok, triton_rl._rl_kernel, triton_rl._row_sums_kernel, triton_rl._pair_kernel,
+             triton_rollout._rollout_kernel)
     _triton.device_ok = lambda x: True
-    triton_rl._rl_kernel = triton_rl._row_sums_kernel = triton_rollout._rollout_kernel = _NoLaunch()
+    triton_rl._rl_kernel = triton_rl._row_sums_kernel = triton_rl._pair_kernel = _NoLaunch()
+    triton_rollout._rollout_kernel = _NoLaunch()
     try:
         fns = {}
         for name, (make, step) in cases().items():
@@ -79,7 +81,8 @@ def main():
                 fn()
                 times[name].append(time.perf_counter() - t)
     finally:
-        _triton.device_ok, triton_rl._rl_kernel, triton_rl._row_sums_kernel, triton_rollout._rollout_kernel = saved
+        (_triton.device_ok, triton_rl._rl_kernel, triton_rl._row_sums_kernel, triton_rl._pair_kernel,
+         triton_rollout._rollout_kernel) = saved
     us = {k: round(sorted(v)[len(v) // 2] * 1e6, 1) for k, v in times.items()}
     from benchmarks.common import save
     path = save("host_time", {"host_us_per_accumulate": us}, ".venv/bin/python -m benchmarks.host_time")

@@ -161,6 +161,11 @@ def variants():
                     dict(a_ptr="*fp32", b_ptr="*bf16", m_ptr="*u8", out_ptr="*fp64", s="i32", a_s0="i32",
                          a_s1="i32", b_s0="i32", b_s1="i32", m_s0="i32", m_s1="i32"),
                     dict(TWO=two, BLOCK=1024), 4))
+    for w in (2, 4):
+        for skip in (False, True):
+            out.append(Variant(f"DPO pairs w={w} skip={skip}", triton_rl._pair_kernel,
+                               dict(x_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", n="i32"),
+                               dict(BETA=0.1, W=w, SKIP=skip, BLOCK=1024), 4))
     for skip in (False, True):
         out.append(Variant(f"rollout skip={skip}", triton_rollout._rollout_kernel,
                     dict(lp_ptr="*fp32", roll_ptr="*fp32", has_ptr="*u8", part_ptr="*fp64", s="i32",

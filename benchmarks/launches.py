@@ -71,7 +71,7 @@ class KernelCounter(TorchDispatchMode):
 def counted_triton(counter: KernelCounter):
     """Each Triton kernel launch counts once; the interpreter's tensor work inside it does not."""
     saved = {}
-    for module, name in ((triton_rl, "_rl_kernel"), (triton_rl, "_row_sums_kernel"),
+    for module, name in ((triton_rl, "_rl_kernel"), (triton_rl, "_row_sums_kernel"), (triton_rl, "_pair_kernel"),
                          (triton_rollout, "_rollout_kernel"), (triton_argmax, "_argmax_kernel"),
                          (triton_entropy, "_partials_lean_kernel"), (triton_entropy, "_partials_kernel")):
         real = getattr(module, name)

@@ -455,13 +455,59 @@ def test_dpo_through_triton_row_sums_matches_torch(fused, monkeypatch, nan_polic
                      (({"labels": lab}, {"logps": lp.float()}), {}),
                      (([{"labels": lab[:4]}, {"labels": lab[4:]}], [{"logps": lp[:4]}, {"logps": lp[4:]}]),
                       dict(ref_outputs=[{"logps": ref[:4]}, {"logps": ref[4:]}]))]:
-        got = DPOMetric(nan_policy=nan_policy).accumulate(*args, **kw).calculate()
+        with numpy.errstate(invalid="ignore"):  # the interpreter's numpy meets the inf on purpose
+            got = DPOMetric(nan_policy=nan_policy).accumulate(*args, **kw).calculate()
         with monkeypatch.context() as mp:
             mp.setattr(_triton, "device_ok", lambda x: False)
             want = DPOMetric(nan_policy=nan_policy).accumulate(*args, **kw).calculate()
         _same(got, want, rel=1e-12)
         assert want["logps/nonfinite_pairs"] == 1
     assert calls
+
+
+@kernel_test
+@pytest.mark.parametrize("nan_policy", ["propagate", "skip"])
+def test_dpo_pair_statistics_kernel_matches_torch(fused, monkeypatch, nan_policy):
+    """Every DPO form's pair statistics in one launch equal the torch path's: pre-summed
+    pairs (with and without references, a NaN and an inf pair, ties, a strided view, more
+    pairs than one block), quantiles, an empty batch, and a beta that float32 cannot hold."""
+    g = torch.Generator().manual_seed(11)
+    n = 1500  # more than one 1024-wide block
+    c, r, rc, rr = (-50 * torch.rand(n, generator=g, dtype=torch.float64) for _ in range(4))
+    r[:7] = c[:7] - rc[:7] + rr[:7]  # ties: chosen reward == rejected reward (not won)
+    c[10] = float("nan")
+    rr[11] = float("-inf")
+    wide = torch.stack([c, r, c, r], 1)[:, ::2]  # a [n, 2] view with a column stride of 2
+    calls = []
+    real = TR.pair_stats
+    monkeypatch.setattr(TR, "pair_stats", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    forms = [dict(chosen_logps=c, rejected_logps=r, ref_chosen_logps=rc, ref_rejected_logps=rr),
+             dict(chosen_logps=wide[:, 0], rejected_logps=wide[:, 1]),
+             dict(chosen_logps=c[:0], rejected_logps=r[:0], ref_chosen_logps=rc[:0], ref_rejected_logps=rr[:0])]
+    for beta in (0.1, 1e-3):
+        for outputs in forms:
+            for quantiles in (None, (0.5, 0.9)):
+                kw = dict(beta=beta, nan_policy=nan_policy, quantiles=quantiles)
+                with numpy.errstate(invalid="ignore"):  # the NaN/inf pairs, on purpose
+                    got = DPOMetric(**kw).accumulate(None, outputs).calculate()
+                with monkeypatch.context() as mp:
+                    mp.setattr(_triton, "device_ok", lambda x: False)
+                    want = DPOMetric(**kw).accumulate(None, outputs).calculate()
+                _same(got, want, rel=1e-12)
+                if len(outputs["chosen_logps"]):
+                    assert want["logps/nonfinite_pairs"] == (2 if "ref_chosen_logps" in outputs else 1)
+    assert len(calls) == 2 * len(forms) * 2
+    # the counts themselves, beside the torch path's
+    m = DPOMetric(beta=0.1, nan_policy=nan_policy)
+    with numpy.errstate(invalid="ignore"):
+        m.accumulate(None, forms[0])
+    s = m.states
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[10:12] = False
+    won = (0.1 * (c - rc) > 0.1 * (r - rr))
+    assert int(s["n_bad"]) == 2
+    assert int(s["correct"]) == int((won & keep).sum())
+    assert int(s["pairs"]) == (n - 2 if nan_policy == "skip" else n)
 
 
 @kernel_test
@@ -764,9 +810,10 @@ def test_float_bounds_reach_the_kernels_as_float64_constants():
     import inspect
 
     from twinkle_metrics.kernels import triton_rollout
-    for kernel in (TR._rl_kernel, triton_rollout._rollout_kernel):
+    for kernel, names in ((TR._rl_kernel, ("LO", "HI")), (triton_rollout._rollout_kernel, ("LO", "HI")),
+                          (TR._pair_kernel, ("BETA",))):
         params = inspect.signature(kernel.fn).parameters
-        assert all("constexpr" in str(params[name].annotation) for name in ("LO", "HI")), kernel.fn.__name__
+        assert all("constexpr" in str(params[name].annotation) for name in names), kernel.fn.__name__
 
 
 @kernel_test
@@ -776,6 +823,7 @@ def test_rl_and_dpo_one_kernel_paths_never_wait_for_the_device(fused, monkeypatc
     launches = []
     monkeypatch.setattr(TR, "_rl_kernel", _launch_allowing_host_reads(TR._rl_kernel, launches))
     monkeypatch.setattr(TR, "_row_sums_kernel", _launch_allowing_host_reads(TR._row_sums_kernel, launches))
+    monkeypatch.setattr(TR, "_pair_kernel", _launch_allowing_host_reads(TR._pair_kernel, launches))
     b = make_rl_batch(3, n_seq=6, seq_len=40)
     lab, lp, old, ref, adv = b["labels"], b["logps"], b["old"], b["ref"], b["adv"]
     feats, outs = [{"labels": lab[:2]}, {"labels": lab[2:]}], [{"logps": lp[:2]}, {"logps": lp[2:]}]
@@ -787,7 +835,8 @@ def test_rl_and_dpo_one_kernel_paths_never_wait_for_the_device(fused, monkeypatc
         call = dict(old_logps=[old[:2], old[2:]], advantages=[adv[:2], adv[2:]], ref_logps=[ref[:2], ref[2:]])
     with forbid_device_waits():
         m.accumulate(feats, outs, **call)
-    assert len(launches) == 2  # one kernel per microbatch
+    # one kernel per microbatch (DPO: and one for the pair statistics of the call)
+    assert len(launches) == (3 if case == "dpo" else 2)
     assert m.calculate()
 
 
@@ -846,6 +895,21 @@ def test_default_entropy_kernel_issues_fewer_instructions_per_logit(tmp_path, mo
     first = loop_instructions(compile_variant(by_label["entropy selects bf16"], target).asm["ptx"])
     assert lean[0] < lean[1]               # the rescale is a branch off the common path
     assert lean[0] < 0.7 * first[0], (lean, first)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles in the parent; the child interprets")
+def test_dpo_beta_reaches_the_pair_kernel_as_a_float64_constant(tmp_path, monkeypatch):
+    """beta = 0.1 has no exact float32 value; the rewards and the won/lost compare must use
+    its float64 one, as the torch path does."""
+    from triton.backends.compiler import GPUTarget
+
+    from benchmarks.kernel_build import compile_variant, variants
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    v = next(v for v in variants() if v.label == "DPO pairs w=4 skip=False")
+    assert v.const["BETA"] == 0.1
+    ptx = compile_variant(v, GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "0d3FB999999999999A" in ptx  # 0.1 as a float64 immediate
+    assert "0f3DCCCCCD" not in ptx       # not as a float32 one
 
 
 _CPU_CHECK = r"""

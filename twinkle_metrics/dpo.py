@@ -278,6 +278,12 @@ class DPOMetric(Metric):
 
     def _stats(self, x: torch.Tensor) -> Dict[str, Any]:
         """Contributions of ``x`` = [pairs, (chosen, [ref_chosen], rejected, [ref_rejected])]."""
+        if _triton.device_ok(x) and x.dtype == torch.float64:
+            out = _triton.attempt("DPO pair statistics", _pair_stats, x, self.beta, self.nan_policy == "skip")
+            if out is not None:  # one kernel for every state; the histogram (if any) on torch
+                if self.quantiles and x.shape[1] == 4:
+                    out["hist_margin"] = self._margin_counts(x)
+                return out
         n = x.shape[0]
         bad = torch.isnan((x * 0.0).sum(1))  # a pair with a NaN/inf sequence log-prob (inf * 0 is NaN)
         out: Dict[str, Any] = {"n_bad": bad.sum()}
@@ -301,10 +307,20 @@ class DPOMetric(Metric):
         pair_rewards = b * (x[:, 0::2] - x[:, 1::2])  # [pairs, (chosen reward, rejected reward)]
         won = pair_rewards[:, 0] > pair_rewards[:, 1]
         out["correct"] = (won & ~bad).sum() if self.nan_policy == "skip" else won.sum()
-        if self.quantiles:  # TRL's margin: chosen reward - rejected reward, per pair
-            margins = pair_rewards[:, 0] - pair_rewards[:, 1]
-            out["hist_margin"] = MARGIN_HISTOGRAM.counts(margins, ~bad if self.nan_policy == "skip" else None)
+        if self.quantiles:
+            out["hist_margin"] = self._margin_counts(x, pair_rewards, bad)
         return out
+
+    def _margin_counts(self, x: torch.Tensor, pair_rewards: Optional[torch.Tensor] = None,
+                       bad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Histogram counts of TRL's margin (chosen reward - rejected reward) per pair of
+        ``x`` (the raw pairs: under 'skip', the non-finite ones are left out here)."""
+        if bad is None:
+            bad = torch.isnan((x * 0.0).sum(1))
+        if pair_rewards is None:
+            pair_rewards = self.beta * (x[:, 0::2] - x[:, 1::2])
+        margins = pair_rewards[:, 0] - pair_rewards[:, 1]
+        return MARGIN_HISTOGRAM.counts(margins, ~bad if self.nan_policy == "skip" else None)
 
     def compute(self, s):
         out: Dict[str, Any] = {"logps/nonfinite_pairs": int(s["n_bad"])} if s["n_bad"] else {}
@@ -331,6 +347,11 @@ class DPOMetric(Metric):
 def _row_sums(cols: List[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     from .kernels import triton_rl  # imports triton: CUDA only
     return triton_rl.masked_row_sums(cols[0], mask, *cols[1:])
+
+
+def _pair_stats(x: torch.Tensor, beta: float, skip: bool) -> Dict[str, torch.Tensor]:
+    from .kernels import triton_rl  # imports triton: CUDA only
+    return triton_rl.pair_stats(x, beta=beta, skip=skip)
 
 
 def _fields(outputs, i) -> List[str]:
