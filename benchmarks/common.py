@@ -171,3 +171,17 @@ def timer(out: List[float]):
     t0 = time.perf_counter()
     yield
     out.append(time.perf_counter() - t0)
+
+
+def moe_layer_call():
+    """(make, step) of one MoE layer's router outputs (2048 tokens, 16 experts, aux and z
+    losses), as ``register_router_hooks`` feeds them: one layer's call."""
+    import torch
+
+    from twinkle_metrics import MoERoutingMetric
+    g = torch.Generator().manual_seed(0)
+    routing = torch.rand(2048, 16, generator=g) < 0.125
+    logits = torch.randn(2048, 16, generator=g)
+    aux, z = torch.tensor(0.01), torch.tensor(0.001)
+    return (lambda: MoERoutingMetric(num_layers=4, num_experts=16),
+            lambda m: m.observe(1, routing_map=routing, router_logits=logits, aux_loss=aux, z_loss=z))

@@ -40,6 +40,12 @@ class Variant(NamedTuple):
     const: Dict[str, object]
     warps: int
     fp_fusion: bool = False
+    #: a kernel that streams its inputs (judged on its load widths); False for one-program
+    #: finishing kernels that read a few hundred bytes
+    streaming: bool = True
+    #: narrow (< 32-bit) loads allowed: per-token flags read beside a [tokens, experts] tile
+    #: (1/E of its bytes; one byte a thread whatever the tile)
+    narrow_ok: int = 0
 
 
 def compile_for(kernel, target, types, constexprs, num_warps=4, contiguous=True, fp_fusion=False):
@@ -138,7 +144,7 @@ def variants():
     """(label, kernel, argument types, constexprs, warps): the variants the metrics launch
     (their default tile widths and warps), in each input dtype they accept, both NaN
     policies, every flag that changes the code."""
-    from twinkle_metrics.kernels import triton_argmax, triton_entropy, triton_rl, triton_rollout
+    from twinkle_metrics.kernels import triton_argmax, triton_entropy, triton_moe, triton_rl, triton_rollout
     out = []
     strides = {n: "i32" for n in ("s", "rec_stride", "seq0", "lp_s0", "lp_s1", "m_s0", "m_s1", "old_s0", "old_s1",
                                   "adv_s0", "adv_s1", "ref_s0", "ref_s1", "ent_s0", "ent_s1")}
@@ -166,6 +172,26 @@ def variants():
             out.append(Variant(f"DPO pairs w={w} skip={skip}", triton_rl._pair_kernel,
                                dict(x_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", n="i32"),
                                dict(BETA=0.1, W=w, SKIP=skip, BLOCK=1024), 4))
+    experts = 64  # E_PAD = 64: 64 tokens of a 4096-element tile per program
+    for label, flags, x_type in (("map+logits bf16", dict(HAS_MAP=1, HAS_X=1, LOGITS=1, F64=0), "*bf16"),
+                                 ("map+logits fp32 masked skip", dict(HAS_MAP=1, HAS_X=1, LOGITS=1, F64=0,
+                                                                      HAS_MASK=1, SKIP=1), "*fp32"),
+                                 ("probs fp32", dict(HAS_MAP=0, HAS_X=1, LOGITS=0, F64=0), "*fp32"),
+                                 ("logits fp64", dict(HAS_MAP=0, HAS_X=1, LOGITS=1, F64=1), "*fp64"),
+                                 ("map only", dict(HAS_MAP=1, HAS_X=0, LOGITS=1, F64=0), "*fp32")):
+        const = {k: bool(v) for k, v in dict(dict(HAS_MASK=0, SKIP=0), **flags).items()}
+        out.append(Variant(f"MoE tokens {label}", triton_moe._tokens_kernel,
+                           dict(map_ptr="*u8", x_ptr=x_type, mask_ptr="*u8", part_ptr="*fp64", n="i32",
+                                map_s0="i32", x_s0="i32"),
+                           dict(const, E=experts, E_PAD=experts,
+                                BLOCK_T=triton_moe.TILE // experts // (2 if const["F64"] else 1)),
+                           4, narrow_ok=2 if const["HAS_MASK"] else 0))
+    for drop in (triton_moe.DROP_NONE, triton_moe.DROP_TENSOR, triton_moe.DROP_INT):
+        out.append(Variant(f"MoE rows drop={drop}", triton_moe._rows_kernel,
+                           dict(part_ptr="*fp64", aux_ptr="*fp32", z_ptr="*fp32", drop_ptr="*i64", counts_ptr="*i64",
+                                f_ptr="*fp64", i_ptr="*i64", n_parts="i32", layer="i32", drop_value="i32"),
+                           dict(L=48, E=experts, E_PAD=experts, HAS_MAP=True, HAS_X=True, HAS_AUX=True, HAS_Z=True,
+                                DROP=drop, SKIP=drop == triton_moe.DROP_INT, L_PAD=64), 4, streaming=False))
     for skip in (False, True):
         out.append(Variant(f"rollout skip={skip}", triton_rollout._rollout_kernel,
                     dict(lp_ptr="*fp32", roll_ptr="*fp32", has_ptr="*u8", part_ptr="*fp64", s="i32",

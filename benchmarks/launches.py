@@ -37,11 +37,18 @@ from twinkle_metrics import (  # noqa: E402
     Accuracy,
     DPOMetric,
     GRPOMetric,
-    MoERoutingMetric,
     PPOValueMetric,
     RolloutMismatchMetric,
 )
-from twinkle_metrics.kernels import _triton, triton_argmax, triton_entropy, triton_rl, triton_rollout  # noqa: E402
+from benchmarks.common import moe_layer_call  # noqa: E402
+from twinkle_metrics.kernels import (  # noqa: E402
+    _triton,
+    triton_argmax,
+    triton_entropy,
+    triton_moe,
+    triton_rl,
+    triton_rollout,
+)
 
 _ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided"}
 
@@ -72,6 +79,7 @@ def counted_triton(counter: KernelCounter):
     """Each Triton kernel launch counts once; the interpreter's tensor work inside it does not."""
     saved = {}
     for module, name in ((triton_rl, "_rl_kernel"), (triton_rl, "_row_sums_kernel"), (triton_rl, "_pair_kernel"),
+                         (triton_moe, "_tokens_kernel"), (triton_moe, "_rows_kernel"),
                          (triton_rollout, "_rollout_kernel"), (triton_argmax, "_argmax_kernel"),
                          (triton_entropy, "_partials_lean_kernel"), (triton_entropy, "_partials_kernel")):
         real = getattr(module, name)
@@ -151,17 +159,6 @@ def _values(outputs):
     return {"values": outputs["logps"]}
 
 
-def moe_observe():
-    """One MoE layer's router outputs (2048 tokens, 16 experts, aux and z losses), as
-    ``register_router_hooks`` feeds them: a layer call, no Triton path."""
-    g = torch.Generator().manual_seed(0)
-    routing = torch.rand(2048, 16, generator=g) < 0.125
-    logits = torch.randn(2048, 16, generator=g)
-    aux, z = torch.tensor(0.01), torch.tensor(0.001)
-    return (lambda: MoERoutingMetric(num_layers=4, num_experts=16),
-            lambda m: m.observe(1, routing_map=routing, router_logits=logits, aux_loss=aux, z_loss=z))
-
-
 def count(make, step, fused: bool) -> dict:
     _triton.device_ok = (lambda x: True) if fused else (lambda x: False)
     metric = make()
@@ -182,8 +179,10 @@ def main():
                 out[f"{name}, {n_mb} microbatch{'es' if n_mb > 1 else ''}"] = {
                     "torch_path": torch_path["kernels"], "one_kernel_path": fused["kernels"],
                     "one_kernel_path_ops": fused["by_op"]}
-        make, step = moe_observe()
-        out["MoERoutingMetric.observe, one layer"] = {"torch_path": count(make, step, False)["kernels"]}
+        make, step = moe_layer_call()
+        torch_path, fused = count(make, step, False), count(make, step, True)
+        out["MoERoutingMetric.observe, one layer"] = {
+            "torch_path": torch_path["kernels"], "two_kernel_path": fused["kernels"], "two_kernel_path_ops": fused["by_op"]}
     finally:
         _triton.device_ok = real
     from benchmarks.common import save

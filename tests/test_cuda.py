@@ -3,7 +3,7 @@
 ``torch.cuda.set_sync_debug_mode("error")`` raises on any host-device synchronisation,
 so each metric's ``accumulate`` runs under it with the input forms users pass: tensors,
 Python lists of per-sequence values, Twinkle's ragged per-sequence log-probs, reward
-lists, separate DPO batches, entropy from logits, top-k KL records.
+lists, separate DPO batches, entropy from logits, top-k KL records, MoE router outputs.
 """
 import pytest
 import torch
@@ -18,6 +18,7 @@ from twinkle_metrics import (
     GRPOMetric,
     GSPOMetric,
     LossMetric,
+    MoERoutingMetric,
     TrainMetric,
 )
 from twinkle_metrics.testing import assert_results_close
@@ -42,6 +43,11 @@ def _calls():
     emb_labels, emb = torch.tensor([1, 0, 1, 0], device="cuda"), torch.randn(4, 8, device="cuda")
     tokens = torch.tensor(512, device="cuda")
     logits32 = b["logits"].float()
+    routing = torch.rand(512, 16, device="cuda") < 0.25
+    router_logits = torch.randn(512, 16, device="cuda")
+    valid = torch.rand(512, device="cuda") < 0.9
+    router_probs = torch.softmax(torch.randn(7, 64, 16, device="cuda", dtype=torch.float64), -1)
+    aux, z = torch.tensor(0.01, device="cuda"), torch.tensor(0.001, device="cuda")
     torch.cuda.synchronize()
     return [
         ("GRPO tensors", GRPOMetric(top_k_kl=4),
@@ -69,13 +75,19 @@ def _calls():
          lambda m: m.accumulate(None, report, grad_norm=grad_norm)),
         ("Embedding", EmbeddingMetric(),
          lambda m: m.accumulate({"labels": emb_labels}, {"embeddings": emb, "loss": 0.3})),
+        ("MoE router logits, as the hooks pass them", MoERoutingMetric(num_layers=4, num_experts=16),
+         lambda m: m.observe(2, routing_map=routing, router_logits=router_logits, token_mask=valid,
+                             aux_loss=aux, z_loss=z, tokens_dropped=routing.sum() - (routing & valid[:, None]).sum())),
+        ("MoE router probs float64, dropped as an int", MoERoutingMetric(num_layers=4, num_experts=16,
+                                                                         nan_policy="skip"),
+         lambda m: m.observe(0, routing_map=router_probs > 0.1, router_probs=router_probs, tokens_dropped=3)),
         ("Train", TrainMetric(),
          lambda m: m.accumulate(None, None, lr=[1e-3, 1e-4], step=4, gradient_accumulation_steps=2,
                                 tokens=tokens, samples=8)),
     ]
 
 
-N_CALLS = 11  # len(_calls()); the calls build CUDA tensors, so not at collection time
+N_CALLS = 13  # len(_calls()); the calls build CUDA tensors, so not at collection time
 
 
 @pytest.fixture(params=["torch", "triton"])
@@ -129,7 +141,7 @@ def test_triton_path_agrees_with_torch_path(index, monkeypatch):
         results[path] = metric.calculate()
         assert _triton.failed is None, _triton.failed
     assert_results_close(results["triton"], results["torch"], rel=1e-5 if "logits" in label or
-                         "Accuracy" in label else 1e-9)
+                         "Accuracy" in label or "MoE" in label else 1e-9)
 
 
 def test_cpu_contribution_after_cuda_states_is_not_lost():

@@ -510,6 +510,105 @@ def test_dpo_pair_statistics_kernel_matches_torch(fused, monkeypatch, nan_policy
     assert int(s["pairs"]) == (n - 2 if nan_policy == "skip" else n)
 
 
+def _moe_states_both_paths(monkeypatch, make, calls):
+    """(kernel path states, torch path states) after ``calls(metric)``."""
+    from twinkle_metrics.kernels import triton_moe
+    launched = []
+    real = triton_moe.layer_rows
+    monkeypatch.setattr(triton_moe, "layer_rows", lambda **k: launched.append(1) or real(**k))
+    _cpu_as_triton_device(monkeypatch)
+    fused = make()
+    with numpy.errstate(invalid="ignore", divide="ignore", over="ignore"):  # NaN/inf rows, on purpose
+        calls(fused)
+    assert launched and _triton.failed is None
+    with monkeypatch.context() as mp:
+        mp.setattr(_triton, "device_ok", lambda x: False)
+        plain = make()
+        calls(plain)
+    return fused, plain
+
+
+def _assert_same_states(fused, plain):
+    for name, want in plain.states.items():
+        got = fused.states[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        if want.is_floating_point():
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-9, equal_nan=True, msg=name)
+        else:
+            assert torch.equal(got, want), (name, got, want)
+
+
+@kernel_test
+@pytest.mark.parametrize("nan_policy", ["propagate", "skip"])
+@pytest.mark.parametrize("experts", [6, 16, 60])
+def test_moe_routing_kernels_match_torch(monkeypatch, nan_policy, experts):
+    """Counts, entropy (from logits, with -inf experts and NaN / +inf / all -inf rows; from
+    probabilities, with rows summing to 0), token masks, losses (one NaN), dropped tokens
+    (int and tensor): the same states as the torch path, over several calls and layers,
+    tokens spread over many programs, every logits dtype."""
+    from twinkle_metrics import MoERoutingMetric
+    from twinkle_metrics.kernels import triton_moe
+    monkeypatch.setattr(triton_moe, "TILE", 256)  # several programs even for small batches
+    g = torch.Generator().manual_seed(experts)
+    t = 77
+    routing = torch.rand(t, experts, generator=g) < 0.3
+    logits = torch.randn(t, experts, generator=g, dtype=torch.float64) * 3
+    logits[:, 0] = float("-inf")          # an expert nobody may pick
+    logits[3, 2] = float("nan")
+    logits[4, 1] = float("inf")
+    logits[5] = float("-inf")             # no distribution at all: NaN, as log_softmax gives
+    probs = torch.softmax(torch.randn(t, experts, generator=g, dtype=torch.float64), -1)
+    probs[probs < 0.05] = 0.0
+    probs[7] = 0.0                        # a token every expert dropped: left out
+    probs[8, 1] = float("nan")
+    mask = torch.rand(t, generator=g) < 0.8
+    mask[3:6] = True                     # the three bad rows count
+
+    def calls(m):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            m.observe(1, routing_map=routing, router_logits=logits.to(dtype), token_mask=mask,
+                      aux_loss=torch.tensor(0.25), z_loss=torch.tensor(float("nan")), tokens_dropped=3)
+        m.observe(2, routing_map=routing.view(7, 11, experts).to(torch.int32),
+                  router_probs=probs.float().view(7, 11, experts), tokens_dropped=torch.tensor(5))
+        m.observe(0, router_probs=probs, aux_loss=torch.tensor(1.5, dtype=torch.float64))
+        m.observe(3, routing_map=routing[:1])           # one token: one program
+        m.observe(3, z_loss=torch.tensor(0.125))        # losses only: no token kernel
+
+    fused, plain = _moe_states_both_paths(
+        monkeypatch, lambda: MoERoutingMetric(num_layers=4, num_experts=experts, nan_policy=nan_policy), calls)
+    _assert_same_states(fused, plain)
+    assert int(plain.states["nonfinite"][1]) == 4 * (3 + 1)  # three bad rows kept by the mask, NaN z
+    with numpy.errstate(invalid="ignore"):
+        got, want = fused.calculate(), plain.calculate()
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        assert (math.isnan(w) and math.isnan(got[k])) or math.isclose(got[k], w, rel_tol=1e-5), k
+
+
+@kernel_test
+def test_moe_routing_kernel_takes_the_hooks_fields(monkeypatch):
+    """What ``register_router_hooks`` passes (bool routing map, float32 logits, a padding
+    mask, 0-d losses, a dropped count as a 0-d tensor): two launches, same states."""
+    from twinkle_metrics import MoERoutingMetric
+    from twinkle_metrics.kernels import triton_moe
+    launches = []
+    for name in ("_tokens_kernel", "_rows_kernel"):
+        monkeypatch.setattr(triton_moe, name, _launch_allowing_host_reads(getattr(triton_moe, name), launches))
+    g = torch.Generator().manual_seed(0)
+    routing = torch.rand(512, 8, generator=g) < 0.25
+    logits = torch.randn(512, 8, generator=g)
+    valid = torch.rand(512, generator=g) < 0.9
+
+    def calls(m):
+        m.observe(1, routing_map=routing, router_logits=logits, token_mask=valid, aux_loss=torch.tensor(0.01),
+                  z_loss=torch.tensor(0.001), tokens_dropped=routing.sum() - (routing & valid[:, None]).sum())
+
+    fused, plain = _moe_states_both_paths(monkeypatch, lambda: MoERoutingMetric(num_layers=2, num_experts=8), calls)
+    assert len(launches) == 2
+    _assert_same_states(fused, plain)
+    assert int(fused.states["counts"][1].sum()) == int((routing & valid[:, None]).sum())
+
+
 @kernel_test
 def test_row_sums_kernel_long_rows_and_views():
     g = torch.Generator().manual_seed(2)
@@ -871,9 +970,12 @@ def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch, tmp_path, 
             # 3.9, 24 with the GPU image's 3.6) cost nothing; a kernel that spills its
             # working set would show hundreds
             assert spills is None or spills <= SPILL_BYTES_ALLOWED, f"{spills} bytes of register spills"
-            # contiguous rows: every load moves >= 32 bits a thread, some move 128
-            assert not narrow_loads(ptx), f"element-wise loads {narrow_loads(ptx)}"
-            assert any(k.startswith("v") for k in global_loads(ptx)), f"no vector load {global_loads(ptx)}"
+            # contiguous rows: every load moves >= 32 bits a thread, some move 128 (a one-program
+            # finishing kernel reads a few hundred bytes: only that it compiles counts)
+            narrow = sum(narrow_loads(ptx).values())
+            assert not v.streaming or narrow <= v.narrow_ok, f"element-wise loads {narrow_loads(ptx)}"
+            assert not v.streaming or any(k.startswith("v") for k in global_loads(ptx)), \
+                f"no vector load {global_loads(ptx)}"
         except Exception as e:  # noqa: BLE001 - report every variant that fails
             failed.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
     assert not failed, "\n".join(failed)

@@ -12,6 +12,7 @@ import torch
 
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
+from .kernels import _triton
 from .state import State
 
 _NAME = "MoERoutingMetric"
@@ -151,6 +152,19 @@ class MoERoutingMetric(Metric):
         return out or None
 
     def _one(self, o: Mapping, layer: Optional[int], where: str) -> Dict[str, torch.Tensor]:
+        f = self._fields(o, layer, where)
+        if f is None:
+            return {}
+        if self._fuses(f, layer):
+            out = _triton.attempt("MoE routing statistics", self._fused, f, layer)
+            if out is not None:
+                return out
+        return self._torch(f, layer)
+
+    def _fields(self, o: Mapping, layer: Optional[int], where: str) -> Optional[Dict[str, Any]]:
+        """The call's fields, validated (nothing is computed): tensors detached, the router
+        tensors as given, the losses as 0-d float tensors, the dropped count as an int or
+        an int64 tensor; ``device``: where the contributions go. None when it has none."""
         if layer is not None:
             unknown = [k for k in o if k not in _FIELDS]
             if unknown:
@@ -160,7 +174,7 @@ class MoERoutingMetric(Metric):
                                  f"any of {list(_FIELDS)}")
         fields = {k: o[k] for k in _FIELDS if o.get(k) is not None}
         if not fields:
-            return {}
+            return None
         if layer is None:
             per_layer = [k for k in fields if k in ("routing_map", "router_logits", "router_probs",
                                                     "token_mask", "aux_loss", "z_loss")]
@@ -168,20 +182,7 @@ class MoERoutingMetric(Metric):
                 raise ValueError(f"{_NAME}: {where}[{per_layer[0]!r}] belongs to one layer but no layer "
                                  "was given; pass accumulate(..., layer=i) or observe(i, ...)")
         L, E = self.num_layers, self.num_experts
-        device = next((v.device for v in fields.values() if isinstance(v, torch.Tensor)), self._device)
-        out: Dict[str, torch.Tensor] = {}
-
-        # This layer's scalar contributions, placed into [L] rows at the end: one
-        # stack, one zeros and one copy per dtype instead of two launches per state.
-        ints: Dict[str, torch.Tensor] = {}
-        floats: Dict[str, torch.Tensor] = {}
-
-        def row(values: torch.Tensor, dtype) -> torch.Tensor:
-            """A [L, ...] contribution with ``values`` in the row of ``layer``."""
-            full = torch.zeros((L,) + tuple(values.shape), dtype=dtype, device=values.device)
-            full[layer] = values.to(dtype)
-            return full
-
+        fields["device"] = next((v.device for v in fields.values() if isinstance(v, torch.Tensor)), self._device)
         lead = None  # leading (token) dims shared by routing_map, logits, probs, mask
         for key in ("routing_map", "router_logits", "router_probs"):
             if key in fields:
@@ -195,7 +196,6 @@ class MoERoutingMetric(Metric):
                                      f"{lead[0]} has {list(lead[1])}; pass tensors of the same tokens")
                 lead = lead or (key, tuple(t.shape[:-1]))
                 fields[key] = t
-        mask = None
         if "token_mask" in fields:
             mask = _tensor("token_mask", fields["token_mask"], where)
             if mask.is_floating_point() or mask.is_complex():
@@ -205,17 +205,11 @@ class MoERoutingMetric(Metric):
                 want = list(lead[1]) if lead else "the tokens of routing_map/router_logits/router_probs"
                 raise ValueError(f"{_NAME}: {where}['token_mask'] has shape {list(mask.shape)}, expected "
                                  f"{want}; pass one flag per routed token")
-            mask = (mask != 0).reshape(-1).to(device)
-
-        if "routing_map" in fields:
-            m = fields["routing_map"]
-            if m.is_floating_point() or m.is_complex():
-                raise TypeError(f"{_NAME}: {where}['routing_map'] must be bool or integer 0/1, got "
-                                f"{m.dtype}; pass the router's boolean routing_map")
-            m = (m != 0).reshape(-1, E)
-            if mask is not None:
-                m = m & mask.unsqueeze(-1)
-            out["counts"] = row(m.sum(0, dtype=torch.int64), torch.int64)
+            fields["token_mask"] = mask
+        m = fields.get("routing_map")
+        if m is not None and (m.is_floating_point() or m.is_complex()):
+            raise TypeError(f"{_NAME}: {where}['routing_map'] must be bool or integer 0/1, got "
+                            f"{m.dtype}; pass the router's boolean routing_map")
         if "expert_counts" in fields:
             c = _tensor("expert_counts", fields["expert_counts"], where)
             want = (E,) if layer is not None else (L, E)
@@ -223,19 +217,81 @@ class MoERoutingMetric(Metric):
                 raise ValueError(f"{_NAME}: {where}['expert_counts'] must be an integer tensor of shape "
                                  f"{list(want)} ({'one layer' if layer is not None else 'every layer'}), "
                                  f"got {c.dtype} {list(c.shape)}")
-            c = c.to(torch.int64)
+            fields["expert_counts"] = c
+        if "router_logits" in fields and "router_probs" in fields:
+            raise ValueError(f"{_NAME}: {where} has both router_logits and router_probs; pass one "
+                             "(the entropy is taken from it)")
+        for key in ("router_logits", "router_probs"):
+            if key in fields and not fields[key].is_floating_point():
+                raise TypeError(f"{_NAME}: {where}[{key!r}] must be a floating tensor, got {fields[key].dtype}")
+        if "tokens_dropped" in fields:
+            d = fields["tokens_dropped"]
+            if isinstance(d, torch.Tensor):
+                want = () if layer is not None else (L,)
+                if d.is_floating_point() or d.is_complex() or tuple(d.shape) != want:
+                    raise ValueError(f"{_NAME}: {where}['tokens_dropped'] must be an integer "
+                                     f"{'scalar' if layer is not None else f'tensor [{L}]'}, got "
+                                     f"{d.dtype} {list(d.shape)}")
+                fields["tokens_dropped"] = d.detach().to(torch.int64)
+            elif isinstance(d, bool) or not isinstance(d, int) or layer is None:
+                raise TypeError(f"{_NAME}: {where}['tokens_dropped'] must be an int (with layer) or an "
+                                f"integer tensor [{L}] (without), got {d!r}")
+        for key in ("aux_loss", "z_loss"):
+            if key in fields:
+                fields[key] = self._loss(fields[key], key, where, fields["device"])
+        return fields
+
+    def _fuses(self, f: Dict[str, Any], layer: Optional[int]) -> bool:
+        """Whether one layer's call takes the two-kernel path (``kernels.triton_moe``): on
+        CUDA with the kernels enabled, every tensor on one device, no ``expert_counts``."""
+        if layer is None or "expert_counts" in f:
+            return False
+        tensors = [v for k, v in f.items() if k != "device" and isinstance(v, torch.Tensor)]
+        scores = f.get("router_logits", f.get("router_probs"))
+        return (bool(tensors) and all(t.device == f["device"] for t in tensors) and _triton.device_ok(tensors[0])
+                and (scores is None or scores.dtype in _triton.DTYPES + (torch.float64,)))
+
+    def _fused(self, f: Dict[str, Any], layer: int) -> Dict[str, torch.Tensor]:
+        from .kernels import triton_moe  # imports triton: CUDA only
+        return triton_moe.layer_rows(
+            layers=self.num_layers, layer=layer, experts=self.num_experts, device=f["device"],
+            routing_map=f.get("routing_map"), scores=f.get("router_logits", f.get("router_probs")),
+            from_logits="router_logits" in f, token_mask=f.get("token_mask"), aux=f.get("aux_loss"),
+            z=f.get("z_loss"), dropped=f.get("tokens_dropped"), skip=self.nan_policy == "skip")
+
+    def _torch(self, fields: Dict[str, Any], layer: Optional[int]) -> Dict[str, torch.Tensor]:
+        """The contributions of validated ``fields`` (``_fields``), in torch."""
+        L, E = self.num_layers, self.num_experts
+        device = fields["device"]
+        out: Dict[str, torch.Tensor] = {}
+
+        # This layer's scalar contributions, placed into [L] rows at the end: one
+        # stack, one zeros and one copy per dtype instead of two launches per state.
+        ints: Dict[str, torch.Tensor] = {}
+        floats: Dict[str, torch.Tensor] = {}
+
+        def row(values: torch.Tensor, dtype) -> torch.Tensor:
+            """A [L, ...] contribution with ``values`` in the row of ``layer``."""
+            full = torch.zeros((L,) + tuple(values.shape), dtype=dtype, device=values.device)
+            full[layer] = values.to(dtype)
+            return full
+
+        mask = fields.get("token_mask")
+        if mask is not None:
+            mask = (mask != 0).reshape(-1).to(device)
+        if "routing_map" in fields:
+            m = (fields["routing_map"] != 0).reshape(-1, E)
+            if mask is not None:
+                m = m & mask.unsqueeze(-1)
+            out["counts"] = row(m.sum(0, dtype=torch.int64), torch.int64)
+        if "expert_counts" in fields:
+            c = fields["expert_counts"].to(torch.int64)
             c = row(c, torch.int64) if layer is not None else c
             out["counts"] = c if "counts" not in out else out["counts"] + c
         for key in ("router_logits", "router_probs"):
             if key not in fields:
                 continue
-            if "router_logits" in fields and key == "router_probs":
-                raise ValueError(f"{_NAME}: {where} has both router_logits and router_probs; pass one "
-                                 "(the entropy is taken from it)")
-            x = fields[key]
-            if not x.is_floating_point():
-                raise TypeError(f"{_NAME}: {where}[{key!r}] must be a floating tensor, got {x.dtype}")
-            h, valid, bad = _entropy(x.reshape(-1, E), key == "router_logits")
+            h, valid, bad = _entropy(fields[key].reshape(-1, E), key == "router_logits")
             keep = valid if mask is None else valid & mask
             ints["nonfinite"] = (bad & keep).sum()
             if self.nan_policy == "skip":
@@ -245,24 +301,13 @@ class MoERoutingMetric(Metric):
             ints["entropy_tokens"] = keep.sum()
         if "tokens_dropped" in fields:
             d = fields["tokens_dropped"]
-            if isinstance(d, torch.Tensor):
-                want = () if layer is not None else (L,)
-                if d.is_floating_point() or d.is_complex() or tuple(d.shape) != want:
-                    raise ValueError(f"{_NAME}: {where}['tokens_dropped'] must be an integer "
-                                     f"{'scalar' if layer is not None else f'tensor [{L}]'}, got "
-                                     f"{d.dtype} {list(d.shape)}")
-                d = d.to(torch.int64)
-            elif isinstance(d, bool) or not isinstance(d, int) or layer is None:
-                raise TypeError(f"{_NAME}: {where}['tokens_dropped'] must be an int (with layer) or an "
-                                f"integer tensor [{L}] (without), got {d!r}")
-            else:
+            if not isinstance(d, torch.Tensor):
                 d = torch.full((), d, dtype=torch.int64, device=device)  # a fill: no host copy
             if layer is not None:
                 ints["dropped"] = d
             else:
                 out["dropped"] = d
-        losses = [(key, self._loss(fields[key], key, where, device)) for key in ("aux_loss", "z_loss")
-                  if key in fields]
+        losses = [(key, fields[key].to(torch.float64)) for key in ("aux_loss", "z_loss") if key in fields]
         if losses:
             # both losses at once: one finiteness probe for the pair
             v = torch.stack([x for _, x in losses]) if len(losses) > 1 else losses[0][1].reshape(1)
@@ -287,12 +332,12 @@ class MoERoutingMetric(Metric):
 
     @staticmethod
     def _loss(v, key: str, where: str, device) -> torch.Tensor:
-        """One layer's aux or z loss as a float64 0-d tensor on ``device``'s side."""
+        """One layer's aux or z loss as a 0-d float tensor (a number: float64, on ``device``)."""
         if isinstance(v, torch.Tensor):
             if v.numel() != 1 or not v.is_floating_point():
                 raise ValueError(f"{_NAME}: {where}[{key!r}] must be one float value (a number or a "
                                  f"0-d tensor), got {v.dtype} {list(v.shape)}")
-            return v.detach().reshape(()).to(torch.float64)
+            return v.detach().reshape(())
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"{_NAME}: {where}[{key!r}] must be a number or a 0-d tensor, got "
                             f"{type(v).__name__}")
