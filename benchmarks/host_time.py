@@ -25,9 +25,9 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from twinkle_metrics import DPOMetric, GRPOMetric, RolloutMismatchMetric  # noqa: E402
+from twinkle_metrics import DPOMetric, GRPOMetric, PPOValueMetric, RolloutMismatchMetric  # noqa: E402
 from benchmarks.common import moe_layer_call  # noqa: E402
-from twinkle_metrics.kernels import _triton, triton_moe, triton_rl, triton_rollout  # noqa: E402
+from twinkle_metrics.kernels import _triton, triton_moe, triton_ppo, triton_rl, triton_rollout  # noqa: E402
 
 CALLS = int(os.environ.get("HOST_TIME_CALLS", "400"))
 
@@ -57,16 +57,20 @@ def cases():
                                                         ref_outputs={"logps": ref})),
         "RolloutMismatchMetric": (RolloutMismatchMetric,
                                   lambda m: m.accumulate({"labels": labels}, {"logps": lp}, rollout_logps=old)),
+        "PPOValueMetric": (PPOValueMetric, lambda m: m.accumulate({"labels": labels}, {"values": lp}, old_values=old,
+                                                                  returns=ref, advantages=adv)),
         "MoERoutingMetric.observe (one layer)": moe_layer_call(),
     }
 
 
 def main():
     saved = (_triton.device_ok, triton_rl._rl_kernel, triton_rl._row_sums_kernel, triton_rl._pair_kernel,
-             triton_rollout._rollout_kernel, triton_moe._tokens_kernel, triton_moe._rows_kernel)
+             triton_rollout._rollout_kernel, triton_moe._tokens_kernel, triton_moe._rows_kernel,
+             triton_ppo._tokens_kernel, triton_ppo._finish_kernel)
     _triton.device_ok = lambda x: True
     triton_rl._rl_kernel = triton_rl._row_sums_kernel = triton_rl._pair_kernel = _NoLaunch()
     triton_rollout._rollout_kernel = triton_moe._tokens_kernel = triton_moe._rows_kernel = _NoLaunch()
+    triton_ppo._tokens_kernel = triton_ppo._finish_kernel = _NoLaunch()
     try:
         fns = {}
         for name, (make, step) in cases().items():
@@ -84,7 +88,8 @@ def main():
                 times[name].append(time.perf_counter() - t)
     finally:
         (_triton.device_ok, triton_rl._rl_kernel, triton_rl._row_sums_kernel, triton_rl._pair_kernel,
-         triton_rollout._rollout_kernel, triton_moe._tokens_kernel, triton_moe._rows_kernel) = saved
+         triton_rollout._rollout_kernel, triton_moe._tokens_kernel, triton_moe._rows_kernel,
+         triton_ppo._tokens_kernel, triton_ppo._finish_kernel) = saved
     us = {k: round(sorted(v)[len(v) // 2] * 1e6, 1) for k, v in times.items()}
     from benchmarks.common import save
     path = save("host_time", {"host_us_per_accumulate": us}, ".venv/bin/python -m benchmarks.host_time")

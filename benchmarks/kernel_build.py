@@ -144,7 +144,8 @@ def variants():
     """(label, kernel, argument types, constexprs, warps): the variants the metrics launch
     (their default tile widths and warps), in each input dtype they accept, both NaN
     policies, every flag that changes the code."""
-    from twinkle_metrics.kernels import triton_argmax, triton_entropy, triton_moe, triton_rl, triton_rollout
+    from twinkle_metrics.kernels import (triton_argmax, triton_entropy, triton_moe, triton_ppo, triton_rl,
+                                         triton_rollout)
     out = []
     strides = {n: "i32" for n in ("s", "rec_stride", "seq0", "lp_s0", "lp_s1", "m_s0", "m_s1", "old_s0", "old_s1",
                                   "adv_s0", "adv_s1", "ref_s0", "ref_s1", "ent_s0", "ent_s1")}
@@ -172,6 +173,18 @@ def variants():
             out.append(Variant(f"DPO pairs w={w} skip={skip}", triton_rl._pair_kernel,
                                dict(x_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", n="i32"),
                                dict(BETA=0.1, W=w, SKIP=skip, BLOCK=1024), 4))
+    ppo_types = {n: "i32" for n in ("s", "v_s0", "v_s1", "m_s0", "m_s1", "old_s0", "old_s1", "oh_s0", "oh_s1",
+                                    "ret_s0", "ret_s1", "rh_s0", "rh_s1", "adv_s0", "adv_s1", "ah_s0", "ah_s1")}
+    for v_type, modes, skip in (("fp32", (1, 1, 1), False), ("fp64", (2, 1, 0), True), ("fp32", (0, 2, 2), False)):
+        old, ret, adv = modes
+        out.append(Variant(f"PPO tokens {v_type} old/ret/adv={modes} skip={skip}", triton_ppo._tokens_kernel,
+                           dict(ppo_types, v_ptr=f"*{v_type}", m_ptr="*u8", old_ptr="*fp64", oh_ptr="*u8",
+                                ret_ptr="*fp32", rh_ptr="*u8", adv_ptr="*fp64", ah_ptr="*u8", part_ptr="*fp64"),
+                           dict(EPS=0.2, OLD=old, RET=ret, ADV=adv, SKIP=skip, BLOCK=triton_ppo.BLOCK), 4))
+    for ret, adv in ((True, True), (False, False)):
+        out.append(Variant(f"PPO finish ret={ret} adv={adv}", triton_ppo._finish_kernel,
+                           dict(part_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", n_parts="i32"),
+                           dict(RET=ret, ADV=adv, BLOCK=128), 4, streaming=False))
     experts = 64  # E_PAD = 64: 64 tokens of a 4096-element tile per program
     for label, flags, x_type in (("map+logits bf16", dict(HAS_MAP=1, HAS_X=1, LOGITS=1, F64=0), "*bf16"),
                                  ("map+logits fp32 masked skip", dict(HAS_MAP=1, HAS_X=1, LOGITS=1, F64=0,

@@ -46,6 +46,7 @@ from twinkle_metrics.kernels import (  # noqa: E402
     triton_argmax,
     triton_entropy,
     triton_moe,
+    triton_ppo,
     triton_rl,
     triton_rollout,
 )
@@ -80,6 +81,7 @@ def counted_triton(counter: KernelCounter):
     saved = {}
     for module, name in ((triton_rl, "_rl_kernel"), (triton_rl, "_row_sums_kernel"), (triton_rl, "_pair_kernel"),
                          (triton_moe, "_tokens_kernel"), (triton_moe, "_rows_kernel"),
+                         (triton_ppo, "_tokens_kernel"), (triton_ppo, "_finish_kernel"),
                          (triton_rollout, "_rollout_kernel"), (triton_argmax, "_argmax_kernel"),
                          (triton_entropy, "_partials_lean_kernel"), (triton_entropy, "_partials_kernel")):
         real = getattr(module, name)

@@ -3,7 +3,8 @@
 ``torch.cuda.set_sync_debug_mode("error")`` raises on any host-device synchronisation,
 so each metric's ``accumulate`` runs under it with the input forms users pass: tensors,
 Python lists of per-sequence values, Twinkle's ragged per-sequence log-probs, reward
-lists, separate DPO batches, entropy from logits, top-k KL records, MoE router outputs.
+lists, separate DPO batches, entropy from logits, top-k KL records, PPO value
+statistics, MoE router outputs.
 """
 import pytest
 import torch
@@ -19,6 +20,7 @@ from twinkle_metrics import (
     GSPOMetric,
     LossMetric,
     MoERoutingMetric,
+    PPOValueMetric,
     TrainMetric,
 )
 from twinkle_metrics.testing import assert_results_close
@@ -75,6 +77,12 @@ def _calls():
          lambda m: m.accumulate(None, report, grad_norm=grad_norm)),
         ("Embedding", EmbeddingMetric(),
          lambda m: m.accumulate({"labels": emb_labels}, {"embeddings": emb, "loss": 0.3})),
+        ("PPO value, per-sequence advantages", PPOValueMetric(epsilon=0.1),
+         lambda m: m.accumulate({"labels": lab}, {"values": b["logps"]}, old_values=b["old"], returns=b["ref"],
+                                advantages=b["adv"])),
+        ("PPO value microbatches, ragged old values", PPOValueMetric(nan_policy="skip"),
+         lambda m: m.accumulate(feats, [{"values": lp[:5]}, {"values": lp[5:]}], old_values=ragged_old,
+                                returns=[b["ref"][:5], b["ref"][5:]])),
         ("MoE router logits, as the hooks pass them", MoERoutingMetric(num_layers=4, num_experts=16),
          lambda m: m.observe(2, routing_map=routing, router_logits=router_logits, token_mask=valid,
                              aux_loss=aux, z_loss=z, tokens_dropped=routing.sum() - (routing & valid[:, None]).sum())),
@@ -87,7 +95,7 @@ def _calls():
     ]
 
 
-N_CALLS = 13  # len(_calls()); the calls build CUDA tensors, so not at collection time
+N_CALLS = 15  # len(_calls()); the calls build CUDA tensors, so not at collection time
 
 
 @pytest.fixture(params=["torch", "triton"])

@@ -609,6 +609,57 @@ def test_moe_routing_kernel_takes_the_hooks_fields(monkeypatch):
     assert int(fused.states["counts"][1].sum()) == int((routing & valid[:, None]).sum())
 
 
+def _ppo_calls(seed):
+    """PPOValueMetric calls in the forms users pass: dense, per-sequence advantages, ragged
+    old values, microbatch lists with a side input missing in one, NaN/inf at counted and at
+    masked positions, a value offset that cancels in float32 sums, blocks over several programs."""
+    b = make_rl_batch(seed, n_seq=8, seq_len=1100 if seed else 45)
+    lab = b["labels"]
+    v = (b["logps"] + 1e4).float()         # a large common level: the moments must keep the spread
+    ret, old = b["ref"] + 1e4, b["old"] + 1e4
+    v[0, 0] = float("nan")                  # seq 0 is all padding: ignored
+    counted = (lab[2] != -100).nonzero()[:, 0]
+    v[2, counted[0]] = float("inf")
+    ret[3, (lab[3] != -100).nonzero()[0, 0]] = float("nan")
+    feats = [{"labels": lab[:3]}, {"labels": lab[3:]}]
+    return [
+        (({"labels": lab}, {"values": v}), dict(old_values=old, returns=ret, advantages=b["adv"])),
+        (({"labels": lab}, {"values": v.double()}), dict(old_values=ragged(old, lab), returns=ret)),
+        ((feats, [{"values": v[:3]}, {"values": v[3:]}]),
+         dict(old_values=[None, old[3:]], returns=[ret[:3], ret[3:]], advantages=[b["adv"][:3], b["adv"][3:]])),
+        (({"labels": lab}, {"values": v}), dict(advantages=b["adv"].tolist())),
+    ]
+
+
+@kernel_test
+@pytest.mark.parametrize("nan_policy", ["propagate", "skip"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ppo_value_kernels_match_torch(monkeypatch, nan_policy, seed):
+    from twinkle_metrics import PPOValueMetric
+    from twinkle_metrics.kernels import triton_ppo
+    launched = []
+    real = triton_ppo.token_stats
+    monkeypatch.setattr(triton_ppo, "token_stats", lambda *a, **k: launched.append(1) or real(*a, **k))
+    _cpu_as_triton_device(monkeypatch)
+    for args, kw in _ppo_calls(seed):
+        make = lambda: PPOValueMetric(epsilon=0.1, nan_policy=nan_policy)  # noqa: E731
+        fused = make()
+        with numpy.errstate(invalid="ignore"):  # the NaN/inf tokens, on purpose
+            fused.accumulate(*args, **kw).accumulate(*args, **kw)
+        with monkeypatch.context() as mp:
+            mp.setattr(_triton, "device_ok", lambda x: False)
+            plain = make().accumulate(*args, **kw).accumulate(*args, **kw)
+        for name, want in plain.states.items():
+            got = fused.states[name]
+            assert got.dtype == want.dtype, name
+            if want.is_floating_point():
+                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, equal_nan=True, msg=name)
+            else:
+                assert torch.equal(got, want), (name, got, want)
+        _same(fused.calculate(), plain.calculate(), rel=1e-9)
+    assert _triton.failed is None and len(launched) == 2 * len(_ppo_calls(seed))
+
+
 @kernel_test
 def test_row_sums_kernel_long_rows_and_views():
     g = torch.Generator().manual_seed(2)
@@ -908,9 +959,9 @@ def test_float_bounds_reach_the_kernels_as_float64_constants():
     with float64 log-ratios, must be constexpr to keep their float64 value."""
     import inspect
 
-    from twinkle_metrics.kernels import triton_rollout
+    from twinkle_metrics.kernels import triton_ppo, triton_rollout
     for kernel, names in ((TR._rl_kernel, ("LO", "HI")), (triton_rollout._rollout_kernel, ("LO", "HI")),
-                          (TR._pair_kernel, ("BETA",))):
+                          (TR._pair_kernel, ("BETA",)), (triton_ppo._tokens_kernel, ("EPS",))):
         params = inspect.signature(kernel.fn).parameters
         assert all("constexpr" in str(params[name].annotation) for name in names), kernel.fn.__name__
 

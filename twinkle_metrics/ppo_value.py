@@ -1,13 +1,14 @@
 """``PPOValueMetric``: PPO critic statistics (Twinkle's keys), exact over the data group."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from . import fold
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
+from .kernels import _triton
 from .microbatch import has_field
 from .moments import chan, moments, moments_state
 from .rl_inputs import aligned_microbatches, joined_microbatches, nonfinite_tokens
@@ -108,6 +109,9 @@ class PPOValueMetric(Metric):
         items = aligned_microbatches(type(self).__name__, inputs, outputs, "values", self.ignore_index,
                                      {"old_values": (old_values, True), "returns": (returns, True),
                                       "advantages": (advantages, True)})
+        fused = self._fused(items)
+        if fused is not None:  # two kernels for every state, whatever the microbatches
+            return fused
         items = joined_microbatches(items, _SIDES)  # one pass of launches for every microbatch
         acc: Dict[str, Any] = {}
         rows: Dict[str, List[torch.Tensor]] = {"ret_moments": [], "res_moments": [], "adv_moments": []}
@@ -145,6 +149,19 @@ class PPOValueMetric(Metric):
                 acc[key] = parts[0] if len(parts) == 1 else chan(torch.stack(parts))
         return acc
 
+    def _fused(self, items) -> Optional[Dict[str, Any]]:
+        """The contributions from ``kernels.triton_ppo`` (on CUDA with the kernels enabled,
+        every microbatch on one device, side inputs ``[b, s]`` or one per sequence), or None
+        for the torch path."""
+        if not (items and any(item["m"].numel() for item in items) and _triton.device_ok(items[0]["x"])):
+            return None
+        device = items[0]["x"].device
+        if not all(item["x"].device == device and all(item[k] is None or _fits(item["x"], item["m"], item[k])
+                                                      for k in _SIDES) for item in items):
+            return None
+        return _triton.attempt("PPO value statistics", _token_stats, items, epsilon=self.epsilon,
+                               skip=self.nan_policy == "skip")
+
     def compute(self, s):
         out: Dict[str, Any] = {"train/nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
         if s["n_tok"]:
@@ -162,3 +179,18 @@ class PPOValueMetric(Metric):
             out["train/advantage_mean"] = mean
             out["train/advantage_std"] = (max(m2, 0.0) / n) ** 0.5  # max(NaN, 0) is NaN
         return out
+
+
+def _fits(v: torch.Tensor, m: torch.Tensor, side) -> bool:
+    """Whether the kernel reads a side input ``(values, has)`` as it is: ``[b, s]`` or ``[b, 1]``
+    values on ``v``'s device and a ``[b, s]`` mask (a ragged input's shorter mask keeps the
+    torch path)."""
+    x, has = side
+    b, s = m.shape
+    return (x.dim() == 2 and x.shape[0] == b and x.shape[1] in (1, s) and tuple(has.shape) == (b, s)
+            and x.device == v.device)
+
+
+def _token_stats(items, **kwargs) -> Dict[str, torch.Tensor]:
+    from .kernels import triton_ppo  # imports triton: CUDA only
+    return triton_ppo.token_stats(items, **kwargs)
