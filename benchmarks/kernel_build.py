@@ -205,6 +205,12 @@ def variants():
                                 f_ptr="*fp64", i_ptr="*i64", n_parts="i32", layer="i32", drop_value="i32"),
                            dict(L=48, E=experts, E_PAD=experts, HAS_MAP=True, HAS_X=True, HAS_AUX=True, HAS_Z=True,
                                 DROP=drop, SKIP=drop == triton_moe.DROP_INT, L_PAD=64), 4, streaming=False))
+    out.append(Variant("rollout totals", triton_rollout._totals_kernel,
+                       dict(part_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", rows_ptr="*fp64", n_rows="i32", n_blk="i32"),
+                       dict(N_COLS=triton_rollout._N_COLS, COLS=16, BLOCK=64), 4, streaming=False))
+    out.append(Variant("rollout sequences", triton_rollout._sequence_kernel,
+                       dict(parts_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", n="i32", p_s0="i32", p_s1="i32"),
+                       dict(BLOCK=256), 4, streaming=False))
     for skip in (False, True):
         out.append(Variant(f"rollout skip={skip}", triton_rollout._rollout_kernel,
                     dict(lp_ptr="*fp32", roll_ptr="*fp32", has_ptr="*u8", part_ptr="*fp64", s="i32",

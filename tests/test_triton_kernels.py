@@ -661,6 +661,35 @@ def test_ppo_value_kernels_match_torch(monkeypatch, nan_policy, seed):
 
 
 @kernel_test
+def test_rollout_sequence_kernel_matches_torch(monkeypatch):
+    """The sequence statistics from per-sequence (sum of d, tokens): sequences without a
+    token left out (NaN there too), log-ratio sums of hundreds (the ESS shift), more
+    sequences than one block, a NaN and an inf sum, and sequences none of which has a token."""
+    g = torch.Generator().manual_seed(3)
+    n = 100
+    parts = torch.stack([torch.randn(n, generator=g, dtype=torch.float64) * 300,
+                         torch.randint(0, 5, (n,), generator=g).double()], 1)
+    parts[parts[:, 1] == 0, 0] = 0.0
+    parts[7] = torch.tensor([float("nan"), 0.0])   # no token: ignored, NaN and all
+    cases = {"plain": parts, "strided": torch.cat([parts, parts], 1)[:, ::2].clone().t().contiguous().t()}
+    nan, inf = parts.clone(), parts.clone()
+    nan[3] = torch.tensor([float("nan"), 2.0])
+    inf[4] = torch.tensor([float("inf"), 1.0])
+    cases.update(nan=nan, inf=inf, empty_rows=torch.zeros(5, 2, dtype=torch.float64))
+    m = RolloutMismatchMetric()
+    for name, x in cases.items():
+        with monkeypatch.context() as mp:
+            mp.setattr(_triton, "device_ok", lambda t: False)
+            want = m._sequence_sums(x, None)
+        with numpy.errstate(invalid="ignore", over="ignore"):
+            got = TRO.sequence_stats(x, block=16)
+        assert got.keys() == want.keys(), name
+        for k in want:
+            assert int(got[k]) == int(want[k]) if k == "n_seq" else \
+                torch.allclose(got[k], want[k].to(torch.float64), rtol=1e-12, atol=0, equal_nan=True), (name, k, got, want)
+
+
+@kernel_test
 def test_row_sums_kernel_long_rows_and_views():
     g = torch.Generator().manual_seed(2)
     a = torch.randn(3, 300, generator=g, dtype=torch.float64)

@@ -188,7 +188,7 @@ class RolloutMismatchMetric(Metric):
         parts: List[torch.Tensor] = [fused[i] if i in fused else self._token_sums(acc, item)
                                      for i, item in enumerate(items)]
         if rows:
-            acc.update(self._sequence_sums(torch.cat(parts), group))
+            acc.update(self._sequence_sums(parts[0] if len(parts) == 1 else torch.cat(parts), group))
         return acc
 
     def _fuses(self, item) -> bool:
@@ -257,6 +257,10 @@ class RolloutMismatchMetric(Metric):
         parts = cp_sum(parts, group)
         if group is not None and group_rank(group) != 0:
             return {}  # every CP rank holds the same totals now; count each sequence once
+        if _triton.device_ok(parts) and parts.dtype == torch.float64:
+            out = _triton.attempt("rollout sequence statistics", _sequence_stats, parts)
+            if out is not None:  # one kernel
+                return out
         s, n = parts[:, 0], parts[:, 1]
         valid = n > 0
         top = torch.where(valid, s, -math.inf).amax()
@@ -295,6 +299,11 @@ class RolloutMismatchMetric(Metric):
             out[_P + "seq_ess"] = a * a / (s["n_seq"] * b)
             out[_P + "log_ppl_abs_diff"] = s["sum_seq_abs"] / s["n_seq"]
         return out
+
+
+def _sequence_stats(parts: torch.Tensor) -> Dict[str, torch.Tensor]:
+    from .kernels import triton_rollout  # imports triton: CUDA only
+    return triton_rollout.sequence_stats(parts)
 
 
 def _number(metric, field, value) -> float:

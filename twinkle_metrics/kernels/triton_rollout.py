@@ -29,9 +29,10 @@ The numbers are the torch path's, with the same rules:
   two columns, summed over its blocks for ``_sequence_sums``.
 
 ``token_stats`` takes all of a call's microbatches: one launch each into one buffer,
-every row with the same number of blocks, then the same few launches to finish
-(column sum, count cast, column max, NaN flag, negated minimum, and one per-row sum
-when rows span several blocks), so the count does not grow with the microbatches.
+every row with the same number of blocks, then one program (``_totals_kernel``) finishes
+them: the column sums and maxima, the counts, and each row's (sum of d, tokens). So the
+count does not grow with the microbatches. ``sequence_stats`` makes the sequence
+statistics of those rows (completed over CP first) in one more launch.
 
 Used on CUDA unless ``TWINKLE_METRICS_TRITON=0`` (see ``_triton``); tested on CPU under
 Triton's interpreter against the torch path, and compiled for sm_80/sm_90 in CI
@@ -113,6 +114,100 @@ def _rollout_kernel(lp_ptr, roll_ptr, has_ptr, part_ptr, s, lp_s0, lp_s1, roll_s
     tl.store(out + _NEG_D_MIN, tl.max(tl.where(ok, -d, neg_inf), 0))
 
 
+@triton.jit
+def _totals_kernel(part_ptr, f_ptr, i_ptr, rows_ptr, n_rows, n_blk,
+                   N_COLS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program over every block's partials: column sums of the sums and the NaN flag,
+    column maxima of the extremes (the flag added: NaN makes them NaN, as ``amax`` would),
+    into ``f_ptr`` (``SUMS`` order, then ``EXTREMES``, d_min negated back) and the counts into
+    ``i_ptr`` (n_tok, n_bad); and each row's (sum of d, tokens) over its blocks into
+    ``rows_ptr`` [n_rows, 2]."""
+    cols = tl.arange(0, COLS)
+    is_sum = cols <= _NAN_FLAG
+    is_ext = (cols > _NAN_FLAG) & (cols < N_COLS)
+    sums = tl.zeros([COLS], tl.float64)
+    ext = tl.zeros([COLS], tl.float64) - float("inf")
+    n_parts = n_rows * n_blk
+    for start in range(0, n_parts, BLOCK):
+        p = start + tl.arange(0, BLOCK)
+        live = p < n_parts
+        tile = tl.load(part_ptr + p.to(tl.int64)[:, None] * N_COLS + cols[None, :],
+                       mask=live[:, None] & (cols[None, :] < N_COLS), other=0.0)
+        sums += tl.sum(tl.where(is_sum[None, :], tile, 0.0), 0)
+        ext = tl.maximum(ext, tl.max(tl.where(is_ext[None, :] & live[:, None], tile, float("-inf")), 0))
+    flag = tl.sum(tl.where(cols == _NAN_FLAG, sums, 0.0), 0)
+    ext = ext + flag
+    ext = tl.where(cols == _NEG_D_MIN, -ext, ext)
+    # f: the sums in SUMS order, then the extremes (columns after the flag, shifted down one)
+    tl.store(f_ptr + cols, sums, mask=cols < _NAN_FLAG)
+    tl.store(f_ptr + cols - 1, ext, mask=is_ext)
+    tl.store(i_ptr, tl.sum(tl.where(cols == _N_TOK, sums, 0.0), 0).to(tl.int64))
+    tl.store(i_ptr + 1, tl.sum(tl.where(cols == _N_BAD, sums, 0.0), 0).to(tl.int64))
+    for start in range(0, n_rows, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        live = r < n_rows
+        d = tl.zeros([BLOCK], tl.float64)
+        n = tl.zeros([BLOCK], tl.float64)
+        for j in range(0, n_blk):
+            at = part_ptr + (r.to(tl.int64) * n_blk + j) * N_COLS
+            d += tl.load(at + _SUM_D, mask=live, other=0.0)
+            n += tl.load(at + _N_TOK, mask=live, other=0.0)
+        tl.store(rows_ptr + r * 2, d, mask=live)
+        tl.store(rows_ptr + r * 2 + 1, n, mask=live)
+
+
+@triton.jit
+def _sequence_kernel(parts_ptr, f_ptr, i_ptr, n, p_s0, p_s1, BLOCK: tl.constexpr):
+    """One program over the ``[n, 2]`` (sum of d, tokens) per sequence: sequences with a
+    token (``n_seq`` into ``i_ptr``), the sum of |mean d| over them, and the ESS triple
+    (shift, sum e^(s - shift), sum e^(2 (s - shift))) with the largest s as the shift, as
+    ``RolloutMismatchMetric._sequence_sums`` makes them (into ``f_ptr``)."""
+    top = tl.zeros([BLOCK], tl.float64) - float("inf")
+    nan = tl.zeros([BLOCK], tl.float64)
+    n_seq = tl.zeros([BLOCK], tl.int64)
+    abs_sum = tl.zeros([BLOCK], tl.float64)
+    for start in range(0, n, BLOCK):
+        r = (start + tl.arange(0, BLOCK)).to(tl.int64)
+        live = r < n
+        sd = tl.load(parts_ptr + r * p_s0, mask=live, other=0.0)
+        k = tl.load(parts_ptr + r * p_s0 + p_s1, mask=live, other=0.0)
+        valid = live & (k > 0)
+        top = tl.maximum(top, tl.where(valid, sd, float("-inf")))
+        nan += tl.where(valid & (sd != sd), 1.0, 0.0)  # a kernel max need not keep NaN
+        n_seq += valid.to(tl.int64)
+        abs_sum += tl.where(valid, tl.abs(sd / tl.where(valid, k, 1.0)), 0.0)
+    shift = tl.max(top, 0)
+    shift = tl.where(tl.sum(nan, 0) > 0, float("nan"), shift)
+    a = tl.zeros([BLOCK], tl.float64)
+    b = tl.zeros([BLOCK], tl.float64)
+    for start in range(0, n, BLOCK):
+        r = (start + tl.arange(0, BLOCK)).to(tl.int64)
+        live = r < n
+        sd = tl.load(parts_ptr + r * p_s0, mask=live, other=0.0)
+        k = tl.load(parts_ptr + r * p_s0 + p_s1, mask=live, other=0.0)
+        valid = live & (k > 0)
+        e = tl.where(valid, tl.exp(tl.where(valid, sd, shift) - shift), 0.0)
+        a += e
+        b += e * e
+    a_tot = tl.sum(a, 0)
+    tl.store(i_ptr, tl.sum(n_seq, 0))
+    tl.store(f_ptr, tl.sum(abs_sum, 0))
+    tl.store(f_ptr + 1, tl.where(a_tot != 0, shift, 0.0))
+    tl.store(f_ptr + 2, a_tot)
+    tl.store(f_ptr + 3, tl.sum(b, 0))
+
+
+def sequence_stats(parts: torch.Tensor, *, block: int = 0) -> Dict[str, torch.Tensor]:
+    """``RolloutMismatchMetric``'s sequence contributions (``n_seq``, ``sum_seq_abs``,
+    ``seq_ess``) of float64 ``[n, 2]`` (sum of d, tokens) per sequence, in one launch."""
+    f = torch.empty(4, dtype=torch.float64, device=parts.device)
+    i = torch.empty(1, dtype=torch.int64, device=parts.device)
+    block = block or min(256, triton.next_power_of_2(max(parts.shape[0], 16)))
+    _sequence_kernel[(1,)](parts, f, i, parts.shape[0], parts.stride(0), parts.stride(1), BLOCK=block, num_warps=4,
+                           enable_fp_fusion=False)
+    return {"n_seq": i[0], "sum_seq_abs": f[0], "seq_ess": f[1:]}
+
+
 def token_stats(batches: Sequence[Mapping[str, torch.Tensor]], *, lo: float, hi: float, skip: bool = False,
                 block: int = 0) -> Tuple[Dict[str, torch.Tensor], List[torch.Tensor]]:
     """RolloutMismatchMetric's per-token contributions of several microbatches: one
@@ -151,11 +246,12 @@ def token_stats(batches: Sequence[Mapping[str, torch.Tensor]], *, lo: float, hi:
         _rollout_kernel[(b, n_blk)](lp, roll, has, part[off:], s, lp.stride(0), lp.stride(1), roll.stride(0),
                                     roll.stride(1), has.stride(0), has.stride(1), LO=lo, HI=hi, SKIP=skip,
                                     N_COLS=_N_COLS, BLOCK=blk, num_warps=4, enable_fp_fusion=False)
-    flat = part.view(-1, _N_COLS)
-    sums = flat[:, :_FLAG + 1].sum(0)
-    counts = sums[1:3].to(torch.int64)
-    ext = flat[:, _FLAG + 1:].amax(0) + sums[_FLAG]  # the NaN flag makes every extreme NaN
-    out = {name: sums[i] for i, name in enumerate(SUMS)}
-    out.update(n_tok=counts[0], n_bad=counts[1], abs_max=ext[0], d_max=ext[1], d_min=ext[2].neg())
-    per_row = part[:, 0, :2] if n_blk == 1 else part[:, :, :2].sum(1)
+    f = torch.empty(len(SUMS) + len(EXTREMES), dtype=torch.float64, device=device)
+    i = torch.empty(2, dtype=torch.int64, device=device)
+    per_row = torch.empty(offsets[-1], 2, dtype=torch.float64, device=device)
+    _totals_kernel[(1,)](part, f, i, per_row, offsets[-1], n_blk, N_COLS=_N_COLS,
+                         COLS=triton.next_power_of_2(_N_COLS), BLOCK=64, num_warps=4, enable_fp_fusion=False)
+    out = {name: f[k] for k, name in enumerate(SUMS)}
+    out.update({name: f[len(SUMS) + k] for k, name in enumerate(EXTREMES)})
+    out.update(n_tok=i[0], n_bad=i[1])
     return out, [per_row[a:z] for a, z in zip(offsets, offsets[1:])]
