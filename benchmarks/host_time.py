@@ -66,13 +66,13 @@ def cases():
 def main():
     saved = (_triton.device_ok, triton_rl._rl_kernel, triton_rl._row_sums_kernel, triton_rl._pair_kernel,
              triton_rollout._rollout_kernel, triton_moe._tokens_kernel, triton_moe._rows_kernel,
-             triton_ppo._tokens_kernel, triton_ppo._finish_kernel, triton_rollout._totals_kernel,
+             triton_ppo._tokens_kernel, triton_ppo._finish_kernel, triton_rl._totals_kernel,
              triton_rollout._sequence_kernel)
     _triton.device_ok = lambda x: True
     triton_rl._rl_kernel = triton_rl._row_sums_kernel = triton_rl._pair_kernel = _NoLaunch()
     triton_rollout._rollout_kernel = triton_moe._tokens_kernel = triton_moe._rows_kernel = _NoLaunch()
     triton_ppo._tokens_kernel = triton_ppo._finish_kernel = _NoLaunch()
-    triton_rollout._totals_kernel = triton_rollout._sequence_kernel = _NoLaunch()
+    triton_rl._totals_kernel = triton_rollout._sequence_kernel = _NoLaunch()
     try:
         fns = {}
         for name, (make, step) in cases().items():
@@ -91,7 +91,7 @@ def main():
     finally:
         (_triton.device_ok, triton_rl._rl_kernel, triton_rl._row_sums_kernel, triton_rl._pair_kernel,
          triton_rollout._rollout_kernel, triton_moe._tokens_kernel, triton_moe._rows_kernel,
-         triton_ppo._tokens_kernel, triton_ppo._finish_kernel, triton_rollout._totals_kernel,
+         triton_ppo._tokens_kernel, triton_ppo._finish_kernel, triton_rl._totals_kernel,
          triton_rollout._sequence_kernel) = saved
     us = {k: round(sorted(v)[len(v) // 2] * 1e6, 1) for k, v in times.items()}
     from benchmarks.common import save

@@ -205,9 +205,15 @@ def variants():
                                 f_ptr="*fp64", i_ptr="*i64", n_parts="i32", layer="i32", drop_value="i32"),
                            dict(L=48, E=experts, E_PAD=experts, HAS_MAP=True, HAS_X=True, HAS_AUX=True, HAS_Z=True,
                                 DROP=drop, SKIP=drop == triton_moe.DROP_INT, L_PAD=64), 4, streaming=False))
-    out.append(Variant("rollout totals", triton_rollout._totals_kernel,
-                       dict(part_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", rows_ptr="*fp64", n_rows="i32", n_blk="i32"),
-                       dict(N_COLS=triton_rollout._N_COLS, COLS=16, BLOCK=64), 4, streaming=False))
+    totals_types = dict(part_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", rows_ptr="*fp64", n_rows="i32", n_blk="i32")
+    n_ext = len(triton_rl.EXTREMES)
+    out.append(Variant("GRPO totals", triton_rl._totals_kernel, totals_types,
+                       dict(W=triton_rl._N_COLS, COLS=32, EXT0=triton_rl._N_SUM + n_ext, FLAG0=triton_rl._N_SUM,
+                            PER_EXT=True, NEG=sum(1 << e for e, c in enumerate(triton_rl.EXTREMES) if c.endswith("_min")),
+                            ROWS=0, R0=0, R1=0, R2=0, BLOCK=64), 4, streaming=False))
+    out.append(Variant("rollout totals", triton_rl._totals_kernel, totals_types,
+                       dict(W=triton_rollout._N_COLS, COLS=16, EXT0=triton_rollout._FLAG + 1, FLAG0=triton_rollout._FLAG,
+                            PER_EXT=False, NEG=1 << triton_rollout.EXTREMES.index("d_min"), ROWS=2, R0=0, R1=1, R2=0, BLOCK=64), 4, streaming=False))
     out.append(Variant("rollout sequences", triton_rollout._sequence_kernel,
                        dict(parts_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", n="i32", p_s0="i32", p_s1="i32"),
                        dict(BLOCK=256), 4, streaming=False))

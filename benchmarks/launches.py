@@ -82,7 +82,7 @@ def counted_triton(counter: KernelCounter):
     for module, name in ((triton_rl, "_rl_kernel"), (triton_rl, "_row_sums_kernel"), (triton_rl, "_pair_kernel"),
                          (triton_moe, "_tokens_kernel"), (triton_moe, "_rows_kernel"),
                          (triton_ppo, "_tokens_kernel"), (triton_ppo, "_finish_kernel"),
-                         (triton_rollout, "_rollout_kernel"), (triton_rollout, "_totals_kernel"),
+                         (triton_rl, "_totals_kernel"), (triton_rollout, "_rollout_kernel"),
                          (triton_rollout, "_sequence_kernel"), (triton_argmax, "_argmax_kernel"),
                          (triton_entropy, "_partials_lean_kernel"), (triton_entropy, "_partials_kernel")):
         real = getattr(module, name)

@@ -252,6 +252,77 @@ def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, part_ptr, rec_
     tl.store(out + _CLIP_NAN, clip_nan)
 
 
+@triton.jit
+def _totals_kernel(part_ptr, f_ptr, i_ptr, rows_ptr, n_rows, n_blk,
+                   W: tl.constexpr, COLS: tl.constexpr, EXT0: tl.constexpr, FLAG0: tl.constexpr,
+                   PER_EXT: tl.constexpr, NEG: tl.constexpr, ROWS: tl.constexpr, R0: tl.constexpr,
+                   R1: tl.constexpr, R2: tl.constexpr, BLOCK: tl.constexpr):
+    """One program finishes a buffer of ``n_rows * n_blk`` partial rows ``[W]``: columns before
+    ``EXT0`` are summed, the others are extremes kept as maxima, each with its NaN flag
+    column added (``FLAG0 + e`` for extreme ``e`` when ``PER_EXT``, else ``FLAG0``: a NaN
+    makes the extreme NaN, as ``amax`` would, which a kernel max does not promise) and
+    negated back where bit ``e`` of ``NEG`` is set (minima). Writes every column to
+    ``f_ptr`` [W] and the sums as int64 to ``i_ptr`` [W] (the counts' states read theirs).
+    With ``ROWS`` (2 or 3), each row's sums of columns ``R0``, ``R1`` (, ``R2``) over its
+    ``n_blk`` blocks go to ``rows_ptr`` [n_rows, ROWS]."""
+    cols = tl.arange(0, COLS)
+    live_c = cols < W
+    is_ext = (cols >= EXT0) & live_c
+    sums = tl.zeros([COLS], tl.float64)
+    ext = tl.zeros([COLS], tl.float64) - float("inf")
+    n_parts = n_rows * n_blk
+    for start in range(0, n_parts, BLOCK):
+        p = start + tl.arange(0, BLOCK)
+        live = p < n_parts
+        tile = tl.load(part_ptr + p.to(tl.int64)[:, None] * W + cols[None, :],
+                       mask=live[:, None] & live_c[None, :], other=0.0)
+        sums += tl.sum(tl.where(is_ext[None, :], 0.0, tile), 0)
+        ext = tl.maximum(ext, tl.max(tl.where(is_ext[None, :] & live[:, None], tile, float("-inf")), 0))
+    if PER_EXT:
+        flag_col = cols - EXT0 + FLAG0
+    else:
+        flag_col = cols * 0 + FLAG0
+    flag = tl.sum(tl.where(cols[None, :] == flag_col[:, None], sums[None, :], 0.0), 1)
+    neg = ((NEG >> tl.maximum(cols - EXT0, 0)) & 1) == 1
+    out = tl.where(is_ext, ext + flag, sums)
+    out = tl.where(is_ext & neg, -out, out)
+    tl.store(f_ptr + cols, out, mask=live_c)
+    tl.store(i_ptr + cols, tl.where(is_ext, 0.0, sums).to(tl.int64), mask=live_c)
+    if ROWS:
+        for start in range(0, n_rows, BLOCK):
+            r = start + tl.arange(0, BLOCK)
+            live = r < n_rows
+            a = tl.zeros([BLOCK], tl.float64)
+            b = tl.zeros([BLOCK], tl.float64)
+            c = tl.zeros([BLOCK], tl.float64)
+            for j in range(0, n_blk):
+                at = part_ptr + (r.to(tl.int64) * n_blk + j) * W
+                a += tl.load(at + R0, mask=live, other=0.0)
+                b += tl.load(at + R1, mask=live, other=0.0)
+                if ROWS == 3:
+                    c += tl.load(at + R2, mask=live, other=0.0)
+            tl.store(rows_ptr + r * ROWS, a, mask=live)
+            tl.store(rows_ptr + r * ROWS + 1, b, mask=live)
+            if ROWS == 3:
+                tl.store(rows_ptr + r * ROWS + 2, c, mask=live)
+
+
+def column_totals(part: torch.Tensor, *, ext0: int, flag0: int, per_ext: bool, neg: int, n_rows: int = 0,
+                  n_blk: int = 1, rows: Sequence[int] = ()) -> Tuple[torch.Tensor, torch.Tensor,
+                                                                     Optional[torch.Tensor]]:
+    """``_totals_kernel`` over ``part`` ``[n_rows * n_blk, W]`` (float64, contiguous):
+    ``(f [W], i [W], per-row sums [n_rows, len(rows)] or None)``, one launch."""
+    w = part.shape[1]
+    f = torch.empty(w, dtype=torch.float64, device=part.device)
+    i = torch.empty(w, dtype=torch.int64, device=part.device)
+    per_row = torch.empty(n_rows, len(rows), dtype=torch.float64, device=part.device) if rows else f
+    r = list(rows) + [0] * (3 - len(rows))
+    _totals_kernel[(1,)](part, f, i, per_row, n_rows if n_rows else part.shape[0], n_blk if n_rows else 1,
+                         W=w, COLS=triton.next_power_of_2(w), EXT0=ext0, FLAG0=flag0, PER_EXT=per_ext, NEG=neg,
+                         ROWS=len(rows), R0=r[0], R1=r[1], R2=r[2], BLOCK=64, num_warps=4, enable_fp_fusion=False)
+    return f, i, (per_row if rows else None)
+
+
 def _strides(x: Optional[torch.Tensor], like: torch.Tensor):
     if x is None:
         return like, 0, 0
@@ -265,8 +336,8 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
                 want_key: bool = False, want_rows: bool = False, block: int = 0) -> Tuple[
                     Dict[str, torch.Tensor], Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
     """The GRPO family's per-token contributions of several microbatches: one kernel per
-    microbatch into one buffer of partials, then one column sum and one column max for
-    all of them (a fixed number of launches beyond one per microbatch).
+    microbatch into one buffer of partials, then one program finishing all of them
+    (``_totals_kernel``): a fixed number of launches beyond one per microbatch.
 
     Each of ``batches`` maps ``lp``, ``m`` (bool) and, where given, ``old``, ``ref``,
     ``ent`` to ``[b, s]`` tensors (any strides) and ``adv`` to ``[b, s]`` or ``[b, 1]``
@@ -313,13 +384,13 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
                                HAS_REF=mb.get("ref") is not None, HAS_ENT=mb.get("ent") is not None,
                                TOKEN_CLIP=token_clip, BY_SIGN=by_sign, SKIP=skip, KEY=tok is not None,
                                N_COLS=_N_COLS, BLOCK=blk, num_warps=NUM_WARPS, enable_fp_fusion=False)
-    sums = part[:, :_N_SUM + len(EXTREMES)].sum(0)
-    ext = part[:, _N_SUM + len(EXTREMES):].amax(0) + sums[_N_SUM:]  # a NaN flag makes its extreme NaN
-    mins = ext[1::2].neg()
+    # one program: column sums, extremes with their NaN flags, minima negated back
+    f, i, _ = column_totals(part, ext0=_N_SUM + len(EXTREMES), flag0=_N_SUM, per_ext=True,
+                            neg=sum(1 << e for e, name in enumerate(EXTREMES) if name.endswith("_min")))
     # 0-d views, made by two unbinds rather than one indexing call per state
-    out = dict(zip(SUMS[:N_COUNTS], sums[:N_COUNTS].to(torch.int64).unbind()))
-    out.update(zip(SUMS[N_COUNTS:], sums[N_COUNTS:_N_SUM].unbind()))
-    out.update({"adv_max": ext[0], "adv_min": mins[0], "logr_max": ext[2], "logr_min": mins[1]})
+    out = dict(zip(SUMS[:N_COUNTS], i[:N_COUNTS].unbind()))
+    out.update(zip(SUMS[N_COUNTS:], f[N_COUNTS:_N_SUM].unbind()))
+    out.update(zip(EXTREMES, f[_N_SUM + len(EXTREMES):].unbind()))
     rows: List[Optional[torch.Tensor]] = []
     for off, b, _, _, n_blk, _ in plans:
         if not want_rows:

@@ -29,8 +29,8 @@ The numbers are the torch path's, with the same rules:
   two columns, summed over its blocks for ``_sequence_sums``.
 
 ``token_stats`` takes all of a call's microbatches: one launch each into one buffer,
-every row with the same number of blocks, then one program (``_totals_kernel``) finishes
-them: the column sums and maxima, the counts, and each row's (sum of d, tokens). So the
+every row with the same number of blocks, then one program (``triton_rl._totals_kernel``)
+finishes them: the column sums and maxima, the counts, and each row's (sum of d, tokens). So the
 count does not grow with the microbatches. ``sequence_stats`` makes the sequence
 statistics of those rows (completed over CP first) in one more launch.
 
@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rl import _counted, _k3_ratio, _store_sum
+from .triton_rl import _counted, _k3_ratio, _store_sum, column_totals
 
 #: partial columns: per-sequence (sum of d, tokens) first, then sums, the NaN flag of the
 #: extremes, and the extremes (as maxima; d_min negated)
@@ -112,48 +112,6 @@ def _rollout_kernel(lp_ptr, roll_ptr, has_ptr, part_ptr, s, lp_s0, lp_s1, roll_s
     tl.store(out + _ABS_MAX, tl.max(tl.where(ok, tl.abs(d), neg_inf), 0))
     tl.store(out + _D_MAX, tl.max(tl.where(ok, d, neg_inf), 0))
     tl.store(out + _NEG_D_MIN, tl.max(tl.where(ok, -d, neg_inf), 0))
-
-
-@triton.jit
-def _totals_kernel(part_ptr, f_ptr, i_ptr, rows_ptr, n_rows, n_blk,
-                   N_COLS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program over every block's partials: column sums of the sums and the NaN flag,
-    column maxima of the extremes (the flag added: NaN makes them NaN, as ``amax`` would),
-    into ``f_ptr`` (``SUMS`` order, then ``EXTREMES``, d_min negated back) and the counts into
-    ``i_ptr`` (n_tok, n_bad); and each row's (sum of d, tokens) over its blocks into
-    ``rows_ptr`` [n_rows, 2]."""
-    cols = tl.arange(0, COLS)
-    is_sum = cols <= _NAN_FLAG
-    is_ext = (cols > _NAN_FLAG) & (cols < N_COLS)
-    sums = tl.zeros([COLS], tl.float64)
-    ext = tl.zeros([COLS], tl.float64) - float("inf")
-    n_parts = n_rows * n_blk
-    for start in range(0, n_parts, BLOCK):
-        p = start + tl.arange(0, BLOCK)
-        live = p < n_parts
-        tile = tl.load(part_ptr + p.to(tl.int64)[:, None] * N_COLS + cols[None, :],
-                       mask=live[:, None] & (cols[None, :] < N_COLS), other=0.0)
-        sums += tl.sum(tl.where(is_sum[None, :], tile, 0.0), 0)
-        ext = tl.maximum(ext, tl.max(tl.where(is_ext[None, :] & live[:, None], tile, float("-inf")), 0))
-    flag = tl.sum(tl.where(cols == _NAN_FLAG, sums, 0.0), 0)
-    ext = ext + flag
-    ext = tl.where(cols == _NEG_D_MIN, -ext, ext)
-    # f: the sums in SUMS order, then the extremes (columns after the flag, shifted down one)
-    tl.store(f_ptr + cols, sums, mask=cols < _NAN_FLAG)
-    tl.store(f_ptr + cols - 1, ext, mask=is_ext)
-    tl.store(i_ptr, tl.sum(tl.where(cols == _N_TOK, sums, 0.0), 0).to(tl.int64))
-    tl.store(i_ptr + 1, tl.sum(tl.where(cols == _N_BAD, sums, 0.0), 0).to(tl.int64))
-    for start in range(0, n_rows, BLOCK):
-        r = start + tl.arange(0, BLOCK)
-        live = r < n_rows
-        d = tl.zeros([BLOCK], tl.float64)
-        n = tl.zeros([BLOCK], tl.float64)
-        for j in range(0, n_blk):
-            at = part_ptr + (r.to(tl.int64) * n_blk + j) * N_COLS
-            d += tl.load(at + _SUM_D, mask=live, other=0.0)
-            n += tl.load(at + _N_TOK, mask=live, other=0.0)
-        tl.store(rows_ptr + r * 2, d, mask=live)
-        tl.store(rows_ptr + r * 2 + 1, n, mask=live)
 
 
 @triton.jit
@@ -246,12 +204,12 @@ def token_stats(batches: Sequence[Mapping[str, torch.Tensor]], *, lo: float, hi:
         _rollout_kernel[(b, n_blk)](lp, roll, has, part[off:], s, lp.stride(0), lp.stride(1), roll.stride(0),
                                     roll.stride(1), has.stride(0), has.stride(1), LO=lo, HI=hi, SKIP=skip,
                                     N_COLS=_N_COLS, BLOCK=blk, num_warps=4, enable_fp_fusion=False)
-    f = torch.empty(len(SUMS) + len(EXTREMES), dtype=torch.float64, device=device)
-    i = torch.empty(2, dtype=torch.int64, device=device)
-    per_row = torch.empty(offsets[-1], 2, dtype=torch.float64, device=device)
-    _totals_kernel[(1,)](part, f, i, per_row, offsets[-1], n_blk, N_COLS=_N_COLS,
-                         COLS=triton.next_power_of_2(_N_COLS), BLOCK=64, num_warps=4, enable_fp_fusion=False)
-    out = {name: f[k] for k, name in enumerate(SUMS)}
-    out.update({name: f[len(SUMS) + k] for k, name in enumerate(EXTREMES)})
-    out.update(n_tok=i[0], n_bad=i[1])
+    # one program: column sums, extremes with the NaN flag, d_min negated back, and each
+    # row's (sum of d, tokens) over its blocks
+    f, i, per_row = column_totals(part.view(-1, _N_COLS), ext0=_FLAG + 1, flag0=_FLAG, per_ext=False,
+                                  neg=1 << EXTREMES.index("d_min"), n_rows=offsets[-1], n_blk=n_blk,
+                                  rows=(SUMS.index("sum_d"), SUMS.index("n_tok")))
+    out = dict(zip(SUMS, f[:len(SUMS)].unbind()))
+    out.update(zip(EXTREMES, f[_FLAG + 1:].unbind()))
+    out.update(n_tok=i[SUMS.index("n_tok")], n_bad=i[SUMS.index("n_bad")])
     return out, [per_row[a:z] for a, z in zip(offsets, offsets[1:])]
