@@ -154,14 +154,17 @@ def test_entropy_vocab_parallel_matches_full_vocab(dist_pool):
             assert count == 3
 
 
-def _reference_partials(c, t):
-    """``(m, S, W)`` of the one-pass kernel, in float64 torch (the kernel itself is
-    tested under Triton's interpreter in test_triton_kernels.py)."""
-    y = c.to(torch.float64) / t
-    m = y.amax(-1)
-    d = (y - m[:, None]).clamp(min=torch.finfo(torch.float64).min)
-    e = torch.exp(d)
-    return torch.stack([m, e.sum(-1), (e * d).sum(-1)], 1)
+def _reference_partials(chunks, t):
+    """``(m, S, W)`` rows of the one-pass kernel for every chunk, in float64 torch (the
+    kernel itself is tested under Triton's interpreter in test_triton_kernels.py)."""
+    rows = []
+    for c in chunks:
+        y = c.to(torch.float64) / t
+        m = y.amax(-1)
+        d = (y - m[:, None]).clamp(min=torch.finfo(torch.float64).min)
+        e = torch.exp(d)
+        rows.append(torch.stack([m, e.sum(-1), (e * d).sum(-1)], 1))
+    return torch.cat(rows)
 
 
 def case_entropy_vocab_parallel_one_pass(chunking):

@@ -170,7 +170,7 @@ def test_grpo_entropy_through_triton_path_matches_torch(wired, monkeypatch):
     assert entropy.row_blocks(strided)[0].data_ptr() == strided[0].data_ptr()  # no copy
     calls = []
     real = entropy._triton_partials
-    monkeypatch.setattr(entropy, "_triton_partials", lambda c, t: calls.append(c.shape) or real(c, t))
+    monkeypatch.setattr(entropy, "_triton_partials", lambda cs, t: calls.extend(c.shape for c in cs) or real(cs, t))
     kw = dict(inputs={"labels": b["labels"]}, outputs={"logps": b["logps"], "logits": strided})
     got = GRPOMetric(entropy_from_logits=True, temperature=0.6).accumulate(**kw).calculate()
     assert calls  # the kernel path ran

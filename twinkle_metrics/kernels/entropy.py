@@ -78,8 +78,7 @@ def token_entropy(chunks: Sequence[torch.Tensor], shapes: Sequence[torch.Size], 
     are all-reduced at once (MAX), then every chunk's partials at once (SUM).
     """
     if _use_triton(chunks):
-        parts = _triton.attempt("entropy partials", lambda: torch.cat([_triton_partials(c, temperature)
-                                                                       for c in chunks]))
+        parts = _triton.attempt("entropy partials", _triton_partials, chunks, temperature)
         if parts is not None:
             return _triton_entropy(parts, shapes, tp_group)
         # whole blocks were one chunk each for the kernel: the torch path's working buffers
@@ -112,9 +111,16 @@ def _use_triton(chunks: Sequence[torch.Tensor]) -> bool:
     return bool(chunks) and all(_triton.applies(c) for c in chunks)
 
 
-def _triton_partials(c: torch.Tensor, t: float) -> torch.Tensor:
+def _triton_partials(chunks: Sequence[torch.Tensor], t: float) -> torch.Tensor:
+    """Every chunk's ``(m, S, W)`` rows, written by one launch each into one buffer."""
     from .triton_entropy import triton_token_partials
-    return triton_token_partials(c, t)
+    rows = [math.prod(c.shape[:-1]) for c in chunks]
+    out = torch.empty(sum(rows), 3, dtype=torch.float64, device=chunks[0].device)
+    start = 0
+    for c, n in zip(chunks, rows):
+        triton_token_partials(c, t, out=out[start:start + n])
+        start += n
+    return out
 
 
 def _triton_entropy(parts, shapes, tp_group) -> List[torch.Tensor]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -121,7 +123,7 @@ def _block(n_cols: int, block: int = 0) -> int:
 
 
 def triton_token_partials(logits: torch.Tensor, temperature: float = 1.0, *, block: int = 0,
-                          num_warps: int = 0, variant: str = "") -> torch.Tensor:
+                          num_warps: int = 0, variant: str = "", out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[rows, 3]`` float64 ``(m, S, W)`` per row of ``logits [..., V]`` (16/32-bit floats,
     strided views read in place): ``m = max(z / T)``, ``S = sum exp(z / T - m)``,
     ``W = sum exp(z / T - m) * (z / T - m)``; the entropy is ``log S - W / S``.
@@ -132,12 +134,14 @@ def triton_token_partials(logits: torch.Tensor, temperature: float = 1.0, *, blo
         torch.log(p[:, 1]) - p[:, 2] / p[:, 1]   # tensor([2.0794])  (log 8)
 
     ``block`` (a power of two), ``num_warps`` and ``variant`` override the launch's tile
-    width, warps and kernel (``VARIANT``), for tests and benchmarks.
+    width, warps and kernel (``VARIANT``), for tests and benchmarks. ``out``: a contiguous
+    ``[rows, 3]`` float64 tensor to write into (a slice of a buffer shared by several calls).
     """
     x, inner, outer_stride, inner_stride = rows_view(logits)
     n_cols = x.shape[-1]
     rows = math.prod(x.shape[:-1])
-    out = torch.empty(rows, 3, dtype=torch.float64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, 3, dtype=torch.float64, device=logits.device)
     if rows == 0:
         return out
     blk = _block(n_cols, block)
