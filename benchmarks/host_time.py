@@ -25,8 +25,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from twinkle_metrics import DPOMetric, GRPOMetric, PPOValueMetric, RolloutMismatchMetric  # noqa: E402
 from benchmarks.common import moe_layer_call  # noqa: E402
+from twinkle_metrics import DPOMetric, GRPOMetric, PPOValueMetric, RolloutMismatchMetric  # noqa: E402
 from twinkle_metrics.kernels import _triton, triton_moe, triton_ppo, triton_rl, triton_rollout  # noqa: E402
 
 CALLS = int(os.environ.get("HOST_TIME_CALLS", "400"))

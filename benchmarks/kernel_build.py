@@ -144,8 +144,7 @@ def variants():
     """(label, kernel, argument types, constexprs, warps): the variants the metrics launch
     (their default tile widths and warps), in each input dtype they accept, both NaN
     policies, every flag that changes the code."""
-    from twinkle_metrics.kernels import (triton_argmax, triton_entropy, triton_moe, triton_ppo, triton_rl,
-                                         triton_rollout)
+    from twinkle_metrics.kernels import triton_argmax, triton_entropy, triton_moe, triton_ppo, triton_rl, triton_rollout
     out = []
     strides = {n: "i32" for n in ("s", "rec_stride", "seq0", "lp_s0", "lp_s1", "m_s0", "m_s1", "old_s0", "old_s1",
                                   "adv_s0", "adv_s1", "ref_s0", "ref_s1", "ent_s0", "ent_s1")}
@@ -207,13 +206,14 @@ def variants():
                                 DROP=drop, SKIP=drop == triton_moe.DROP_INT, L_PAD=64), 4, streaming=False))
     totals_types = dict(part_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", rows_ptr="*fp64", n_rows="i32", n_blk="i32")
     n_ext = len(triton_rl.EXTREMES)
+    grpo_mins = sum(1 << e for e, c in enumerate(triton_rl.EXTREMES) if c.endswith("_min"))
     out.append(Variant("GRPO totals", triton_rl._totals_kernel, totals_types,
                        dict(W=triton_rl._N_COLS, COLS=32, EXT0=triton_rl._N_SUM + n_ext, FLAG0=triton_rl._N_SUM,
-                            PER_EXT=True, NEG=sum(1 << e for e, c in enumerate(triton_rl.EXTREMES) if c.endswith("_min")),
-                            ROWS=0, R0=0, R1=0, R2=0, BLOCK=64), 4, streaming=False))
+                            PER_EXT=True, NEG=grpo_mins, ROWS=0, R0=0, R1=0, R2=0, BLOCK=64), 4, streaming=False))
     out.append(Variant("rollout totals", triton_rl._totals_kernel, totals_types,
-                       dict(W=triton_rollout._N_COLS, COLS=16, EXT0=triton_rollout._FLAG + 1, FLAG0=triton_rollout._FLAG,
-                            PER_EXT=False, NEG=1 << triton_rollout.EXTREMES.index("d_min"), ROWS=2, R0=0, R1=1, R2=0, BLOCK=64), 4, streaming=False))
+                       dict(W=triton_rollout._N_COLS, COLS=16, EXT0=triton_rollout._FLAG + 1,
+                            FLAG0=triton_rollout._FLAG, PER_EXT=False, NEG=1 << triton_rollout.EXTREMES.index("d_min"),
+                            ROWS=2, R0=0, R1=1, R2=0, BLOCK=64), 4, streaming=False))
     out.append(Variant("rollout sequences", triton_rollout._sequence_kernel,
                        dict(parts_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", n="i32", p_s0="i32", p_s1="i32"),
                        dict(BLOCK=256), 4, streaming=False))

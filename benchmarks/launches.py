@@ -33,6 +33,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from benchmarks.common import moe_layer_call  # noqa: E402
 from twinkle_metrics import (  # noqa: E402
     Accuracy,
     DPOMetric,
@@ -40,7 +41,6 @@ from twinkle_metrics import (  # noqa: E402
     PPOValueMetric,
     RolloutMismatchMetric,
 )
-from benchmarks.common import moe_layer_call  # noqa: E402
 from twinkle_metrics.kernels import (  # noqa: E402
     _triton,
     triton_argmax,
@@ -184,8 +184,9 @@ def main():
                     "one_kernel_path_ops": fused["by_op"]}
         make, step = moe_layer_call()
         torch_path, fused = count(make, step, False), count(make, step, True)
-        out["MoERoutingMetric.observe, one layer"] = {
-            "torch_path": torch_path["kernels"], "two_kernel_path": fused["kernels"], "two_kernel_path_ops": fused["by_op"]}
+        out["MoERoutingMetric.observe, one layer"] = {"torch_path": torch_path["kernels"],
+                                                      "two_kernel_path": fused["kernels"],
+                                                      "two_kernel_path_ops": fused["by_op"]}
     finally:
         _triton.device_ok = real
     from benchmarks.common import save

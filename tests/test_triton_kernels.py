@@ -685,8 +685,9 @@ def test_rollout_sequence_kernel_matches_torch(monkeypatch):
             got = TRO.sequence_stats(x, block=16)
         assert got.keys() == want.keys(), name
         for k in want:
-            assert int(got[k]) == int(want[k]) if k == "n_seq" else \
-                torch.allclose(got[k], want[k].to(torch.float64), rtol=1e-12, atol=0, equal_nan=True), (name, k, got, want)
+            same = int(got[k]) == int(want[k]) if k == "n_seq" else \
+                torch.allclose(got[k], want[k].to(torch.float64), rtol=1e-12, atol=0, equal_nan=True)
+            assert same, (name, k, got, want)
 
 
 @kernel_test

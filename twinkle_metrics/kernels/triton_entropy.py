@@ -17,7 +17,6 @@ logits are 16/32-bit); the partials are stored as float64. The torch implementat
 from __future__ import annotations
 
 import math
-
 from typing import Optional
 
 import torch
