@@ -150,11 +150,24 @@ def rl_batch():
     return labels, lp, old, ref, adv
 
 
+def moe_layer_batch(tokens=256 if DRY else 16384, experts=64, k=8):
+    """One MoE layer's router outputs as ``register_router_hooks`` passes them: a top-``k``
+    boolean routing map, float32 router logits, 0-d aux and z losses (seeded)."""
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    logits = torch.randn(tokens, experts, device=DEVICE, generator=g)
+    routing = torch.zeros(tokens, experts, dtype=torch.bool, device=DEVICE)
+    routing.scatter_(1, logits.topk(k, dim=1).indices, True)
+    return dict(routing_map=routing, router_logits=logits, aux_loss=torch.tensor(0.01, device=DEVICE),
+                z_loss=torch.tensor(0.001, device=DEVICE))
+
+
 def rl_updates(triton_ok):
-    """GRPO and DPO accumulate at [64, 4096]: torch path vs one-kernel path (ms, ratios)."""
-    from twinkle_metrics import DPOMetric, GRPOMetric, RolloutMismatchMetric
+    """The RL updates at [64, 4096] (GRPO with top-k records, DPO, Rollout, PPO value) and one
+    MoE layer's observe: torch path vs kernel path (ms, ratios)."""
+    from twinkle_metrics import DPOMetric, GRPOMetric, MoERoutingMetric, PPOValueMetric, RolloutMismatchMetric
     from twinkle_metrics.kernels import _triton
     labels, lp, old, ref, adv = rl_batch()
+    router = moe_layer_batch()
 
     def grpo(m=None):
         return (m or GRPOMetric(top_k_kl=8)).accumulate({"labels": labels}, {"logps": lp}, old_logps=old,
@@ -166,13 +179,26 @@ def rl_updates(triton_ok):
     def rollout(m=None):
         return (m or RolloutMismatchMetric()).accumulate({"labels": labels}, {"logps": lp}, rollout_logps=old)
 
+    def ppo(m=None):
+        return (m or PPOValueMetric()).accumulate({"labels": labels}, {"values": lp}, old_values=old, returns=ref,
+                                                  advantages=adv)
+
+    def moe():
+        return MoERoutingMetric(num_layers=48, num_experts=router["router_logits"].shape[1])
+
+    def moe_layer(m=None):
+        return (m or moe()).observe(7, **router)
+
     fns = {"one_pass_floor": lambda: (lp - old).sum(),
            "grpo_torch": on_torch(live(grpo, lambda: GRPOMetric(top_k_kl=8))),
            "dpo_torch": on_torch(live(dpo, DPOMetric)),
-           "rollout_torch": on_torch(live(rollout, RolloutMismatchMetric))}
+           "rollout_torch": on_torch(live(rollout, RolloutMismatchMetric)),
+           "ppo_torch": on_torch(live(ppo, PPOValueMetric)),
+           "moe_layer_torch": on_torch(live(moe_layer, moe))}
     if triton_ok:
         fns.update({"grpo_triton": live(grpo, lambda: GRPOMetric(top_k_kl=8)), "dpo_triton": live(dpo, DPOMetric),
-                    "rollout_triton": live(rollout, RolloutMismatchMetric),
+                    "rollout_triton": live(rollout, RolloutMismatchMetric), "ppo_triton": live(ppo, PPOValueMetric),
+                    "moe_layer_triton": live(moe_layer, moe),
                     # a new metric per call (the 2026-12-01 run's only form): states created and moved too
                     "grpo_triton_new_metric": grpo, "dpo_triton_new_metric": dpo})
     for fn in fns.values():
@@ -181,11 +207,16 @@ def rl_updates(triton_ok):
     ms = time_interleaved(fns, ITERS if DRY else max(ITERS, 30))
     out = {"rl_shape": list(RL_SHAPE), "rl_median_ms": ms}
     if triton_ok:
-        out["rl_triton_speedup"] = {k: ms[f"{k}_torch"] / ms[f"{k}_triton"] for k in ("grpo", "dpo", "rollout")}
+        out["rl_triton_speedup"] = {k: ms[f"{k}_torch"] / ms[f"{k}_triton"]
+                                    for k in ("grpo", "dpo", "rollout", "ppo", "moe_layer")}
+        paths = {"grpo": grpo, "dpo": dpo, "rollout": rollout, "ppo": ppo}
         with torch_path():
-            want = {"grpo": grpo().calculate(), "dpo": dpo().calculate(), "rollout": rollout().calculate()}
-        got = {"grpo": grpo().calculate(), "dpo": dpo().calculate(), "rollout": rollout().calculate()}
+            want = {k: fn().calculate() for k, fn in paths.items()}
+            want_moe = moe_layer().calculate()
+        got = {k: fn().calculate() for k, fn in paths.items()}
         out["rl_max_rel_diff"] = {k: _max_rel_diff(got[k], want[k]) for k in want}
+        # the router entropy is float32 arithmetic on both paths, summed in another order
+        out["moe_max_rel_diff"] = _max_rel_diff(moe_layer().calculate(), want_moe)
         out["triton_failed"] = _triton.failed  # None: no kernel fell back to torch
     return out
 

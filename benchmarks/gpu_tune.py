@@ -30,7 +30,16 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.gpu_bench import DEVICE, DRY, SHAPE, allocate, rl_batch, synchronize, time_interleaved  # noqa: E402
+from benchmarks.gpu_bench import (  # noqa: E402
+    DEVICE,
+    DRY,
+    SHAPE,
+    allocate,
+    moe_layer_batch,
+    rl_batch,
+    synchronize,
+    time_interleaved,
+)
 
 ITERS = 2 if DRY else int(os.environ.get("GPU_TUNE_ITERS", "8"))
 WARM = 1 if DRY else 5
@@ -101,7 +110,7 @@ def main():
     if not DRY and not torch.cuda.is_available():
         print("gpu_tune: CUDA is not available on this machine; nothing was measured", file=sys.stderr)
         return 0
-    from twinkle_metrics import Accuracy, DPOMetric, GRPOMetric
+    from twinkle_metrics import Accuracy, DPOMetric, GRPOMetric, MoERoutingMetric, PPOValueMetric, RolloutMismatchMetric
     from twinkle_metrics.kernels import _triton
     _triton.ENABLED = True
     if DRY:  # GPU_BENCH_DRY=1 TRITON_INTERPRET=1: the CPU stands in, kernels interpreted
@@ -117,8 +126,10 @@ def main():
 
     rl_labels, lp, old, ref, adv = rl_batch()
     logps = torch.randn(b, s, device=DEVICE)
+    router = moe_layer_batch()
     live = {"grpo_topk8": GRPOMetric(top_k_kl=8), "grpo": GRPOMetric(), "dpo": DPOMetric(), "accuracy": Accuracy(),
-            "grpo_entropy": GRPOMetric(entropy_from_logits=True)}
+            "grpo_entropy": GRPOMetric(entropy_from_logits=True), "rollout": RolloutMismatchMetric(),
+            "ppo": PPOValueMetric(), "moe": MoERoutingMetric(num_layers=48, num_experts=router["routing_map"].shape[1])}
     kw = dict(old_logps=old, advantages=adv, ref_logps=ref)
     calls = {
         "grpo_topk8_live": lambda: live["grpo_topk8"].accumulate({"labels": rl_labels}, {"logps": lp}, **kw),
@@ -129,6 +140,10 @@ def main():
         "accuracy_live": lambda: live["accuracy"].accumulate({"labels": labels}, {"logits": logits}),
         "grpo_entropy_live": lambda: live["grpo_entropy"].accumulate({"labels": labels},
                                                                       {"logps": logps, "logits": logits}),
+        "rollout_live": lambda: live["rollout"].accumulate({"labels": rl_labels}, {"logps": lp}, rollout_logps=old),
+        "ppo_live": lambda: live["ppo"].accumulate({"labels": rl_labels}, {"values": lp}, old_values=old, returns=ref,
+                                                   advantages=adv),
+        "moe_layer_live": lambda: live["moe"].observe(7, **router),
         "floor_one_pass": lambda: (lp - old).sum(),
     }
     out["accumulate"] = host_and_gpu(calls)

@@ -716,12 +716,14 @@ def test_gpu_bench_script_runs_end_to_end_dry():
     out = json.loads(r.stdout)
     assert out["triton"] and out["saved"] is None
     assert out["accuracy_equal"] and out["entropy_rel_diff"] < 1e-5
-    assert set(out["rl_median_ms"]) == {"one_pass_floor", "grpo_torch", "dpo_torch", "rollout_torch",
-                                        "grpo_triton", "dpo_triton", "rollout_triton",
-                                        "grpo_triton_new_metric", "dpo_triton_new_metric"}
+    assert set(out["rl_median_ms"]) == {"one_pass_floor", "grpo_torch", "dpo_torch", "rollout_torch", "ppo_torch",
+                                        "moe_layer_torch", "grpo_triton", "dpo_triton", "rollout_triton",
+                                        "ppo_triton", "moe_layer_triton", "grpo_triton_new_metric",
+                                        "dpo_triton_new_metric"}
     assert {"accuracy_triton", "accuracy_triton_new_metric", "grpo_entropy_triton",
             "grpo_entropy_triton_new_metric"} <= set(out["ratio_to_read_ceiling"])
     assert max(out["rl_max_rel_diff"].values()) < 1e-9 and out["triton_failed"] is None
+    assert set(out["rl_max_rel_diff"]) == {"grpo", "dpo", "rollout", "ppo"} and out["moe_max_rel_diff"] < 1e-5
 
 
 @kernel_test

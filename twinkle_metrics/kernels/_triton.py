@@ -61,8 +61,10 @@ def attempt(what: str, fn: Callable[..., T], *args, **kwargs) -> Optional[T]:
     """``fn(*args, **kwargs)``, a Triton path; if it raises (triton missing a feature, a compile error on
     this GPU or toolchain), warn once, turn the kernels off for the rest of the process and
     return None, so the caller takes the torch path with the same inputs. Callers attempt
-    before anything is folded or communicated, so nothing is lost or counted twice, and
-    every rank of a group fails alike (same software), keeping collectives in step."""
+    before anything is folded, so nothing is lost or counted twice; both paths issue the
+    same collectives (a kernel that runs after one, such as DPO's pair statistics after the
+    CP sum, falls back to torch ops that communicate nothing), and every rank of a group
+    fails alike (same software), so collectives stay in step."""
     global failed
     try:
         return fn(*args, **kwargs)
