@@ -226,7 +226,7 @@ def split_side_input(metric: str, field: str, value, sizes: Sequence[int]) -> Li
             raise ValueError(f"{metric}: {field} has shape {list(value.shape)} but the batch holds "
                              f"{total} sequences ({list(sizes)} per microbatch); pass a tensor with "
                              f"dim 0 = {total}, or a list per microbatch / per sequence")
-        return list(torch.split(value, list(sizes), dim=0))
+        return [value] if n_micro == 1 else list(torch.split(value, list(sizes), dim=0))
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{metric}: {field} must be a tensor or a list, got {type(value).__name__}")
     per_micro_like = all(v is None or isinstance(v, (list, tuple)) or
