@@ -137,7 +137,8 @@ def _tokens_kernel(v_ptr, m_ptr, old_ptr, oh_ptr, ret_ptr, rh_ptr, adv_ptr, ah_p
 
 
 @triton.jit
-def _column(rows_ptr, live, col: tl.constexpr):
+def _load_column(rows_ptr, live, col: tl.constexpr):
+    """Column ``col`` of the partial rows starting at ``rows_ptr`` (0 past the last row)."""
     return tl.load(rows_ptr + col, mask=live, other=0.0)
 
 
@@ -152,10 +153,10 @@ def _chan(part_ptr, n_parts, col: tl.constexpr, BLOCK: tl.constexpr):
         rows = start + tl.arange(0, BLOCK)
         base = part_ptr + rows.to(tl.int64) * _W
         live = rows < n_parts
-        k = _column(base, live, col)
+        k = _load_column(base, live, col)
         n += k
-        weighted += k * _column(base, live, col + 1)
-        m2 += _column(base, live, col + 2)
+        weighted += k * _load_column(base, live, col + 1)
+        m2 += _load_column(base, live, col + 2)
     total = tl.sum(n, 0)
     mu = tl.sum(weighted, 0) / tl.maximum(total, 1.0)  # 0 when every block is empty
     spread = tl.zeros([BLOCK], tl.float64)
@@ -163,8 +164,8 @@ def _chan(part_ptr, n_parts, col: tl.constexpr, BLOCK: tl.constexpr):
         rows = start + tl.arange(0, BLOCK)
         base = part_ptr + rows.to(tl.int64) * _W
         live = rows < n_parts
-        dev = _column(base, live, col + 1) - mu
-        spread += _column(base, live, col) * dev * dev
+        dev = _load_column(base, live, col + 1) - mu
+        spread += _load_column(base, live, col) * dev * dev
     return total, mu, tl.sum(m2, 0) + tl.sum(spread, 0)
 
 
@@ -181,11 +182,11 @@ def _finish_kernel(part_ptr, f_ptr, i_ptr, n_parts, RET: tl.constexpr, ADV: tl.c
         rows = start + tl.arange(0, BLOCK)
         base = part_ptr + rows.to(tl.int64) * _W
         live = rows < n_parts
-        n_tok += _column(base, live, 0)
-        sum_value += _column(base, live, 1)
-        n_bad += _column(base, live, 2)
-        n_old += _column(base, live, 3)
-        clipped += _column(base, live, 4)
+        n_tok += _load_column(base, live, 0)
+        sum_value += _load_column(base, live, 1)
+        n_bad += _load_column(base, live, 2)
+        n_old += _load_column(base, live, 3)
+        clipped += _load_column(base, live, 4)
     tl.store(i_ptr, tl.sum(n_tok, 0).to(tl.int64))
     tl.store(i_ptr + 1, tl.sum(n_bad, 0).to(tl.int64))
     tl.store(i_ptr + 2, tl.sum(n_old, 0).to(tl.int64))
