@@ -147,7 +147,8 @@ def variants():
     from twinkle_metrics.kernels import triton_argmax, triton_entropy, triton_moe, triton_ppo, triton_rl, triton_rollout
     out = []
     strides = {n: "i32" for n in ("s", "rec_stride", "seq0", "lp_s0", "lp_s1", "m_s0", "m_s1", "old_s0", "old_s1",
-                                  "adv_s0", "adv_s1", "ref_s0", "ref_s1", "ent_s0", "ent_s1")}
+                                  "adv_s0", "adv_s1", "ref_s0", "ref_s1", "ent_s0", "ent_s1", "tok_s0", "tok_s1",
+                                  "pos_s0", "pos_s1")}
     lo, hi = math.log(0.8), math.log1p(0.28)
     rl_flags = [dict(HAS_OLD=1, HAS_ADV=1, HAS_REF=1, HAS_ENT=1, TOKEN_CLIP=1, BY_SIGN=1, SKIP=0, KEY=1),
                 dict(HAS_OLD=1, HAS_ADV=1, HAS_REF=0, HAS_ENT=0, TOKEN_CLIP=0, BY_SIGN=1, SKIP=1, KEY=0),  # GSPO
@@ -156,12 +157,16 @@ def variants():
     for dtype in ("fp32", "fp64", "bf16"):
         for flags in rl_flags:
             types = dict(strides, lp_ptr=f"*{dtype}", m_ptr="*u8", old_ptr=f"*{dtype}", adv_ptr="*fp64",
-                         ref_ptr=f"*{dtype}", ent_ptr="*fp32", part_ptr="*fp64", rec_ptr="*fp64")
+                         ref_ptr=f"*{dtype}", ent_ptr="*fp32", tok_ptr="*i64", pos_ptr="*i64", part_ptr="*fp64",
+                         rec_ptr="*fp64")
             const = dict({k: bool(v) for k, v in flags.items()}, LO=lo, HI=hi, N_COLS=triton_rl._N_COLS,
-                         BLOCK=triton_rl.BLOCK)
+                         BLOCK=triton_rl.BLOCK, HAS_TOK=bool(flags["KEY"]), HAS_POS=False)
             out.append(Variant(f"GRPO {dtype} {flags}", triton_rl._rl_kernel, types, const, triton_rl.NUM_WARPS))
     out.append(Variant("GRPO unbounded clip", triton_rl._rl_kernel, types,
                 dict(const, LO=-math.inf, HI=math.inf), triton_rl.NUM_WARPS))
+    keyed = dict(const, **{k: bool(v) for k, v in rl_flags[0].items()}, HAS_TOK=True, HAS_POS=True)
+    out.append(Variant("GRPO top-k records with position ids", triton_rl._rl_kernel, types, keyed,
+                       triton_rl.NUM_WARPS))
     for two in (True, False):
         out.append(Variant(f"DPO row sums two={two}", triton_rl._row_sums_kernel,
                     dict(a_ptr="*fp32", b_ptr="*bf16", m_ptr="*u8", out_ptr="*fp64", s="i32", a_s0="i32",

@@ -410,6 +410,9 @@ def test_rl_kernel_blocks_rows_and_microbatches():
         adv = torch.randn(b, 1, generator=g, dtype=torch.float64)
         m = torch.rand(b, s, generator=g) < 0.7
         mbs.append(dict(lp=lp, m=m, old=old, adv=adv, seq0=10 * len(mbs)))
+        if s == 17:  # token ids and position ids of their own (a 1-D row of positions for every sequence)
+            mbs[-1].update(tok=torch.randint(0, 1000, (b, s), generator=g),
+                           pos=(torch.arange(s) + 5).expand(b, s))
         want_d.append(torch.where(m, lp - old, 0.0))
         want_adv.append(adv.expand(b, s)[m])
     # between them, one without old log-probs (and no counted token): no records of its own
@@ -423,13 +426,18 @@ def test_rl_kernel_blocks_rows_and_microbatches():
         torch.testing.assert_close(r, torch.stack([d.sum(1), m.sum(1).double(), (mb["adv"] * m).sum(1)], 1),
                                    rtol=1e-13, atol=1e-13)
         b, s = m.shape
-        key, lp, old, seq, pos = records[:, start:start + b * s].view(len(TR.RECORD_ROWS), b, s)
+        key, seq, pos, tok, ratio, lp, old = records[:, start:start + b * s].view(len(TR.RECORD_ROWS), b, s)
         start += b * s
         k3 = torch.expm1(d) - d
         torch.testing.assert_close(key, torch.where(m & (k3 > 0), k3, -math.inf), rtol=1e-9, atol=0)
         assert torch.equal(lp[m], mb["lp"][m]) and torch.equal(old[m], mb["old"][m])
+        torch.testing.assert_close(ratio[m], torch.exp(d)[m], rtol=1e-15, atol=0)
         assert torch.equal(seq, (mb["seq0"] + torch.arange(b, dtype=torch.float64))[:, None].expand(b, s))
-        assert torch.equal(pos, torch.arange(s, dtype=torch.float64).expand(b, s))
+        if "pos" in mb:   # given position ids, and token ids
+            assert torch.equal(pos, mb["pos"].double()) and torch.equal(tok, mb["tok"].double())
+        else:             # the column, and -1 for no labels
+            assert torch.equal(pos, torch.arange(s, dtype=torch.float64).expand(b, s))
+            assert (tok == -1).all()
     masks = [mb["m"] for mb in mbs]
     d_all = torch.cat([d[m] for d, m in zip(want_d, masks)])
     assert int(tot["n_tok"]) == sum(int(m.sum()) for m in masks) and tot["n_tok"].dtype == torch.int64

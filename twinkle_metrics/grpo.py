@@ -388,7 +388,7 @@ class GRPOMetric(Metric):
             mb.seq0 = start
         fused, records = self._fused_sums(acc, [mb for mb in mbs if self._fuses(mb)])
         if records is not None:  # every fused microbatch's candidates at once
-            candidates.append(self._fused_candidates(records, [mb for mb in fused if mb.old is not None]))
+            candidates.append(self._fused_candidates(records))
         for mb in mbs:
             seq_start = mb.seq0
             if mb in fused:  # the one-kernel path: GSPO's rows, in microbatch order
@@ -455,8 +455,11 @@ class GRPOMetric(Metric):
 
         def launch():
             from .kernels import triton_rl  # imports triton: CUDA only
+            keyed = bool(self.top_k_kl)
             return triton_rl.token_stats(
-                [dict(lp=mb.lp, m=mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent, seq0=mb.seq0) for mb in mbs],
+                [dict(lp=mb.lp, m=mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent, seq0=mb.seq0,
+                      tok=self._feature_view(mb, "labels") if keyed else None,
+                      pos=self._feature_view(mb, "position_ids") if keyed else None) for mb in mbs],
                 lo=lo, hi=hi, token_clip=not self.sequence_level_clip, by_sign=self.clip_by_advantage_sign,
                 skip=skip, want_key=bool(self.top_k_kl), want_rows=self.sequence_level_clip and any(both))
 
@@ -652,13 +655,14 @@ class GRPOMetric(Metric):
         i, p = idx.div(s, rounding_mode="floor"), idx.remainder(s)
         return self._record_rows([mb], idx, val, i + seq_start, p, mb.lp[i, p], mb.old.expand(b, s)[i, p])
 
-    def _fused_candidates(self, records: torch.Tensor, mbs: List["_Microbatch"]) -> torch.Tensor:
+    def _fused_candidates(self, records: torch.Tensor) -> torch.Tensor:
         """The top-k rows of every fused microbatch at once, from the kernel's record buffer
-        (``triton_rl.RECORD_ROWS``: key, log-prob, old log-prob, sequence, position per token
-        of ``mbs``, in order): one top-k and one gather however many microbatches."""
-        val, idx = torch.topk(records[0], min(self.top_k_kl, records.shape[1]))
-        _, lp_k, old_k, seq, col = records[:, idx].unbind()
-        return self._record_rows(mbs, idx, val, seq, col, lp_k, old_k)
+        (``triton_rl.RECORD_ROWS``, in ``_FIELDS`` order with the sequence within the call in
+        place of the global one): one top-k, one gather and one add however many microbatches."""
+        idx = torch.topk(records[0], min(self.top_k_kl, records.shape[1])).indices
+        rows = records[:, idx]
+        rows[1] += self._states["n_seq"].to(rows.device, non_blocking=True)  # the global sequence index
+        return rows.t()
 
     def _record_rows(self, mbs: List["_Microbatch"], idx, key, seq, col, lp_k, old_k) -> torch.Tensor:
         """Top-k record rows in ``_FIELDS`` order from the picked tokens' key, sequence within
@@ -673,20 +677,30 @@ class GRPOMetric(Metric):
         return torch.stack([key, gsi, pos, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
 
     @staticmethod
+    def _feature_view(mb: "_Microbatch", field: str) -> Optional[torch.Tensor]:
+        """``field`` of the microbatch's features as a ``[b, s]`` view over its tokens (a 1-D
+        one holds for every sequence), or None when absent."""
+        x = mb.feat.get(field)
+        if x is None:
+            return None
+        b, s = mb.m.shape
+        x = as_tensor(x, mb.m.device)
+        x = x.unsqueeze(0) if x.dim() == 1 else x
+        return x.expand(b, -1)[:, :s]
+
+    @staticmethod
     def _flat_feature(mbs: List["_Microbatch"], field: str) -> torch.Tensor:
         """``field`` of each microbatch's features over its ``[b, s]`` tokens, flattened and
         joined in order: where absent, -1 for labels and the token's column for positions."""
         parts = []
         for mb in mbs:
             b, s = mb.m.shape
-            x = mb.feat.get(field)
+            x = GRPOMetric._feature_view(mb, field)
             if x is None:
                 x = torch.arange(s, device=mb.m.device) if field == "position_ids" else \
-                    torch.full((1, s), -1, device=mb.m.device)
-            else:
-                x = as_tensor(x, mb.m.device)
-            x = x.unsqueeze(0) if x.dim() == 1 else x
-            parts.append(x.expand(b, -1)[:, :s])
+                    torch.full((s,), -1, device=mb.m.device)
+                x = x.expand(b, s)
+            parts.append(x)
         return join(parts)
 
     def _entropy_chunks(self, name, jobs):

@@ -69,9 +69,12 @@ _ADV_MAX, _NEG_ADV_MIN, _LOGR_MAX, _NEG_LOGR_MIN = (tl.constexpr(_N_SUM + len(EX
                                                      for c in EXTREMES)
 
 
-#: rows of the top-k record buffer: one column per token of every microbatch with old log-probs
-RECORD_ROWS = ("key", "lp", "old", "seq", "pos")
-_REC_KEY, _REC_LP, _REC_OLD, _REC_SEQ, _REC_POS = (tl.constexpr(i) for i in range(len(RECORD_ROWS)))
+#: rows of the top-k record buffer, one column per token of every microbatch with old log-probs,
+#: in the order of GRPOMetric's record fields: the key (k3 where > 0 and counted, else -inf),
+#: the sequence within the call, the position, the token id, the ratio, log-prob, old log-prob
+RECORD_ROWS = ("key", "seq", "pos", "token_id", "ratio", "lp", "old")
+_REC_KEY, _REC_SEQ, _REC_POS, _REC_TOK, _REC_RATIO, _REC_LP, _REC_OLD = (tl.constexpr(i)
+                                                                       for i in range(len(RECORD_ROWS)))
 
 
 @triton.jit
@@ -118,10 +121,11 @@ def _store_sum(out, col: tl.constexpr, x):
 
 
 @triton.jit
-def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, part_ptr, rec_ptr,
+def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, tok_ptr, pos_ptr, part_ptr, rec_ptr,
                s, rec_stride, seq0,
                lp_s0, lp_s1, m_s0, m_s1, old_s0, old_s1, adv_s0, adv_s1, ref_s0, ref_s1, ent_s0, ent_s1,
-               LO: tl.constexpr, HI: tl.constexpr,
+               tok_s0, tok_s1, pos_s0, pos_s1,
+               LO: tl.constexpr, HI: tl.constexpr, HAS_TOK: tl.constexpr, HAS_POS: tl.constexpr,
                HAS_OLD: tl.constexpr, HAS_ADV: tl.constexpr, HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr,
                TOKEN_CLIP: tl.constexpr, BY_SIGN: tl.constexpr, SKIP: tl.constexpr, KEY: tl.constexpr,
                N_COLS: tl.constexpr, BLOCK: tl.constexpr):
@@ -209,14 +213,22 @@ def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, part_ptr, rec_
         tl.store(out + _NAN_LOGR_MIN, d_nan)
         tl.store(out + _LOGR_MAX, tl.max(tl.where(m & (d == d), d, neg_inf), 0))
         tl.store(out + _NEG_LOGR_MIN, tl.max(tl.where(m & (d == d), -d, neg_inf), 0))
-        if KEY:  # the top-k records' fields of every token: key (k3 where > 0, else -inf), ...
+        if KEY:  # the top-k records' fields of every token (RECORD_ROWS)
             rec = rec_ptr + row * s + cols
             rec_stride = row * 0 + rec_stride  # int64: rows x tokens may pass 2**31
             tl.store(rec + _REC_KEY * rec_stride, tl.where(m & (k3 > 0), k3, neg_inf), mask=inside)
+            tl.store(rec + _REC_SEQ * rec_stride, (seq0 + row).to(tl.float64) + zero, mask=inside)
+            pos = cols.to(tl.float64)  # the column, unless position ids are given
+            if HAS_POS:
+                pos = tl.load(pos_ptr + row * pos_s0 + cols * pos_s1, mask=inside, other=0).to(tl.float64)
+            tl.store(rec + _REC_POS * rec_stride, pos, mask=inside)
+            tok = zero - 1.0  # -1 without labels
+            if HAS_TOK:
+                tok = tl.load(tok_ptr + row * tok_s0 + cols * tok_s1, mask=inside, other=0).to(tl.float64)
+            tl.store(rec + _REC_TOK * rec_stride, tok, mask=inside)
+            tl.store(rec + _REC_RATIO * rec_stride, ratio, mask=inside)
             tl.store(rec + _REC_LP * rec_stride, lp, mask=inside)
             tl.store(rec + _REC_OLD * rec_stride, old, mask=inside)
-            tl.store(rec + _REC_SEQ * rec_stride, (seq0 + row).to(tl.float64) + zero, mask=inside)
-            tl.store(rec + _REC_POS * rec_stride, cols.to(tl.float64), mask=inside)
     else:
         d = zero
         tl.store(out + _N_OLD, 0.0)
@@ -351,9 +363,10 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
     int64, the rest float64; a column whose input no microbatch gave is 0, or -inf/+inf
     for an extreme); with ``want_key``, one float64 ``[len(RECORD_ROWS), tokens]`` buffer
     holding, for every token of every microbatch with old log-probs (in order, row-major),
-    the top-k key (k3 where > 0 and counted, else -inf), log-prob, old log-prob, sequence
-    index (``seq0`` + row) and position in its row (else None); with ``want_rows``, per
-    microbatch its ``[b, 3]`` per-sequence (sum of d, tokens, sum of A).
+    the rows of ``RECORD_ROWS`` (the sequence index is ``seq0`` + row; the position the
+    column, or ``pos`` ``[b, s]`` where given; the token id ``tok`` ``[b, s]``, or -1) (else
+    None); with ``want_rows``, per microbatch its ``[b, 3]`` per-sequence (sum of d, tokens,
+    sum of A).
     """
     device = batches[0]["lp"].device
     plans = []
@@ -374,14 +387,15 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
         lp, m, old = mb["lp"], mb["m"], mb.get("old")
         args = []
         for x in (lp, m.view(torch.uint8) if m.dtype == torch.bool else m, old, mb.get("adv"), mb.get("ref"),
-                  mb.get("ent")):
+                  mb.get("ent"), mb.get("tok"), mb.get("pos")):
             args.extend(_strides(x, lp))
         ptrs, strides = args[0::3], [v for i, v in enumerate(args) if i % 3]
         rec = part if tok is None else records[:, tok:]
         _rl_kernel[(b, n_blk)](*ptrs, part[off:], rec, s, max(tokens, 1), int(mb.get("seq0", 0)), *strides,
-                               LO=float(lo), HI=float(hi),
-                               HAS_OLD=old is not None, HAS_ADV=mb.get("adv") is not None,
-                               HAS_REF=mb.get("ref") is not None, HAS_ENT=mb.get("ent") is not None,
+                               LO=float(lo), HI=float(hi), HAS_TOK=mb.get("tok") is not None,
+                               HAS_POS=mb.get("pos") is not None, HAS_OLD=old is not None,
+                               HAS_ADV=mb.get("adv") is not None, HAS_REF=mb.get("ref") is not None,
+                               HAS_ENT=mb.get("ent") is not None,
                                TOKEN_CLIP=token_clip, BY_SIGN=by_sign, SKIP=skip, KEY=tok is not None,
                                N_COLS=_N_COLS, BLOCK=blk, num_warps=NUM_WARPS, enable_fp_fusion=False)
     # one program: column sums, extremes with their NaN flags, minima negated back
