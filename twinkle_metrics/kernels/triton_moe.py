@@ -43,6 +43,8 @@ FLOAT_ROWS = ("entropy_sum", "aux_sum", "z_sum")
 INT_ROWS = ("entropy_tokens", "nonfinite", "aux_calls", "z_calls", "dropped")
 #: elements of one program's tile (tokens x padded experts; half for float64 scores)
 TILE = 4096
+#: elements of the partial rows ``_rows_kernel`` reads at a time
+ROWS_TILE = 2048
 #: dropped tokens: none, a tensor, a Python int
 DROP_NONE, DROP_TENSOR, DROP_INT = 0, 1, 2
 
@@ -101,23 +103,30 @@ def _tokens_kernel(map_ptr, x_ptr, mask_ptr, part_ptr, n, map_s0, x_s0,
 def _rows_kernel(part_ptr, aux_ptr, z_ptr, drop_ptr, counts_ptr, f_ptr, i_ptr, n_parts, layer, drop_value,
                  L: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
                  HAS_X: tl.constexpr, HAS_AUX: tl.constexpr, HAS_Z: tl.constexpr, DROP: tl.constexpr,
-                 SKIP: tl.constexpr, L_PAD: tl.constexpr):
+                 SKIP: tl.constexpr, L_PAD: tl.constexpr, PB: tl.constexpr):
     """Every per-layer contribution whole: ``counts [L, E]``, float rows ``[L, 3]`` and int
-    rows ``[L, 5]`` (``FLOAT_ROWS``, ``INT_ROWS``), 0 outside row ``layer``."""
+    rows ``[L, 5]`` (``FLOAT_ROWS``, ``INT_ROWS``), 0 outside row ``layer``. The token
+    kernel's partial rows are read ``PB`` at a time."""
     ex = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], tl.float64)
-    ent = tl.zeros([1], tl.float64)
-    ent_n = tl.zeros([1], tl.float64)
-    bad_n = tl.zeros([1], tl.float64)
-    one = tl.arange(0, 1)
-    for k in range(0, n_parts):
-        row = part_ptr + k * (E + 3)
+    counts = tl.zeros([PB, E_PAD], tl.float64)
+    ent_v = tl.zeros([PB], tl.float64)
+    ent_n_v = tl.zeros([PB], tl.float64)
+    bad_n_v = tl.zeros([PB], tl.float64)
+    for start in range(0, n_parts, PB):
+        p = start + tl.arange(0, PB)
+        live = p < n_parts
+        rows = part_ptr + p.to(tl.int64) * (E + 3)
         if HAS_MAP:
-            counts += tl.load(row + ex, mask=ex < E, other=0.0)
+            counts += tl.load(rows[:, None] + ex[None, :], mask=live[:, None] & (ex[None, :] < E), other=0.0)
         if HAS_X:
-            ent += tl.load(row + E + one)
-            ent_n += tl.load(row + E + 1 + one)
-            bad_n += tl.load(row + E + 2 + one)
+            ent_v += tl.load(rows + E, mask=live, other=0.0)
+            ent_n_v += tl.load(rows + E + 1, mask=live, other=0.0)
+            bad_n_v += tl.load(rows + E + 2, mask=live, other=0.0)
+    one = tl.arange(0, 1)
+    counts = tl.sum(counts, 0)
+    ent = tl.sum(ent_v, 0) + tl.zeros([1], tl.float64)
+    ent_n = tl.sum(ent_n_v, 0) + tl.zeros([1], tl.float64)
+    bad_n = tl.sum(bad_n_v, 0) + tl.zeros([1], tl.float64)
     aux = tl.zeros([1], tl.float64)
     z = tl.zeros([1], tl.float64)
     aux_n = tl.zeros([1], tl.int64)
@@ -210,7 +219,7 @@ def layer_rows(*, layers: int, layer: int, experts: int, device, routing_map: Op
         int(dropped) if drop_mode == DROP_INT else 0,
         L=layers, E=experts, E_PAD=e_pad, HAS_MAP=m is not None, HAS_X=x is not None, HAS_AUX=aux is not None,
         HAS_Z=z is not None, DROP=drop_mode, SKIP=skip, L_PAD=triton.next_power_of_2(layers),
-        num_warps=4, enable_fp_fusion=False)
+        PB=max(1, ROWS_TILE // e_pad), num_warps=4, enable_fp_fusion=False)
     out: Dict[str, torch.Tensor] = {}
     if m is not None:
         out["counts"] = counts
