@@ -208,8 +208,8 @@ def variants():
                            dict(part_ptr="*fp64", aux_ptr="*fp32", z_ptr="*fp32", drop_ptr="*i64", counts_ptr="*i64",
                                 f_ptr="*fp64", i_ptr="*i64", n_parts="i32", layer="i32", drop_value="i32"),
                            dict(L=48, E=experts, E_PAD=experts, HAS_MAP=True, HAS_X=True, HAS_AUX=True, HAS_Z=True,
-                                DROP=drop, SKIP=drop == triton_moe.DROP_INT, L_PAD=64, PB=triton_moe.ROWS_TILE // experts), 4,
-                           streaming=False))
+                                DROP=drop, SKIP=drop == triton_moe.DROP_INT, L_PAD=64,
+                                PB=triton_moe.ROWS_TILE // experts), 4, streaming=False))
     totals_types = dict(part_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", rows_ptr="*fp64", n_rows="i32", n_blk="i32")
     n_ext = len(triton_rl.EXTREMES)
     grpo_mins = sum(1 << e for e, c in enumerate(triton_rl.EXTREMES) if c.endswith("_min"))
