@@ -1058,8 +1058,8 @@ def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch, tmp_path, 
             ptx = compiled.asm["ptx"]
             spills = ptxas_report(ptx, arch).get("spill_bytes")
             reported += spills is not None
-            # a few bytes (a value or three parked around a reduction: 8 on sm_80 with Triton
-            # 3.9, 24 with the GPU image's 3.6) cost nothing; a kernel that spills its
+            # a few bytes (a value or three parked around a reduction: up to 20 on sm_80 with
+            # Triton 3.9, 24 with the GPU image's 3.6) cost nothing; a kernel that spills its
             # working set would show hundreds
             assert spills is None or spills <= SPILL_BYTES_ALLOWED, f"{spills} bytes of register spills"
             # contiguous rows: every load moves >= 32 bits a thread, some move 128 (a one-program
