@@ -10,7 +10,7 @@
 # 2. benchmarks/gpu_check.py: sync debug, calculate() on a 1-rank NCCL group, host time
 #    blocked behind queued work, peak memory, asynchronous calculate() behind a busy stream;
 # 3. benchmarks/gpu_bench.py: the Triton kernels against the torch paths and the HBM read
-#    ceiling (entropy, Accuracy, the GRPO / DPO / Rollout updates);
+#    ceiling (entropy, Accuracy, the GRPO / DPO / Rollout / PPO-value updates, one MoE layer);
 # 4. benchmarks/gpu_tune.py: the kernels' tile widths, warps and variants swept, and where
 #    each accumulate's host time goes (cProfile).
 #
