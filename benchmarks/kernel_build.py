@@ -199,8 +199,8 @@ def variants():
         const = {k: bool(v) for k, v in dict(dict(HAS_MASK=0, SKIP=0), **flags).items()}
         out.append(Variant(f"MoE tokens {label}", triton_moe._tokens_kernel,
                            dict(map_ptr="*u8", x_ptr=x_type, mask_ptr="*u8", part_ptr="*fp64", n="i32",
-                                map_s0="i32", x_s0="i32"),
-                           dict(const, E=experts, E_PAD=experts,
+                                map_s0="i32", x_s0="i32", mask_s0="i32"),
+                           dict(const, E=experts, E_PAD=experts, mask_s0=1,  # a contiguous mask, as launched
                                 BLOCK_T=triton_moe.TILE // experts // (2 if const["F64"] else 1)),
                            4, narrow_ok=2 if const["HAS_MASK"] else 0))
     for drop in (triton_moe.DROP_NONE, triton_moe.DROP_TENSOR, triton_moe.DROP_INT):

@@ -611,9 +611,12 @@ def test_moe_routing_kernel_takes_the_hooks_fields(monkeypatch):
     def calls(m):
         m.observe(1, routing_map=routing, router_logits=logits, token_mask=valid, aux_loss=torch.tensor(0.01),
                   z_loss=torch.tensor(0.001), tokens_dropped=routing.sum() - (routing & valid[:, None]).sum())
+        # a strided mask (every other flag of a longer one) and an expanded one (one flag for all)
+        m.observe(0, routing_map=routing, token_mask=torch.stack([valid, ~valid], 1).reshape(-1)[::2])
+        m.observe(0, router_logits=logits, token_mask=torch.tensor([True]).expand(512))
 
     fused, plain = _moe_states_both_paths(monkeypatch, lambda: MoERoutingMetric(num_layers=2, num_experts=8), calls)
-    assert len(launches) == 2
+    assert len(launches) == 6  # two a call
     _assert_same_states(fused, plain)
     assert int(fused.states["counts"][1].sum()) == int((routing & valid[:, None]).sum())
 

@@ -50,7 +50,7 @@ DROP_NONE, DROP_TENSOR, DROP_INT = 0, 1, 2
 
 
 @triton.jit
-def _tokens_kernel(map_ptr, x_ptr, mask_ptr, part_ptr, n, map_s0, x_s0,
+def _tokens_kernel(map_ptr, x_ptr, mask_ptr, part_ptr, n, map_s0, x_s0, mask_s0,
                    E: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, HAS_X: tl.constexpr,
                    LOGITS: tl.constexpr, F64: tl.constexpr, HAS_MASK: tl.constexpr, SKIP: tl.constexpr,
                    BLOCK_T: tl.constexpr):
@@ -62,7 +62,7 @@ def _tokens_kernel(map_ptr, x_ptr, mask_ptr, part_ptr, n, map_s0, x_s0,
     cell = inside[:, None] & (ex[None, :] < E)
     keep = inside
     if HAS_MASK:
-        keep = keep & (tl.load(mask_ptr + tok, mask=inside, other=0) != 0)
+        keep = keep & (tl.load(mask_ptr + tok * mask_s0, mask=inside, other=0) != 0)
     out = part_ptr + pid * (E + 3)
     if HAS_MAP:
         hit = (tl.load(map_ptr + tok[:, None] * map_s0 + ex[None, :], mask=cell, other=0) != 0) & keep[:, None]
@@ -209,6 +209,7 @@ def layer_rows(*, layers: int, layer: int, experts: int, device, routing_map: Op
         _tokens_kernel[(n_parts,)](
             m if m is not None else part, x if x is not None else part, mask if mask is not None else part,
             part, n, m.stride(0) if m is not None else 0, x.stride(0) if x is not None else 0,
+            mask.stride(0) if mask is not None else 0,
             E=experts, E_PAD=e_pad, HAS_MAP=m is not None, HAS_X=x is not None, LOGITS=from_logits,
             F64=f64, HAS_MASK=mask is not None, SKIP=skip,
             BLOCK_T=block_t, num_warps=4, enable_fp_fusion=False)
