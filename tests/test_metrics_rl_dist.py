@@ -208,3 +208,39 @@ def test_reward_names_seen_on_some_ranks_merge(dist_pool):
         assert first["train/fmt_reward"] == 1.0
         assert math.isclose(first["train/fmt_reward_std"], 0.5 ** 0.5)
         assert second == {"train/acc_reward": 1.0, "train/acc_reward_std": 0.0}
+
+
+def _tied_batch():
+    """Log-probs in bfloat16 steps: many tokens share one k3, so the top-k boundary is a tie
+    (the case where torch.topk alone would pick by device and path, not by token)."""
+    b = make_rl_batch(SEED + 3, N_SEQ, SEQ_LEN)
+    lp = torch.full_like(b["logps"], -1.0)
+    old = lp - torch.where(torch.arange(SEQ_LEN) % 3 == 0, 0.5, 0.25).expand_as(lp)  # two k3 values
+    return b["labels"], lp, old, b["adv"]
+
+
+def _tied_records(mesh, rows, micro):
+    lab, lp, old, adv = _tied_batch()
+    m = GRPOMetric(top_k_kl=5, device_mesh=mesh)
+    parts = [rows[i:i + micro] for i in range(0, len(rows), micro)]
+    for part in parts:  # several calls, each one microbatch of its rows
+        m.accumulate({"labels": lab[part]}, {"logps": lp[part]}, old_logps=old[part], advantages=adv[part])
+    return [(r["gsi"], r["pos"], r["kl"]) for r in m.calculate()["_high_kl_records"]]
+
+
+def case_tied_records(dp):
+    mesh = DeviceMesh.from_sizes(dp_size=dp)
+    rows = list(dp_shards(N_SEQ, dp)[mesh.dp_rank])
+    return _tied_records(mesh, rows, micro=2)
+
+
+def test_top_kl_records_break_ties_by_token_order_on_any_layout(dist_pool):
+    """With equal k3 at the boundary, the records are the earliest tokens (sequence, then
+    position) whichever way the sequences were split over calls and DP ranks."""
+    whole = _tied_records(DeviceMesh.single(), list(range(N_SEQ)), micro=N_SEQ)
+    assert len(whole) == 5 and len({kl for _, _, kl in whole}) == 1  # all five tied
+    lab = _tied_batch()[0]
+    first = [(i, j) for i in range(N_SEQ) for j in range(SEQ_LEN) if lab[i, j] != -100 and j % 3 == 0][:5]
+    assert [(g, p) for g, p, _ in whole] == first
+    for got in dist_pool.run(case_tied_records, 8):
+        assert got == whole

@@ -703,6 +703,29 @@ def test_rollout_sequence_kernel_matches_torch(monkeypatch):
 
 
 @kernel_test
+def test_top_kl_record_ties_are_the_same_tokens_on_both_paths(fused):
+    """Every token has the same k3: the kernel path (one selection over the call's records)
+    and the torch path (one per microbatch, then one over their candidates) keep the same,
+    earliest tokens."""
+    labs = [torch.ones(2, 40, dtype=torch.long), torch.ones(2, 41, dtype=torch.long)]
+    lps = [torch.full(lab.shape, -1.0, dtype=torch.float64) for lab in labs]
+    olds = [x - 0.5 for x in lps]
+
+    def records():
+        m = GRPOMetric(top_k_kl=3)
+        m.accumulate([{"labels": lab} for lab in labs], [{"logps": x} for x in lps], old_logps=olds,
+                     advantages=[torch.ones(2), torch.ones(2)])
+        return [(r["gsi"], r["pos"]) for r in m.calculate()["_high_kl_records"]]
+
+    got = records()
+    assert fused  # the kernel path ran
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_triton, "device_ok", lambda x: False)
+        want = records()
+    assert got == want == [(0, 0), (0, 1), (0, 2)]
+
+
+@kernel_test
 def test_row_sums_kernel_long_rows_and_views():
     g = torch.Generator().manual_seed(2)
     a = torch.randn(3, 300, generator=g, dtype=torch.float64)

@@ -38,9 +38,20 @@ KL_HISTOGRAM = Histogram(1e-15, 1e6, signed=False)
 ENTROPY_HISTOGRAM = Histogram(1e-12, 1e3, signed=False)
 
 
+def _top(key: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the ``k`` largest of ``key`` (1-D), largest first; equal keys in
+    the order they come (a stable sort: ``torch.topk`` leaves ties to the device and the
+    path). Every caller passes keys in token order (sequence, then position), so a tie goes
+    to the earlier token, whatever the microbatches, paths or ranks the tokens went through."""
+    values, indices = torch.sort(key, descending=True, stable=True)
+    return values[:k], indices[:k]
+
+
 def _topk_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` rows with the largest first column (the k3 value); -inf rows are empty.
 
+    Rows come in token order (earlier calls, microbatches and data ranks first, each
+    block sorted as ``_top`` leaves it), so equal keys keep the earlier token.
     Always ``k`` rows: fewer candidates (a short batch) are padded with empty rows,
     so the fixed-shape state never sees another shape.
     """
@@ -48,8 +59,7 @@ def _topk_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
     if flat.shape[0] < k:
         pad = flat.new_full((k - flat.shape[0], flat.shape[1]), -math.inf)
         flat = torch.cat([flat, pad])
-    idx = torch.topk(flat[:, 0], k).indices
-    return flat[idx]
+    return flat[_top(flat[:, 0], k)[1]]
 
 
 class GRPOMetric(Metric):
@@ -86,8 +96,9 @@ class GRPOMetric(Metric):
       since the last ``calculate()`` (under CP the ranks of one CP group share
       sequences, so they are counted once per DP rank); ``pos`` is the token's
       ``position_ids`` value when the input has them (the global position under CP),
-      else its index in the local row. Twinkle keeps per-rank records with local
-      indices.
+      else its index in the local row. Equal k3 values keep the earlier token (sequence,
+      then position), so the records are the same on any layout and either compute path.
+      Twinkle keeps per-rank records with local indices.
 
     ``inputs`` are required whenever ``outputs`` hold log-probs (labels or
     ``completion_mask`` give the token mask); ``outputs=None`` or an empty
@@ -651,7 +662,7 @@ class GRPOMetric(Metric):
         ``key`` [b, s]: each token's k3 where it has an old log-prob and k3 > 0, else -inf."""
         b, s = mb.m.shape
         key = key.reshape(-1)
-        val, idx = torch.topk(key, min(self.top_k_kl, key.shape[0]))
+        val, idx = _top(key, self.top_k_kl)
         i, p = idx.div(s, rounding_mode="floor"), idx.remainder(s)
         return self._record_rows([mb], idx, val, i + seq_start, p, mb.lp[i, p], mb.old.expand(b, s)[i, p])
 
@@ -659,7 +670,7 @@ class GRPOMetric(Metric):
         """The top-k rows of every fused microbatch at once, from the kernel's record buffer
         (``triton_rl.RECORD_ROWS``, in ``_FIELDS`` order with the sequence within the call in
         place of the global one): one top-k, one gather and one add however many microbatches."""
-        idx = torch.topk(records[0], min(self.top_k_kl, records.shape[1])).indices
+        idx = _top(records[0], self.top_k_kl)[1]
         rows = records[:, idx]
         rows[1] += self._states["n_seq"].to(rows.device, non_blocking=True)  # the global sequence index
         return rows.t()
