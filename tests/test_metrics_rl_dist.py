@@ -244,3 +244,50 @@ def test_top_kl_records_break_ties_by_token_order_on_any_layout(dist_pool):
     assert [(g, p) for g, p, _ in whole] == first
     for got in dist_pool.run(case_tied_records, 8):
         assert got == whole
+
+
+def _resume_batch(seed, n=3):
+    g = torch.Generator().manual_seed(seed)
+    lab = torch.randint(0, 5, (n, 4), generator=g)
+    lp = -torch.rand(n, 4, generator=g, dtype=torch.float64)
+    scale = 3.0 if seed == 99 else 1.0  # the batch fed after the resume holds the largest KL
+    return {"labels": lab}, {"logps": lp}, lp - scale * torch.rand(n, 4, generator=g, dtype=torch.float64)
+
+
+def _resume_feed(m, seed):
+    i, o, old = _resume_batch(seed)
+    m.accumulate(i, o, old_logps=old)
+
+
+def case_resume_save():
+    mesh = DeviceMesh.from_sizes(dp_size=8)
+    m = GRPOMetric(top_k_kl=3, device_mesh=mesh)
+    _resume_feed(m, mesh.dp_rank)
+    return m.state_dict()
+
+
+def case_resume_smaller(saved):
+    """8 DP ranks' states resumed on 4 (x 2 TP replicas): new DP rank k loads old 2k and 2k+1;
+    only the last one accumulates after the load."""
+    mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4)
+    m = GRPOMetric(top_k_kl=3, device_mesh=mesh)
+    k = mesh.dp_rank
+    m.load_state_dict([saved[2 * k], saved[2 * k + 1]])
+    if k == 3:
+        _resume_feed(m, 99)
+    return [(r["gsi"], r["kl"]) for r in m.calculate()["_high_kl_records"]]
+
+
+def test_top_kl_records_after_resuming_at_a_smaller_dp_size(dist_pool):
+    """The README's resume pattern mid-interval, with only some new ranks accumulating before
+    calculate(): the records keep their global sequence indices (the sequences of old ranks
+    0..7, then the new batch)."""
+    saved = dist_pool.run(case_resume_save)
+    whole = GRPOMetric(top_k_kl=3)
+    for seed in list(range(8)) + [99]:
+        _resume_feed(whole, seed)
+    want = [(r["gsi"], r["kl"]) for r in whole.calculate()["_high_kl_records"]]
+    assert want[0][0] >= 24  # the largest KL is in the batch fed after the resume
+    for got in dist_pool.run(case_resume_smaller, saved):
+        assert [g for g, _ in got] == [g for g, _ in want]
+        assert all(math.isclose(a, b, rel_tol=1e-12) for (_, a), (_, b) in zip(got, want))

@@ -238,8 +238,12 @@ class GRPOMetric(Metric):
             self.add_state("topk", State(self._reduce_topk, torch.float64, shape=(top_k_kl, len(_FIELDS)),
                                          default=-math.inf, local=self._fold_topk))
             self.add_state("n_seq", State("sum", torch.int64))
-            self.add_state("dp_index", State("max", torch.int64, local="last"))
-            self.add_state("cp_index", State("max", torch.int64, local="last"))
+            # Each rank's place in the data order, for the records' global sequence index: kept
+            # as a maximum, so that states loaded from several old ranks (resuming at a smaller
+            # DP size: new rank k holds old ranks 2k, 2k+1) keep the order of the new ranks
+            # whether or not a rank accumulates after the load.
+            self.add_state("dp_index", State("max", torch.int64))
+            self.add_state("cp_index", State("max", torch.int64))
         if self.quantiles:
             self.add_state("hist_ratio", RATIO_HISTOGRAM.state())
             self.add_state("hist_kl", KL_HISTOGRAM.state())
