@@ -95,6 +95,18 @@ def test_reward_dynamic_names_order_independent():
     assert a.calculate() == b.calculate()
 
 
+def test_reward_name_with_the_slice_separator_is_refused_not_dropped():
+    """'@' separates a state from its slice in state names: a reward called 'a@b' would be read
+    as slice 'b' of reward 'a' and vanish from the results; it raises instead, nothing added."""
+    m = CompletionRewardMetric()
+    m.accumulate(rewards={"ok": [1.0]})
+    with pytest.raises(ValueError, match=r"CompletionRewardMetric: reward name 'a@b' contains '@'.*'a_b'"):
+        m.accumulate(rewards={"a@b": [1.0, 3.0], "ok": [5.0]})
+    assert m.calculate()["train/ok_reward"] == 1.0  # the refused call added nothing
+    with pytest.raises(ValueError, match="contains '@'"):
+        CompletionRewardMetric(reward_names=["a@b"])
+
+
 def test_reward_errors():
     m = CompletionRewardMetric(reward_names=["acc"], num_generations=4)
     with pytest.raises(ValueError, match=r"CompletionRewardMetric: rewards \['fmt'\] are not in reward_names"):

@@ -137,8 +137,7 @@ class CompletionRewardMetric(Metric):
     # ----------------------------------------------------------------- states
     def _ensure_names(self, names) -> None:
         for name in names:
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"{_NAME}: reward names must be non-empty strings, got {name!r}")
+            _check_name(name)
             if _PREFIX + name not in self._specs:
                 self.add_state(_PREFIX + name, moments_state())
             if self.quantiles and _HIST + name not in self._specs:
@@ -214,6 +213,8 @@ class CompletionRewardMetric(Metric):
             return {}
         if not isinstance(rewards, Mapping):
             rewards = {"reward": rewards}  # a plain list / tensor of one reward function
+        for name in rewards:
+            _check_name(str(name))
         return {str(name): _reward_values(f"rewards[{name!r}]", v) for name, v in rewards.items()}
 
     def _lengths(self, completion_lengths, completions) -> Optional[torch.Tensor]:
@@ -375,6 +376,16 @@ def _group_ids(group_ids) -> torch.Tensor:
                             "one hashable id (int, str, ...) per completion, or a tensor")
         index.setdefault(g, len(index))
     return torch.tensor([index[g] for g in group_ids], dtype=torch.int64)
+
+
+def _check_name(name) -> None:
+    """A reward name: a non-empty string without the slice separator (``'@'`` would make its
+    states read as a slice of another reward's)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{_NAME}: reward names must be non-empty strings, got {name!r}")
+    if SEP in name:
+        raise ValueError(f"{_NAME}: reward name {name!r} contains {SEP!r}, which separates a state from its "
+                         f"slice in state names; rename the reward (e.g. {name.replace(SEP, '_')!r})")
 
 
 def _reward_values(field: str, value) -> torch.Tensor:
