@@ -147,3 +147,20 @@ def test_unsliceable_metrics_and_bad_arguments_say_so():
         Accuracy(slice_by=3)
     # slicing changes the states: ranks (and checkpoints) must agree on it
     assert Accuracy(slice_by="data_source").fingerprint() != Accuracy().fingerprint()
+
+
+def test_loading_more_slices_than_max_slices_raises_and_loads_nothing():
+    """Rank states merged on load (a smaller DP size) can hold more slices than the bound:
+    refused, all or nothing, as an accumulate beyond it would be."""
+    def fed(sources):
+        m = Accuracy(slice_by="src", max_slices=2)
+        m.accumulate({"labels": torch.ones(len(sources), 2, dtype=torch.long), "src": sources},
+                     {"logits": torch.randn(len(sources), 2, 3)})
+        return m.state_dict()
+
+    saved = [fed(["a", "b"]), fed(["c"])]
+    m = Accuracy(slice_by="src", max_slices=2)
+    with pytest.raises(ValueError, match=r"3 slices of 'src' \(\['a', 'b', 'c'\]\), more than max_slices=2"):
+        m.load_state_dict(saved)
+    assert m.calculate() == {}  # nothing loaded
+    assert set(Accuracy(slice_by="src", max_slices=3).load_state_dict(saved).calculate()) >= {"accuracy/c"}

@@ -79,3 +79,41 @@ def test_slices_on_some_ranks_merge_exactly(dist_pool, sizes):
         assert_results_close(got[1], second, rel=1e-12)  # "chat" appears: one more negotiation
         assert_results_close(got[2], second, rel=1e-12)
         assert counts[2] == 2  # steady state: the data group, then TP x PP
+
+
+def _bounded_feed(m, rank, sources):
+    lab = torch.ones(len(sources), 2, dtype=torch.long)
+    logits = torch.zeros(len(sources), 2, 3)
+    logits[..., 1] = torch.arange(len(sources), dtype=torch.float32)[:, None] % 2  # some hits, some misses
+    m.accumulate({"labels": lab, "src": sources}, {"logits": logits})
+
+
+def case_slices_over_the_bound():
+    """Each rank within max_slices=2, the data group beyond it: every rank raises at
+    calculate(), keeps its states, and with the bound raised every rank gets the exact result."""
+    from twinkle_metrics import MetricSyncError
+    mesh = DeviceMesh.from_sizes(dp_size=8)
+    m = Accuracy(mesh, slice_by="src", max_slices=2)
+    mine = {0: ["a", "b"], 1: ["c"]}.get(mesh.dp_rank, [])
+    if mine:
+        _bounded_feed(m, mesh.dp_rank, mine)
+    try:
+        m.calculate()
+        first = None
+    except MetricSyncError as e:
+        first = str(e)
+    if mine:
+        _bounded_feed(m, mesh.dp_rank, mine[:1])  # slices this rank knows: still accepted
+    m.max_slices = 3
+    return first, m.calculate()
+
+
+def test_slices_beyond_max_slices_over_the_data_group_raise_on_every_rank(dist_pool):
+    whole = Accuracy(slice_by="src", max_slices=3)
+    for rank, sources in ((0, ["a", "b"]), (1, ["c"]), (0, ["a"]), (1, ["c"])):
+        _bounded_feed(whole, rank, sources)
+    want = whole.calculate()
+    assert {"accuracy/a", "accuracy/b", "accuracy/c"} <= set(want)
+    for first, got in dist_pool.run(case_slices_over_the_bound):
+        assert first is not None and "3 slices of 'src'" in first and "max_slices=2" in first
+        assert_results_close(got, want, rel=1e-12)

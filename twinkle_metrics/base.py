@@ -60,8 +60,10 @@ class Metric:
         slice_by: name of a per-sequence input field (``"data_source"``, ``"task"``: a list
             of strings or ints, one per sequence): results also carry every key per slice
             value, as ``"{key}/{slice}"`` (see ``twinkle_metrics.slicing``).
-        max_slices: the most slice values one metric may hold (a bounded buffer); one
-            more raises and accumulates nothing.
+        max_slices: the most slice values one metric may hold over its data group (a
+            bounded buffer); one more on a rank raises and accumulates nothing; more over the
+            ranks together makes ``calculate()`` raise ``MetricSyncError`` on every rank,
+            keeping the states (the smallest ``max_slices`` of the ranks counts).
         **kwargs: arguments this metric does not know are ignored, as Twinkle's
             metrics ignore them, with one ``UnknownArgumentWarning`` per class and
             name; they never enter the fingerprint.
@@ -266,7 +268,7 @@ class Metric:
         name = type(self).__name__
         out = dict(whole or {})
         parts = slicing.split(name, self.slice_by, inputs, outputs, kwargs)
-        known = {k.rpartition(slicing.SEP)[2] for k in self._specs if slicing.SEP in k}
+        known = set(slicing.held(self._specs))
         fresh = [s for s, *_ in parts if s not in known]
         if len(known) + len(fresh) > self.max_slices:
             raise ValueError(f"{name}: {len(known) + len(fresh)} slices of {self.slice_by!r} "
@@ -422,6 +424,11 @@ class Metric:
                 specs[key] = spec
                 new.append(key)
         extra = sorted(names - set(specs))
+        slices = slicing.held(specs) if self.slice_by is not None else []
+        if len(slices) > self.max_slices:
+            raise ValueError(f"{name}.load_state_dict: the state dicts hold {len(slices)} slices of "
+                             f"{self.slice_by!r} ({slices[:20]}), more than max_slices={self.max_slices}; "
+                             "build the metric with a larger max_slices")
         missing = sorted({k for d in dicts for k in specs if k not in d and self._new_state_spec(k) is None})
         if missing or extra:
             raise ValueError(f"{name}.load_state_dict: missing states {missing}, unexpected {extra}; "

@@ -37,6 +37,11 @@ from .microbatch import _split, as_feature_list
 SEP = "@"  # state name separator: "{state}@{slice}"
 
 
+def held(state_names) -> List[str]:
+    """The slice values a metric's states hold (``"{state}@{slice}"`` names), sorted."""
+    return sorted({n.rpartition(SEP)[2] for n in state_names if SEP in n})
+
+
 def slice_values(metric: str, field: str, feats: List[Dict[str, Any]]) -> List[List[str]]:
     """Per microbatch, the slice name of each sequence."""
     out = []

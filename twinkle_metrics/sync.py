@@ -73,6 +73,7 @@ from parallel.groups import all_gather_rows, group_ranks, group_size
 
 from ._checks import from_host, from_host_all
 from ._order import from_ordered_f64, ordered_f64
+from .slicing import held
 
 _HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
 _H_PLAN, _H_NEED, _H_SOURCE, _H_PP = 0, 1, 2, 3
@@ -628,7 +629,10 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch: _Channel, data_group, shar
     """
     me = group_ranks(None)[0]
     desc = {"ranks": [me], "configs": {json.dumps(list(configs)): [me]},
-            "paths": {"reduce" if _reduces(data_group) else "gather": [me]}, "states": {}}
+            "paths": {"reduce" if _reduces(data_group) else "gather": [me]}, "states": {},
+            # each sliced metric's max_slices (ranks may differ; the smallest bounds them all)
+            "bounds": {str(i): {str(m.max_slices): [me]} for i, m in enumerate(metrics)
+                       if m.slice_by is not None}}
     for i, m in enumerate(metrics):
         for name, spec in m._specs.items():
             dynamic = m._new_state_spec(name) is not None
@@ -664,6 +668,15 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch: _Channel, data_group, shar
                 f"{_ranges(holders)} only, and the metric cannot create it on the others; add it on "
                 "every rank (add_state in the constructor), or implement dynamic_state()")
         names[i].append(name)
+    for i, bounds in summary["bounds"].items():
+        m, bound = metrics[int(i)], min(int(b) for b in bounds)
+        slices = held(names[int(i)])
+        if len(slices) > bound:
+            raise MetricSyncError(
+                f"calculate(): {type(m).__name__} holds {len(slices)} slices of {m.slice_by!r} over the data "
+                f"group ({slices[:20]}), more than max_slices={bound}: each rank stayed within it, their "
+                "slices together do not; raise max_slices on every rank, or slice by a field with fewer "
+                "values. Nothing was merged or reset")
     for m, metric_names in zip(metrics, names):
         m._adopt([n for n in metric_names if n not in m._specs])
     plan = _Plan(metrics, names, configs)
@@ -674,12 +687,16 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch: _Channel, data_group, shar
 
 
 def _unite(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"ranks": [], "configs": {}, "paths": {}, "states": {}}
+    out: Dict[str, Any] = {"ranks": [], "configs": {}, "paths": {}, "states": {}, "bounds": {}}
     for p in parts:
         out["ranks"] = sorted(set(out["ranks"]) | set(p["ranks"]))
         for field in ("configs", "paths"):
             for text, ranks in p[field].items():
                 out[field][text] = sorted(set(out[field].get(text, [])) | set(ranks))
+        for i, bounds in p["bounds"].items():
+            mine = out["bounds"].setdefault(i, {})
+            for bound, ranks in bounds.items():
+                mine[bound] = sorted(set(mine.get(bound, [])) | set(ranks))
         for key, entry in p["states"].items():
             mine = out["states"].setdefault(key, {"sig": {}, "dyn": False})
             mine["dyn"] = mine["dyn"] or entry["dyn"]
