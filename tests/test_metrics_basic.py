@@ -379,3 +379,11 @@ def test_train_metric_times_against_a_controlled_clock(monkeypatch):
     got = m.calculate()
     assert got["total time elapse"] == 10.0 and got["iters"] == 6
     assert got["step time"] == 4.0 / 2 and got["speed"] == 2 / 4.0
+
+
+def test_loss_report_with_more_than_a_pair_says_what_it_got():
+    m = LossMetric(loss_reduction="sum")
+    with pytest.raises(ValueError, match=r"LossMetric: outputs\[0\]\['lm loss'\] holds 3 values \(shape \[3\]\); "
+                                         r"expected one loss, or Megatron's \[loss_sum, num_tokens\] pair"):
+        m.accumulate(None, [{"lm loss": torch.tensor([1.0, 2.0, 3.0])}])
+    assert m.calculate() == {}  # nothing added

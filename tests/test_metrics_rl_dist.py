@@ -210,6 +210,28 @@ def test_reward_names_seen_on_some_ranks_merge(dist_pool):
         assert second == {"train/acc_reward": 1.0, "train/acc_reward_std": 0.0}
 
 
+def case_reward_names_fixed_on_one_rank():
+    """Rank 0 fixes its reward names, the others take them as they come; rank 3 meets a name
+    rank 0 could not create."""
+    from twinkle_metrics import MetricSyncError
+    mesh = DeviceMesh.from_sizes(dp_size=8)
+    rank = dist.get_rank()
+    m = CompletionRewardMetric(mesh, reward_names=["acc"] if rank == 0 else None)
+    m.accumulate(rewards={"acc": [1.0], **({"fmt": [0.5]} if rank == 3 else {})})
+    try:
+        m.calculate()
+    except MetricSyncError as e:
+        return str(e)
+    return None
+
+
+def test_reward_names_fixed_on_some_ranks_open_on_others_raise_everywhere(dist_pool):
+    """Not a hang on the ranks that go on while one cannot create 'fmt': every rank raises."""
+    for err in dist_pool.run(case_reward_names_fixed_on_one_rank, timeout=120):
+        assert err is not None and "hold different metrics or arguments" in err
+        assert "creating no reward names beyond reward_names" in err and "creating reward names as they come" in err
+
+
 def _tied_batch():
     """Log-probs in bfloat16 steps: many tokens share one k3, so the top-k boundary is a tie
     (the case where torch.topk alone would pick by device and path, not by token)."""

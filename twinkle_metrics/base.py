@@ -231,6 +231,19 @@ class Metric:
             parts.append(f"slice_by={self.slice_by!r}")
         return f"{parts[0]}({', '.join(parts[1:])})"
 
+    def sync_fingerprint(self) -> str:
+        """What ranks must agree on to sync: the ``fingerprint``, and which states the metric
+        creates on the fly (``_creates``). The sync relies on ranks with one sync fingerprint
+        creating the same states when a state exists on some ranks only; a checkpoint does
+        not need it (``load_state_dict`` checks the states it holds)."""
+        creates = self._creates()
+        return self.fingerprint() if creates is None else f"{self.fingerprint()} creating {creates}"
+
+    def _creates(self) -> Optional[str]:
+        """Which states ``dynamic_state`` creates, where a setting that is not a constructor
+        argument of the same name decides it (None: the fingerprint says it all)."""
+        return None
+
     def exchange_groups(self) -> List[Any]:
         """Process groups this metric communicates over inside ``accumulate``, in the
         order its ``update`` agrees on them (see ``twinkle_metrics.exchange``)."""

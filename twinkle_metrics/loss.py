@@ -178,6 +178,10 @@ class LossMetric(Metric):
     def _from_dict(self, o: Mapping, feats, where, reduction: str, report: bool = False) -> Optional[Entry]:
         if o.get(self.loss_key) is not None:
             value = o[self.loss_key]
+            if isinstance(value, torch.Tensor) and value.numel() > 2:
+                raise ValueError(f"{_NAME}: {where}[{self.loss_key!r}] holds {value.numel()} values (shape "
+                                 f"{list(value.shape)}); expected one loss, or Megatron's [loss_sum, "
+                                 "num_tokens] pair")
             if isinstance(value, torch.Tensor) and value.numel() == 2:
                 pair = value.reshape(-1)
                 return pair[0], pair[1], feats, where, True

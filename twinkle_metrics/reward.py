@@ -155,6 +155,11 @@ class CompletionRewardMetric(Metric):
             return REWARD_HISTOGRAM.state()
         return None
 
+    def _creates(self) -> str:
+        # open names (created as they come) or a fixed list: ranks must agree, or a name seen
+        # on an open rank could not be created on a fixed one
+        return "reward names as they come" if self._dynamic else "no reward names beyond reward_names"
+
     @property
     def reward_names(self):
         return sorted(k[len(_PREFIX):] for k in self._specs if k.startswith(_PREFIX) and SEP not in k)

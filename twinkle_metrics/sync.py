@@ -287,7 +287,7 @@ def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
     share_group = mesh.result_group
     if groups is not None:
         data_group, share_group = groups(data_group, share_group)
-    configs = tuple(m.fingerprint() for m in metrics)
+    configs = tuple(m.sync_fingerprint() for m in metrics)
     if data_group is None and share_group is None:
         plan = _local_plan(metrics, configs)
         buf = _pack(plan, metrics, plan.length, lead._device, lead._device, need=False,
