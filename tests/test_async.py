@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.rlref import make_rl_batch, ragged
-from twinkle_metrics import Accuracy, DPOMetric, GRPOMetric, LossMetric, MetricCollection, pending
+from twinkle_metrics import Accuracy, DPOMetric, GRPOMetric, LossMetric, MetricCollection, MetricSyncError, pending
 from twinkle_metrics.loggers import Logger, LoggerGroup
 
 
@@ -102,3 +102,41 @@ def test_logger_group_writes_handles_in_order_when_they_complete(monkeypatch):
     release.set()
     group.close()  # waits for what is pending, then writes in call order
     assert rec.lines == [(10, {"loss": 1.0}), (20, {"loss": 2.0}), (25, {"note": 1.0})]
+
+
+def test_logger_group_raises_a_failed_handle_once_and_keeps_logging(monkeypatch):
+    """A loop that catches a failed sync keeps its logs: the failed entry raises once and
+    leaves the queue; the entries behind it are written; close() writes what it can, closes
+    the loggers and raises the first error."""
+    calls = {"n": 0}
+    real = pending.sync_and_compute
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] in (1, 3):  # the first and the third calculate fail
+            raise MetricSyncError("ranks disagree (simulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(pending, "sync_and_compute", flaky)
+    rec = _Recorder()
+    closed = []
+    rec.close = lambda: closed.append(True)
+    group = LoggerGroup([rec])
+    m = LossMetric()
+
+    def step(loss):
+        m.accumulate({"labels": torch.tensor([[1]])}, {"loss": torch.tensor(loss)})
+        return m.calculate(async_op=True)
+
+    with pytest.raises(MetricSyncError):
+        group.log(step(1.0), 10)   # fails
+        group.flush(wait=True)
+    group.log(step(2.0), 20)
+    group.log({"note": 1.0}, 25)
+    group.flush(wait=True)
+    assert rec.lines == [(20, {"loss": 2.0}), (25, {"note": 1.0})]
+    group.log(step(3.0), 30)   # fails
+    group.log({"note": 2.0}, 35)
+    with pytest.raises(MetricSyncError, match="simulated"):
+        group.close()
+    assert rec.lines[-1] == (35, {"note": 2.0}) and closed == [True]

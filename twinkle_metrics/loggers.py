@@ -173,6 +173,10 @@ class LoggerGroup(Logger):
     ``log`` also takes the handle of an asynchronous ``calculate()`` and never
     blocks on it: entries are written in call order as soon as they are ready
     (checked at every ``log``/``flush``); ``close()`` waits for the pending ones.
+    A handle whose sync failed raises its error once, from the ``log``/``flush`` that
+    reaches it, and leaves the queue: the entries behind it are still written (a loop
+    that catches a ``MetricSyncError`` keeps logging). ``close()`` writes every entry
+    it can, closes the loggers, then raises the first such error.
     """
 
     def __init__(self, loggers: Iterable[Logger] = ()):
@@ -188,23 +192,33 @@ class LoggerGroup(Logger):
         self.flush(wait=False)
 
     def flush(self, wait: bool = False) -> None:
-        """Write the queued entries that are ready (``wait=True``: all of them)."""
+        """Write the queued entries that are ready (``wait=True``: all of them). A failed
+        handle leaves the queue before its error is raised."""
         while self._queue:
             item, step = self._queue[0]
             if hasattr(item, "wait"):
                 if not (wait or item.done()):
                     return
-                item = item.wait()
-            self._queue.pop(0)
+                self._queue.pop(0)
+                item = item.wait()  # raises a failed sync's error: the entry is gone already
+            else:
+                self._queue.pop(0)
             for logger in self.loggers:
                 logger.log(item, step)
 
     def close(self):
+        first: Optional[BaseException] = None
         try:
-            self.flush(wait=True)
+            while self._queue:
+                try:
+                    self.flush(wait=True)
+                except Exception as e:  # noqa: BLE001 - write the rest, then raise the first
+                    first = first or e
         finally:
             for logger in self.loggers:
                 logger.close()
+        if first is not None:
+            raise first
 
 
 def build_loggers(sinks: Sequence[str], run_dir: str, *, enabled: bool = True,
