@@ -100,6 +100,24 @@ def _tokens_kernel(map_ptr, x_ptr, mask_ptr, part_ptr, n, map_s0, x_s0, mask_s0,
 
 
 @triton.jit
+def _loss(ptr, one, GIVEN: tl.constexpr, SKIP: tl.constexpr):
+    """(value, calls, non-finite) of one layer's loss, each ``[1]``: float64 value and int64
+    counts; 0 when not ``GIVEN``; under ``SKIP`` a NaN/inf loss is left out (no call)."""
+    value = tl.zeros([1], tl.float64)
+    calls = tl.zeros([1], tl.int64)
+    bad = tl.zeros([1], tl.int64)
+    if GIVEN:
+        value = tl.load(ptr + one).to(tl.float64)
+        nonfinite = (value * 0.0) != (value * 0.0)
+        bad = nonfinite.to(tl.int64)
+        calls += 1
+        if SKIP:
+            value = tl.where(nonfinite, 0.0, value)
+            calls -= bad
+    return value, calls, bad
+
+
+@triton.jit
 def _rows_kernel(part_ptr, aux_ptr, z_ptr, drop_ptr, counts_ptr, f_ptr, i_ptr, n_parts, layer, drop_value,
                  L: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
                  HAS_X: tl.constexpr, HAS_AUX: tl.constexpr, HAS_Z: tl.constexpr, DROP: tl.constexpr,
@@ -127,27 +145,9 @@ def _rows_kernel(part_ptr, aux_ptr, z_ptr, drop_ptr, counts_ptr, f_ptr, i_ptr, n
     ent = tl.sum(ent_v, 0) + tl.zeros([1], tl.float64)
     ent_n = tl.sum(ent_n_v, 0) + tl.zeros([1], tl.float64)
     bad_n = tl.sum(bad_n_v, 0) + tl.zeros([1], tl.float64)
-    aux = tl.zeros([1], tl.float64)
-    z = tl.zeros([1], tl.float64)
-    aux_n = tl.zeros([1], tl.int64)
-    z_n = tl.zeros([1], tl.int64)
-    bad = bad_n.to(tl.int64)
-    if HAS_AUX:
-        aux = tl.load(aux_ptr + one).to(tl.float64)
-        aux_bad = (aux * 0.0) != (aux * 0.0)
-        bad += aux_bad.to(tl.int64)
-        aux_n += 1
-        if SKIP:
-            aux = tl.where(aux_bad, 0.0, aux)
-            aux_n -= aux_bad.to(tl.int64)
-    if HAS_Z:
-        z = tl.load(z_ptr + one).to(tl.float64)
-        z_bad = (z * 0.0) != (z * 0.0)
-        bad += z_bad.to(tl.int64)
-        z_n += 1
-        if SKIP:
-            z = tl.where(z_bad, 0.0, z)
-            z_n -= z_bad.to(tl.int64)
+    aux, aux_n, aux_bad = _loss(aux_ptr, one, HAS_AUX, SKIP)
+    z, z_n, z_bad = _loss(z_ptr, one, HAS_Z, SKIP)
+    bad = bad_n.to(tl.int64) + aux_bad + z_bad
     dropped = tl.zeros([1], tl.int64)
     if DROP == 1:
         dropped = tl.load(drop_ptr + one).to(tl.int64)

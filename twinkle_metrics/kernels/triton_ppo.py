@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rl import _strides
+from .triton_rl import _counted, _strides
 
 #: partial columns: sums, then (count, mean, M2) of the returns, of return - value, of the advantages
 SUMS = ("n_tok", "sum_value", "n_bad", "n_old", "clipped")
@@ -55,8 +55,7 @@ def _side(ptr, has_ptr, row, cols, inside, m, s0, s1, h_s0, h_s1, MODE: tl.const
         has = (tl.load(has_ptr + row * h_s0 + cols * h_s1, mask=inside, other=0) != 0) & m
     else:
         has = m
-    x = tl.where(has, tl.load(ptr + row * s0 + cols * s1, mask=inside, other=0.0).to(tl.float64), 0.0)
-    return x, has
+    return _counted(ptr + row * s0 + cols * s1, inside, has), has
 
 
 @triton.jit
@@ -79,7 +78,7 @@ def _tokens_kernel(v_ptr, m_ptr, old_ptr, oh_ptr, ret_ptr, rh_ptr, adv_ptr, ah_p
     cols = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     inside = cols < s
     m = (tl.load(m_ptr + row * m_s0 + cols * m_s1, mask=inside, other=0) != 0) & inside
-    v = tl.where(m, tl.load(v_ptr + row * v_s0 + cols * v_s1, mask=inside, other=0.0).to(tl.float64), 0.0)
+    v = _counted(v_ptr + row * v_s0 + cols * v_s1, inside, m)
     probe = v * 0.0  # NaN where a value the token has is NaN/inf
     old = v
     ret = v
@@ -137,6 +136,13 @@ def _tokens_kernel(v_ptr, m_ptr, old_ptr, oh_ptr, ret_ptr, rh_ptr, adv_ptr, ah_p
 
 
 @triton.jit
+def _block_rows(part_ptr, start, n_parts, BLOCK: tl.constexpr):
+    """(first element of each, in range) of the ``BLOCK`` partial rows from ``start``."""
+    rows = start + tl.arange(0, BLOCK)
+    return part_ptr + rows.to(tl.int64) * _W, rows < n_parts
+
+
+@triton.jit
 def _load_column(rows_ptr, live, col: tl.constexpr):
     """Column ``col`` of the partial rows starting at ``rows_ptr`` (0 past the last row)."""
     return tl.load(rows_ptr + col, mask=live, other=0.0)
@@ -150,9 +156,7 @@ def _chan(part_ptr, n_parts, col: tl.constexpr, BLOCK: tl.constexpr):
     weighted = tl.zeros([BLOCK], tl.float64)
     m2 = tl.zeros([BLOCK], tl.float64)
     for start in range(0, n_parts, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        base = part_ptr + rows.to(tl.int64) * _W
-        live = rows < n_parts
+        base, live = _block_rows(part_ptr, start, n_parts, BLOCK)
         k = _load_column(base, live, col)
         n += k
         weighted += k * _load_column(base, live, col + 1)
@@ -161,9 +165,7 @@ def _chan(part_ptr, n_parts, col: tl.constexpr, BLOCK: tl.constexpr):
     mu = tl.sum(weighted, 0) / tl.maximum(total, 1.0)  # 0 when every block is empty
     spread = tl.zeros([BLOCK], tl.float64)
     for start in range(0, n_parts, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        base = part_ptr + rows.to(tl.int64) * _W
-        live = rows < n_parts
+        base, live = _block_rows(part_ptr, start, n_parts, BLOCK)
         dev = _load_column(base, live, col + 1) - mu
         spread += _load_column(base, live, col) * dev * dev
     return total, mu, tl.sum(m2, 0) + tl.sum(spread, 0)
@@ -179,9 +181,7 @@ def _finish_kernel(part_ptr, f_ptr, i_ptr, n_parts, RET: tl.constexpr, ADV: tl.c
     n_old = tl.zeros([BLOCK], tl.float64)
     clipped = tl.zeros([BLOCK], tl.float64)
     for start in range(0, n_parts, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        base = part_ptr + rows.to(tl.int64) * _W
-        live = rows < n_parts
+        base, live = _block_rows(part_ptr, start, n_parts, BLOCK)
         n_tok += _load_column(base, live, 0)
         sum_value += _load_column(base, live, 1)
         n_bad += _load_column(base, live, 2)

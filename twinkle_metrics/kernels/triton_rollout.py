@@ -115,6 +115,16 @@ def _rollout_kernel(lp_ptr, roll_ptr, has_ptr, part_ptr, s, lp_s0, lp_s1, roll_s
 
 
 @triton.jit
+def _sequences(parts_ptr, start, n, p_s0, p_s1, BLOCK: tl.constexpr):
+    """(sum of d, tokens, has a token) of the ``BLOCK`` sequences from ``start``."""
+    r = (start + tl.arange(0, BLOCK)).to(tl.int64)
+    live = r < n
+    sd = tl.load(parts_ptr + r * p_s0, mask=live, other=0.0)
+    k = tl.load(parts_ptr + r * p_s0 + p_s1, mask=live, other=0.0)
+    return sd, k, live & (k > 0)
+
+
+@triton.jit
 def _sequence_kernel(parts_ptr, f_ptr, i_ptr, n, p_s0, p_s1, BLOCK: tl.constexpr):
     """One program over the ``[n, 2]`` (sum of d, tokens) per sequence: sequences with a
     token (``n_seq`` into ``i_ptr``), the sum of |mean d| over them, and the ESS triple
@@ -125,11 +135,7 @@ def _sequence_kernel(parts_ptr, f_ptr, i_ptr, n, p_s0, p_s1, BLOCK: tl.constexpr
     n_seq = tl.zeros([BLOCK], tl.int64)
     abs_sum = tl.zeros([BLOCK], tl.float64)
     for start in range(0, n, BLOCK):
-        r = (start + tl.arange(0, BLOCK)).to(tl.int64)
-        live = r < n
-        sd = tl.load(parts_ptr + r * p_s0, mask=live, other=0.0)
-        k = tl.load(parts_ptr + r * p_s0 + p_s1, mask=live, other=0.0)
-        valid = live & (k > 0)
+        sd, k, valid = _sequences(parts_ptr, start, n, p_s0, p_s1, BLOCK)
         top = tl.maximum(top, tl.where(valid, sd, float("-inf")))
         nan += tl.where(valid & (sd != sd), 1.0, 0.0)  # a kernel max need not keep NaN
         n_seq += valid.to(tl.int64)
@@ -139,11 +145,7 @@ def _sequence_kernel(parts_ptr, f_ptr, i_ptr, n, p_s0, p_s1, BLOCK: tl.constexpr
     a = tl.zeros([BLOCK], tl.float64)
     b = tl.zeros([BLOCK], tl.float64)
     for start in range(0, n, BLOCK):
-        r = (start + tl.arange(0, BLOCK)).to(tl.int64)
-        live = r < n
-        sd = tl.load(parts_ptr + r * p_s0, mask=live, other=0.0)
-        k = tl.load(parts_ptr + r * p_s0 + p_s1, mask=live, other=0.0)
-        valid = live & (k > 0)
+        sd, k, valid = _sequences(parts_ptr, start, n, p_s0, p_s1, BLOCK)
         e = tl.where(valid, tl.exp(tl.where(valid, sd, shift) - shift), 0.0)
         a += e
         b += e * e
