@@ -15,7 +15,7 @@ from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .histogram import Histogram, check_quantiles, quantile_keys
 from .kernels import _triton, entropy
-from .microbatch import has_field, join, microbatches
+from .microbatch import has_field, microbatches
 from .rl_inputs import (
     _float,
     common_length,
@@ -662,13 +662,19 @@ class GRPOMetric(Metric):
         return {"clip_n": valid.sum(), "clip_low": low, "clip_high": high}
 
     def _candidates(self, mb: "_Microbatch", key: torch.Tensor, seq_start: int) -> torch.Tensor:
-        """This microbatch's top-k rows [k, fields] with sequence indices offset so far;
-        ``key`` [b, s]: each token's k3 where it has an old log-prob and k3 > 0, else -inf."""
+        """This microbatch's top-k rows [k, fields] in ``_FIELDS`` order, with sequence indices
+        offset so far; ``key`` [b, s]: each token's k3 where it has an old log-prob and k3 > 0,
+        else -inf. Token and position ids where the features give them, else -1 and the column."""
         b, s = mb.m.shape
-        key = key.reshape(-1)
-        val, idx = _top(key, self.top_k_kl)
+        val, idx = _top(key.reshape(-1), self.top_k_kl)
         i, p = idx.div(s, rounding_mode="floor"), idx.remainder(s)
-        return self._record_rows([mb], idx, val, i + seq_start, p, mb.lp[i, p], mb.old.expand(b, s)[i, p])
+        labels, positions = self._feature_view(mb, "labels"), self._feature_view(mb, "position_ids")
+        tok = torch.full_like(p, -1) if labels is None else labels[i, p]
+        pos = p if positions is None else positions[i, p]
+        gsi = i + seq_start + self._states["n_seq"].to(i.device, non_blocking=True)
+        lp_k, old_k = mb.lp[i, p].to(torch.float64), mb.old.expand(b, s)[i, p].to(torch.float64)
+        # one stack casts the integer columns to float64 (exact below 2**53)
+        return torch.stack([val, gsi, pos, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
 
     def _fused_candidates(self, records: torch.Tensor) -> torch.Tensor:
         """The top-k rows of every fused microbatch at once, from the kernel's record buffer
@@ -678,18 +684,6 @@ class GRPOMetric(Metric):
         rows = records[:, idx]
         rows[1] += self._states["n_seq"].to(rows.device, non_blocking=True)  # the global sequence index
         return rows.t()
-
-    def _record_rows(self, mbs: List["_Microbatch"], idx, key, seq, col, lp_k, old_k) -> torch.Tensor:
-        """Top-k record rows in ``_FIELDS`` order from the picked tokens' key, sequence within
-        the call, column, log-prob and old log-prob; ``idx`` indexes the tokens of ``mbs``
-        joined in order, for their token ids (and position ids, where given)."""
-        tok = self._flat_feature(mbs, "labels")[idx]
-        pos = col if all(mb.feat.get("position_ids") is None for mb in mbs) else \
-            self._flat_feature(mbs, "position_ids")[idx]
-        gsi = seq + self._states["n_seq"].to(seq.device, non_blocking=True)
-        lp_k, old_k = lp_k.to(torch.float64), old_k.to(torch.float64)
-        # one stack casts the integer columns to float64 (exact below 2**53)
-        return torch.stack([key, gsi, pos, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
 
     @staticmethod
     def _feature_view(mb: "_Microbatch", field: str) -> Optional[torch.Tensor]:
@@ -702,21 +696,6 @@ class GRPOMetric(Metric):
         x = as_tensor(x, mb.m.device)
         x = x.unsqueeze(0) if x.dim() == 1 else x
         return x.expand(b, -1)[:, :s]
-
-    @staticmethod
-    def _flat_feature(mbs: List["_Microbatch"], field: str) -> torch.Tensor:
-        """``field`` of each microbatch's features over its ``[b, s]`` tokens, flattened and
-        joined in order: where absent, -1 for labels and the token's column for positions."""
-        parts = []
-        for mb in mbs:
-            b, s = mb.m.shape
-            x = GRPOMetric._feature_view(mb, field)
-            if x is None:
-                x = torch.arange(s, device=mb.m.device) if field == "position_ids" else \
-                    torch.full((s,), -1, device=mb.m.device)
-                x = x.expand(b, s)
-            parts.append(x)
-        return join(parts)
 
     def _entropy_chunks(self, name, jobs):
         """(row chunks of every job's logits, job shapes): validated, no collective."""
