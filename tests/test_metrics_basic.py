@@ -164,6 +164,35 @@ def test_loss_reduction_per_call_and_tokens_from_labels():
     assert twinkle_mean == {"loss": 3.0}
 
 
+def test_loss_sum_over_only_masked_tokens_reports_no_loss():
+    """0 / 0 is no measurement: an interval of 'sum' entries without tokens reports no loss
+    (not 0.0), whether split over microbatches or not; a NaN sum still shows; 'mean'
+    entries beside it keep their mean."""
+    masked = {"labels": torch.full((2, 5), -100)}
+    m = LossMetric(loss_reduction="sum")
+    m.accumulate(masked, {"loss": torch.tensor(0.0)}).accumulate(None, [{"lm loss": torch.zeros(2)}] * 2)
+    assert m.calculate() == {}
+    m.accumulate(None, {"loss": [0.0, math.nan], "num_tokens": [0, 0]})
+    got = m.calculate()
+    assert set(got) == {"loss", "loss_nonfinite"} and math.isnan(got["loss"])
+    m.accumulate(masked, {"loss": 0.0}).accumulate(None, {"loss": 3.0}, loss_reduction="mean")
+    assert m.calculate() == {"loss": 3.0}
+    m.accumulate(masked, {"loss": 0.0}).accumulate(None, {"loss": 6.0, "num_tokens": 4})
+    assert m.calculate() == {"loss": 1.5, "num_tokens": 4}
+
+
+def test_loss_loads_a_checkpoint_saved_before_sum_entries_existed():
+    """``sum_entries`` is optional: a state dict without it (an older checkpoint) loads it
+    at 0, which keeps that checkpoint's meaning; a state dict missing another state is
+    still refused."""
+    m = LossMetric(loss_reduction="sum").accumulate(None, {"loss": 6.0, "num_tokens": 4})
+    m.accumulate(None, {"loss": 1.0}, loss_reduction="mean")
+    old = {k: v for k, v in m.state_dict().items() if k != "sum_entries"}
+    assert_results_close(LossMetric(loss_reduction="sum").load_state_dict(old).calculate(), m.calculate())
+    with pytest.raises(ValueError, match=r"missing states \['entries'\]"):
+        LossMetric(loss_reduction="sum").load_state_dict({k: v for k, v in old.items() if k != "entries"})
+
+
 def test_loss_errors_and_skips():
     labels, _ = _lm(5)
     feats = [{"labels": labels[:2]}, {"labels": labels[2:]}]

@@ -442,7 +442,8 @@ class Metric:
             raise ValueError(f"{name}.load_state_dict: the state dicts hold {len(slices)} slices of "
                              f"{self.slice_by!r} ({slices[:20]}), more than max_slices={self.max_slices}; "
                              "build the metric with a larger max_slices")
-        missing = sorted({k for d in dicts for k in specs if k not in d and self._new_state_spec(k) is None})
+        missing = sorted({k for d in dicts for k, spec in specs.items()
+                          if k not in d and not spec.optional and self._new_state_spec(k) is None})
         if missing or extra:
             raise ValueError(f"{name}.load_state_dict: missing states {missing}, unexpected {extra}; "
                              "load a state dict saved by the same metric")
@@ -451,7 +452,7 @@ class Metric:
             values = []
             for d in dicts:
                 if key not in d:
-                    values.append(spec.new("cpu"))  # a name created on the fly elsewhere: identity
+                    values.append(spec.new("cpu"))  # created on the fly elsewhere, or optional: default
                     continue
                 value = torch.as_tensor(d[key]).detach()
                 if tuple(value.shape) != spec.shape:

@@ -30,7 +30,9 @@ class LossMetric(Metric):
       ``outputs['num_tokens']`` or, when absent, is counted from the labels as
       ``labels != ignore_index`` (Twinkle counts ``labels >= 0``; the two agree for
       the usual ``-100`` padding, ours also allows other ignore values). This is
-      independent of how the batch is split into microbatches and ranks.
+      independent of how the batch is split into microbatches and ranks. An interval
+      whose tokens were all masked reports no ``loss`` (Twinkle reports 0.0), unless
+      a loss sum was NaN/inf.
     * ``'mean'``: an already averaged loss; ``loss`` is the mean over the loss
       entries seen (one per call, or one per microbatch when a list is passed), so it
       depends on how the batch was split. A Megatron pair ``[loss_sum, num_tokens]``
@@ -72,6 +74,9 @@ class LossMetric(Metric):
 
     loss_total = State("sum")
     entries = State("sum", torch.int64)
+    # entries of loss_reduction='sum' (the rest are 'mean'): an interval of them whose
+    # tokens were all masked has no loss to report, not 0 / 0 = 0.0
+    sum_entries = State("sum", torch.int64, optional=True)
     num_tokens = State("sum")
     grad_norm = State("max", local="last")
     nonfinite = State("sum", torch.int64)
@@ -91,7 +96,7 @@ class LossMetric(Metric):
         out = {}
         if grad_norm is not None:
             out["grad_norm"] = f64(scalar(_NAME, "grad_norm", grad_norm))
-        loss_total = entries = tokens = bad_total = None
+        loss_total = entries = sum_entries = tokens = bad_total = None
         for loss, n, feats, where, is_pair in self._entries(inputs, outputs, reduction):
             if reduction == "sum" or not is_pair:
                 if reduction == "sum" and n is None:
@@ -110,6 +115,7 @@ class LossMetric(Metric):
                 entries = plus(entries, one)
                 if n is not None:
                     tokens = plus(tokens, n)
+                    sum_entries = plus(sum_entries, one)
             else:  # 'mean' of a Megatron pair: loss_sum / n, entries without tokens skipped
                 loss, n = f64(loss), f64(n)
                 bad = nonfinite(loss) | nonfinite(n)
@@ -125,7 +131,7 @@ class LossMetric(Metric):
             out["loss_total"], out["entries"] = loss_total, entries
             out["nonfinite"] = bad_total
             if tokens is not None:
-                out["num_tokens"] = tokens
+                out["num_tokens"], out["sum_entries"] = tokens, sum_entries
         return out
 
     def _entries(self, inputs, outputs, reduction: str) -> List[Entry]:
@@ -237,8 +243,14 @@ class LossMetric(Metric):
     def compute(self, s):
         out = {}
         tokens = s["num_tokens"]
-        if s["entries"]:
-            out["loss"] = s["loss_total"] / tokens if tokens > 0 else s["loss_total"] / s["entries"]
+        total, means = s["loss_total"], s["entries"] - s["sum_entries"]
+        if tokens > 0:
+            out["loss"] = total / tokens
+        elif means > 0:
+            out["loss"] = total / means
+        elif s["entries"] and not math.isfinite(total):
+            out["loss"] = total  # a NaN/inf token-loss sum over no tokens still shows
+        # else: only 'sum' entries, all of their tokens masked: no loss to report
         if tokens > 0 or not math.isfinite(tokens):
             out["num_tokens"] = int(tokens) if float(tokens).is_integer() else tokens
         if s["grad_norm"] != -float("inf"):

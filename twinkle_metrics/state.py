@@ -52,6 +52,9 @@ class State:
               agreement check, since TP ranks hold different parts.
 
             ``"stage"`` and ``"model"`` need a ``"sum"``, ``"max"`` or ``"min"`` reduction.
+        optional: a state added to a metric after checkpoints of it were written: a state
+            dict without it loads it at its default (so the default must keep the old
+            meaning) instead of being refused as incomplete.
     """
 
     reduce: Reduce = "sum"
@@ -61,6 +64,7 @@ class State:
     local: Union[str, Callable, None] = None
     per_rank: bool = False
     scope: str = "data"
+    optional: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
