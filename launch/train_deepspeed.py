@@ -129,6 +129,8 @@ def main(argv=None):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        common.skip_deepspeed_shm_op()
     deepspeed.init_distributed(dist_backend=backend)
 
     t, m, log_cfg = cfg["train"], cfg["model"], cfg.get("logging", {})

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from launch.common import skip_deepspeed_shm_op
 from parallel import DeviceMesh, Layout
 from tests.refmetric import TokenStats, make_batch, shard_for_rank
 from twinkle_metrics import Metric, MetricCollection, MetricSyncError, State
@@ -61,6 +62,7 @@ def case_deepspeed_and_torch():
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
     from torch.distributed.device_mesh import init_device_mesh
 
+    skip_deepspeed_shm_op()
     deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing process group
     topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
     grid = PipelineParallelGrid(topology=topo)
@@ -227,6 +229,7 @@ def case_deepspeed_ulysses():
     import deepspeed.comm as ds_dist
     from deepspeed.utils import groups as ds_groups
 
+    skip_deepspeed_shm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     mesh_device = ds_dist.initialize_mesh_device((4, 2), ("data_parallel", "sequence_parallel"))
     ds_groups.mesh_device = mesh_device
