@@ -432,3 +432,31 @@ def test_states_move_to_an_accelerator_in_one_copy_per_dtype():
     assert new_states(m._specs, "cpu").keys() == m._states.keys()
     for name, t in new_states(m._specs, "cpu").items():
         assert torch.equal(t, m._specs[name].new("cpu")), name
+
+
+class _CountsCalls(Metric):
+    """An update that names its one keyword and takes no **kwargs."""
+    calls = State("sum", torch.int64)
+
+    def update(self, inputs, outputs, *, weight=1):
+        return {"calls": weight}
+
+    def compute(self, s):
+        return {"calls": int(s["calls"])}
+
+
+def test_a_shared_kwargs_dict_reaches_updates_without_kwargs():
+    """A trainer passes one kwargs dict to every metric of a collection: an update that
+    does not take **kwargs gets the keywords it names and no others."""
+    from twinkle_metrics import ModelNormMetric, MoERoutingMetric, TrainMetric
+
+    lin = torch.nn.Linear(2, 1)
+    lin.weight.grad = torch.ones_like(lin.weight)
+    coll = MetricCollection({"train": TrainMetric(), "norm": ModelNormMetric(model=lin),
+                             "moe": MoERoutingMetric(num_layers=1, num_experts=2), "calls": _CountsCalls()})
+    coll.accumulate(None, None, lr=1e-4, step=1, weight=3)
+    got = coll.calculate()
+    assert got["calls/calls"] == 3 and got["train/learning rate"] == 1e-4
+    assert got["norm/norm/grad"] == pytest.approx(math.sqrt(2))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'wieght'; did you mean 'weight'"):
+        _CountsCalls().accumulate(None, None, wieght=3)

@@ -164,3 +164,75 @@ def test_loading_more_slices_than_max_slices_raises_and_loads_nothing():
         m.load_state_dict(saved)
     assert m.calculate() == {}  # nothing loaded
     assert set(Accuracy(slice_by="src", max_slices=3).load_state_dict(saved).calculate()) >= {"accuracy/c"}
+
+
+def test_dpo_slices_every_input_form_alike():
+    """Interleaved, separate chosen/rejected batches (different lengths per side) and
+    per-pair sums: the same pairs give the same slice keys."""
+    b = make_rl_batch(9, N, 8)
+    lab, lp, ref = b["labels"], b["logps"], b["ref"]
+    c, r = _rows(range(0, N, 2)), _rows(range(1, N, 2))
+    src = SOURCES[::2]  # one per pair
+    inter = DPOMetric(beta=0.2, slice_by="data_source")
+    inter.accumulate({"labels": lab, "data_source": SOURCES}, {"logps": lp}, ref_outputs={"logps": ref})
+    want = inter.calculate()
+    assert {"rewards/margins/math", "rewards/margins/chat"} <= set(want)
+    sep = DPOMetric(beta=0.2, slice_by="data_source")
+    sep.accumulate(chosen=({"labels": lab[c], "data_source": src}, {"logps": lp[c]}),
+                   rejected=({"labels": lab[r][:, :6], "data_source": src}, {"logps": lp[r][:, :6]}),
+                   ref_chosen={"logps": ref[c]}, ref_rejected={"logps": ref[r][:, :6]})
+    got = sep.calculate()
+    masked = lab != -100
+    lab_r = lab[r].clone()
+    lab_r[:, 6:] = -100  # the rejected side cut to 6 tokens
+    inter2 = DPOMetric(beta=0.2, slice_by="data_source")
+    lab2 = lab.clone()
+    lab2[r] = lab_r
+    inter2.accumulate({"labels": lab2, "data_source": SOURCES}, {"logps": lp}, ref_outputs={"logps": ref})
+    assert_results_close(got, inter2.calculate(), rel=1e-12)
+    sums = (lp * masked).sum(1).double()
+    ref_sums = (ref * masked).sum(1).double()
+    pre = DPOMetric(beta=0.2, slice_by="data_source")
+    pre.accumulate({"data_source": src}, {"chosen_logps": sums[c], "rejected_logps": sums[r],
+                                          "ref_chosen_logps": ref_sums[c], "ref_rejected_logps": ref_sums[r]})
+    assert_results_close(pre.calculate(), want, rel=1e-12)
+    with pytest.raises(ValueError, match="both sides of a pair must carry the same data_source"):
+        sep.accumulate(chosen=({"labels": lab[c], "data_source": src}, {"logps": lp[c]}),
+                       rejected=({"labels": lab[r], "data_source": src[::-1]}, {"logps": lp[r]}))
+    with pytest.raises(ValueError, match=r"slice_by='data_source' with per-pair sums: got 0 slice names for 6"):
+        pre.accumulate(None, {"chosen_logps": sums[c], "rejected_logps": sums[r]})
+
+
+def test_slice_field_must_match_the_sequences_and_calls_need_inputs():
+    make, call = CASES["accuracy"]
+    inputs, outputs, _ = call([0, 1, 2])
+    m = make(slice_by="data_source")
+    before = m.state_dict()
+    for bad in (["math"], ["math", "code"], ["a", "b", "c", "d"]):
+        with pytest.raises(ValueError, match=rf"Accuracy: slice_by field 'data_source' of input feature 0 has "
+                                             rf"{len(bad)} entries but the feature holds 3 sequences"):
+            m.accumulate({**inputs, "data_source": bad}, outputs)
+    assert state_dict_differences(m.state_dict(), before) == []
+    m.accumulate({**inputs, "data_source": "code"}, outputs)  # one name: the whole microbatch's
+    alone = make().accumulate(inputs, outputs).calculate()
+    assert_results_close({k: v for k, v in m.calculate().items() if k.endswith("/code")},
+                         {f"{k}/code": v for k, v in alone.items()})
+    loss = LossMetric(slice_by="data_source")
+    with pytest.raises(ValueError, match="LossMetric: slice_by='data_source', but this call has data and no inputs"):
+        loss.accumulate(None, {"loss": 1.0})
+    reward = CompletionRewardMetric(slice_by="data_source")
+    with pytest.raises(ValueError, match="CompletionRewardMetric: slice_by='data_source', but this call has data"):
+        reward.accumulate(rewards=[1.0, 2.0])
+    loss.accumulate(None, None, grad_norm=2.0, loss_reduction="sum")  # a reading and a setting alone
+    assert loss.calculate() == {"grad_norm": 2.0}
+
+
+def test_per_call_settings_reach_every_slice():
+    lab = torch.tensor([[1, 2, 3, -100], [0, 4, 5, 6]])
+    inputs = [{"labels": lab, "data_source": ["a", "a"]}, {"labels": lab[:1], "data_source": ["b"]}]
+    outputs = {"loss": [torch.tensor(7.0), torch.tensor(3.0)]}
+    per_call = LossMetric(slice_by="data_source").accumulate(inputs, outputs, loss_reduction="sum")
+    built = LossMetric(slice_by="data_source", loss_reduction="sum").accumulate(inputs, outputs)
+    want = built.calculate()
+    assert want["loss/a"] == want["loss/b"] == 1.0
+    assert per_call.calculate() == want

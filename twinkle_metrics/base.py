@@ -98,6 +98,7 @@ class Metric:
     #: constructor arguments that do not change what a state means (left out of the
     #: schema fingerprint), e.g. chunk sizes
     fingerprint_exclude: ClassVar[Sequence[str]] = ()
+    _update_kwargs: ClassVar[Optional[frozenset]] = None  # set per class: see __init_subclass__
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -109,10 +110,13 @@ class Metric:
         cls._class_states = found
         cls._own_merge = cls.merge is not Metric.merge  # the sync merges the others column-wise
         _KNOWN_KWARGS.update(cls.accepted_kwargs)
+        params = list(inspect.signature(cls.update).parameters.values())[1:]
+        named = {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         if "update" in vars(cls):
-            params = list(inspect.signature(cls.update).parameters.values())[1:]
-            _KNOWN_KWARGS.update(p.name for p in params[2:]
-                                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+            _KNOWN_KWARGS.update(named)
+        # an update without **kwargs gets only the keywords it names, so one shared kwargs
+        # dict (TrainMetric's lr= beside a norm metric) works for it too
+        cls._update_kwargs = None if any(p.kind == p.VAR_KEYWORD for p in params) else frozenset(named)
 
     #: what ``slice_by`` cannot mean for this metric (None: it can be sliced)
     unsliceable: ClassVar[Optional[str]] = None
@@ -266,6 +270,8 @@ class Metric:
         self._agreed = []
         try:
             _check_kwargs(self, kwargs)
+            if self._update_kwargs is not None:
+                kwargs = {k: v for k, v in kwargs.items() if k in self._update_kwargs}
             with torch.no_grad():
                 contributions = self.update(inputs, outputs, **kwargs)
                 if self.slice_by is not None:
@@ -280,7 +286,12 @@ class Metric:
         """The whole call's contributions plus each slice's, under ``"{state}@{slice}"``."""
         name = type(self).__name__
         out = dict(whole or {})
-        parts = slicing.split(name, self.slice_by, inputs, outputs, kwargs)
+        parts = self._slice_parts(inputs, outputs, kwargs)
+        if not parts and whole and inputs is None and (outputs is not None or any(map(slicing.is_data,
+                                                                                      kwargs.values()))):
+            raise ValueError(f"{name}: slice_by={self.slice_by!r}, but this call has data and no inputs to read "
+                             f"the slices from; pass inputs (an InputFeature or a list of them) with "
+                             f"{self.slice_by!r}, one entry per sequence")
         known = set(slicing.held(self._specs))
         fresh = [s for s, *_ in parts if s not in known]
         if len(known) + len(fresh) > self.max_slices:
@@ -293,6 +304,10 @@ class Metric:
                 if key not in self.unsliced_states:
                     out[f"{key}{slicing.SEP}{value}"] = v
         return out
+
+    def _slice_parts(self, inputs, outputs, kwargs) -> List[tuple]:
+        """One call as the calls of its slices: ``[(slice, inputs, outputs, kwargs)]``."""
+        return slicing.split(type(self).__name__, self.slice_by, inputs, outputs, kwargs)
 
     def _results(self, states: Dict[str, Any]) -> Dict[str, Any]:
         """``compute`` of the reduced states, with each slice's keys as ``"{key}/{slice}"``."""

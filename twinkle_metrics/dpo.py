@@ -1,17 +1,18 @@
 """``DPOMetric``: TRL-style preference statistics from per-token log-probs."""
 from __future__ import annotations
 
+import difflib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import exchange
-from ._checks import float_tensor
+from . import exchange, slicing
+from ._checks import float_tensor, from_host
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .histogram import Histogram, check_quantiles, quantile_keys
 from .kernels import _triton
-from .microbatch import has_field, microbatches
+from .microbatch import as_feature_list, has_field, microbatches
 from .rl_inputs import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
 from .state import State
 
@@ -177,6 +178,7 @@ class DPOMetric(Metric):
                                           or outputs.get("rejected_logps") is not None):
             if outputs.get("chosen_logps") is None:
                 raise ValueError(f"{_NAME}: outputs has 'rejected_logps' but no 'chosen_logps'; pass both")
+            _check_presummed_call(outputs, ref_outputs)
             return _PRESUMMED, torch.cat(self._presummed(outputs), 1), None
         sums = self._seq_logps("outputs", inputs, outputs, ref_outputs)
         if sums is None:
@@ -251,30 +253,48 @@ class DPOMetric(Metric):
         return cp_sum(sums, self.resolve_mesh().cp_group)
 
     def _presummed(self, outputs) -> Tuple[torch.Tensor, torch.Tensor]:
-        cols = {}
-        for key in ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps"):
-            v = outputs.get(key)
-            if v is None:
-                continue
-            field = f"outputs[{key!r}]"
-            if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
-                v = torch.cat([float_tensor(_NAME, field, x).reshape(-1).to(torch.float64) for x in v])
-            cols[key] = float_tensor(_NAME, field, v).reshape(-1).to(torch.float64)
-        if "rejected_logps" not in cols:
-            raise ValueError(f"{_NAME}: outputs has 'chosen_logps' but no 'rejected_logps'; pass both")
-        n = cols["chosen_logps"].shape[0]
-        has_ref = "ref_chosen_logps" in cols or "ref_rejected_logps" in cols
-        keys = ["chosen_logps", "rejected_logps"] + (["ref_chosen_logps", "ref_rejected_logps"]
-                                                    if has_ref else [])
-        for key in keys:
-            if key not in cols or cols[key].shape[0] != n:
-                got = list(cols[key].shape) if key in cols else "nothing"
-                raise ValueError(f"{_NAME}: outputs[{key!r}] is {got}, expected [{n}] like "
-                                 "chosen_logps; pass one value per pair for each")
-        if has_ref:
+        cols = _presummed_columns(outputs)
+        if "ref_chosen_logps" in cols:
             return (torch.stack([cols["chosen_logps"], cols["ref_chosen_logps"]], 1),
                     torch.stack([cols["rejected_logps"], cols["ref_rejected_logps"]], 1))
         return cols["chosen_logps"][:, None], cols["rejected_logps"][:, None]
+
+    def _slice_parts(self, inputs, outputs, kwargs) -> List[tuple]:
+        """Separate chosen/rejected batches split side by side (pair i's two sides in one
+        slice); per-pair sums by one slice name per pair; an interleaved batch as any call."""
+        field = self.slice_by
+        if kwargs.get("chosen") is not None and kwargs.get("rejected") is not None:
+            rest = {k: v for k, v in kwargs.items() if k not in _SIDES and not slicing.is_reading(v)}
+            sides = []
+            for side in ("chosen", "rejected"):
+                s_in, s_out = _pair(side, kwargs[side])
+                names = sum(slicing.slice_values(_NAME, field, as_feature_list(_NAME, s_in)), [])
+                parts = slicing.split(_NAME, field, s_in, s_out, {"ref": kwargs.get(f"ref_{side}")})
+                sides.append((names, {name: (i, o, kw.get("ref")) for name, i, o, kw in parts}))
+            (c_names, c_parts), (r_names, r_parts) = sides
+            if c_names != r_names:
+                raise ValueError(f"{_NAME}: slice_by={field!r}: the chosen sequences are in slices {c_names[:8]} "
+                                 f"but the rejected ones in {r_names[:8]}; both sides of a pair must carry the "
+                                 f"same {field}")
+            return [(name, None, None, {**rest, "chosen": c[:2], "rejected": r_parts[name][:2],
+                                        "ref_chosen": c[2], "ref_rejected": r_parts[name][2]})
+                    for name, c in c_parts.items()]
+        if isinstance(outputs, dict) and outputs.get("chosen_logps") is not None:
+            feats = as_feature_list(_NAME, inputs)
+            names = sum(slicing.slice_values(_NAME, field, feats), [])
+            cols = _presummed_columns(outputs)
+            n = cols["chosen_logps"].shape[0]
+            if len(names) != n:
+                raise ValueError(f"{_NAME}: slice_by={field!r} with per-pair sums: got {len(names)} slice "
+                                 f"names for {n} pairs; pass inputs={{{field!r}: [one per pair]}}")
+            settings = {k: v for k, v in kwargs.items() if isinstance(v, (str, bool))}
+            out = []
+            for name in dict.fromkeys(names):
+                rows = torch.tensor([i for i, x in enumerate(names) if x == name])
+                idx = from_host(rows, cols["chosen_logps"].device)
+                out.append((name, None, {k: v.index_select(0, idx) for k, v in cols.items()}, settings))
+            return out
+        return super()._slice_parts(inputs, outputs, kwargs)
 
     def _stats(self, x: torch.Tensor) -> Dict[str, Any]:
         """Contributions of ``x`` = [pairs, (chosen, [ref_chosen], rejected, [ref_rejected])]."""
@@ -370,6 +390,57 @@ def _describe(key: int) -> str:
         return "nothing"
     mode = {_INTERLEAVED: "interleaved", _SEPARATE: "chosen=/rejected=", _PRESUMMED: "pre-summed"}
     return f"{key >> 8} x {(key >> 2) & 63} {mode.get(key & 3, '?')}"
+
+
+_PRESUMMED_KEYS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
+_SIDES = ("chosen", "rejected", "ref_chosen", "ref_rejected")
+
+
+def _check_presummed_call(outputs, ref_outputs) -> None:
+    """Per-pair sums come alone: whatever else the call holds for DPO would be ignored."""
+    if ref_outputs is not None:
+        raise ValueError(f"{_NAME}: got per-pair sums (outputs['chosen_logps']) and ref_outputs=, which would "
+                         "be ignored; put the reference sums in outputs as 'ref_chosen_logps' and "
+                         "'ref_rejected_logps'")
+    if outputs.get("logps") is not None:
+        raise ValueError(f"{_NAME}: outputs holds both per-pair sums ('chosen_logps') and per-token 'logps'; "
+                         "pass one form per call")
+    for key in outputs:
+        near = difflib.get_close_matches(str(key), _PRESUMMED_KEYS, n=1, cutoff=0.8)
+        if near and key not in _PRESUMMED_KEYS:
+            raise ValueError(f"{_NAME}: outputs has {key!r} beside per-pair sums; did you mean {near[0]!r}? "
+                             f"(the per-pair keys are {list(_PRESUMMED_KEYS)})")
+
+
+def _presummed_columns(outputs) -> Dict[str, torch.Tensor]:
+    """The per-pair sums as float64 ``[n]`` columns, checked: one value per pair each."""
+    cols = {}
+    for key in _PRESUMMED_KEYS:
+        v = outputs.get(key)
+        if v is None:
+            continue
+        field = f"outputs[{key!r}]"
+        if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+            v = torch.cat([_pair_column(field, x) for x in v])
+        cols[key] = _pair_column(field, v)
+    if "rejected_logps" not in cols:
+        raise ValueError(f"{_NAME}: outputs has 'chosen_logps' but no 'rejected_logps'; pass both")
+    n = cols["chosen_logps"].shape[0]
+    has_ref = "ref_chosen_logps" in cols or "ref_rejected_logps" in cols
+    for key in _PRESUMMED_KEYS[:4 if has_ref else 2]:
+        if key not in cols or cols[key].shape[0] != n:
+            got = list(cols[key].shape) if key in cols else "nothing"
+            raise ValueError(f"{_NAME}: outputs[{key!r}] is {got}, expected [{n}] like "
+                             "chosen_logps; pass one value per pair for each")
+    return cols
+
+
+def _pair_column(field: str, value) -> torch.Tensor:
+    t = float_tensor(_NAME, field, value)
+    if t.dim() > 1:
+        raise ValueError(f"{_NAME}: {field} has shape {list(t.shape)}; per-pair sums are one value per pair "
+                         "([n]); for per-token log-probs pass outputs={'logps': [batch, seq]} with the inputs")
+    return t.reshape(-1).to(torch.float64)
 
 
 def _pair(name: str, value):

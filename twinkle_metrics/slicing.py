@@ -18,8 +18,9 @@ of the slice field):
   that mixes slices (a scalar loss report) cannot be split and raises;
 * keyword arguments: tensors whose first dim is the call's total number of sequences
   ``N``, and lists of length ``N``, keep the slice's rows; lists with one entry per
-  microbatch are split like outputs; dicts are split per key; scalars (per-call
-  readings such as ``generate_time``) go to the whole call only.
+  microbatch are split like outputs; dicts are split per key; strings and bools
+  (settings such as ``loss_reduction``) go to every slice as they are; numbers and
+  0-d tensors (per-call readings such as ``generate_time``) go to the whole call only.
 
 Rows are picked with host-known indices (``index_select`` with an index built on the
 host and copied without waiting): nothing reads the device.
@@ -32,7 +33,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ._checks import from_host
-from .microbatch import _split, as_feature_list
+from .microbatch import _BATCH_KEYS, _split, as_feature_list
 
 SEP = "@"  # state name separator: "{state}@{slice}"
 
@@ -43,9 +44,12 @@ def held(state_names) -> List[str]:
 
 
 def slice_values(metric: str, field: str, feats: List[Dict[str, Any]]) -> List[List[str]]:
-    """Per microbatch, the slice name of each sequence."""
+    """Per microbatch, the slice name of each sequence: as many as the feature has
+    sequences (the rows of its labels / input_ids / ...; a single name is the whole
+    microbatch's), or, for a feature without such a field, one per entry."""
     out = []
     for i, feat in enumerate(feats):
+        rows = _rows_in(feat)
         value = feat.get(field)
         if value is None:
             raise ValueError(f"{metric}: slice_by={field!r} but input feature {i} has no {field!r}; pass "
@@ -57,7 +61,11 @@ def slice_values(metric: str, field: str, feats: List[Dict[str, Any]]) -> List[L
                                 f"tensor of shape {list(value.shape)} on {value.device}")
             value = _host_list(value)
         elif isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            value = [value]  # one sequence
+            value = [value] * (rows or 1)  # one name for the whole microbatch
+        if rows is not None and len(value) != rows:
+            raise ValueError(f"{metric}: slice_by field {field!r} of input feature {i} has {len(value)} "
+                             f"entries but the feature holds {rows} sequences; pass one {field} per "
+                             "sequence, or a single one for the whole microbatch")
         names = []
         for v in value:
             if isinstance(v, bool) or not isinstance(v, (str, int)):
@@ -70,6 +78,15 @@ def slice_values(metric: str, field: str, feats: List[Dict[str, Any]]) -> List[L
             names.append(name)
         out.append(names)
     return out
+
+
+def _rows_in(feat: Dict[str, Any]):
+    """The feature's number of sequences, or None when it holds no per-token field."""
+    for key in _BATCH_KEYS:
+        value = feat.get(key)
+        if isinstance(value, torch.Tensor) and key != "position_ids":  # position ids may be shared
+            return 1 if value.dim() <= 1 else int(value.shape[0])
+    return None
 
 
 def _host_list(t: torch.Tensor) -> list:
@@ -165,6 +182,8 @@ _DROP = object()
 
 def _select_kwarg(metric, key, value, rows, keep, global_rows, sizes):
     n, n_micro = sum(sizes), len(sizes)
+    if isinstance(value, (str, bool)):
+        return value  # a setting of the call: each slice is read the same way
     if isinstance(value, Mapping):
         return {k: v for k, v in ((k, _select_kwarg(metric, f"{key}[{k!r}]", v, rows, keep, global_rows, sizes))
                                   for k, v in value.items()) if v is not _DROP}
@@ -177,10 +196,23 @@ def _select_kwarg(metric, key, value, rows, keep, global_rows, sizes):
             return [_select_entry(metric, key, value[i], rows[i], sizes[i]) for i in keep]
         raise ValueError(f"{metric}: {key} has {len(value)} entries; with slice_by it must have one per "
                          f"sequence ({n}) or one per microbatch ({n_micro})")
-    if value is None or isinstance(value, (int, float, str)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+    if is_reading(value):
         return _DROP  # a per-call reading: the whole call's only
     raise ValueError(f"{metric}: {key} ({_describe(value)}) cannot be split into slices; give one entry per "
                      f"sequence ({n})")
+
+
+def is_reading(value) -> bool:
+    """Whether a keyword value is a per-call reading (a number, a 0-d tensor; or None),
+    which belongs to the whole call, not to its slices."""
+    if isinstance(value, bool):
+        return False
+    return value is None or isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0)
+
+
+def is_data(value) -> bool:
+    """Whether a keyword value holds per-sequence data: neither a reading nor a setting."""
+    return not (is_reading(value) or isinstance(value, (str, bool)))
 
 
 def _select_entry(metric, key, entry, rows, b):
