@@ -78,6 +78,37 @@ def test_sync_error_surfaces_from_wait_on_every_rank(dist_pool):
         assert err is not None and "ranks hold different metrics or arguments" in err, err
 
 
+def case_failed_async_sync_keeps_the_interval_and_raises_on_every_rank():
+    """Ranks that disagree (rank 5's nan_policy): the logger of every rank, logging
+    or not, raises the MetricSyncError at close(); the interval is folded back into the
+    metric, so the same interval is reported once the metric is fixed."""
+    import tempfile
+
+    from twinkle_metrics.loggers import build_loggers
+
+    mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2)
+    rank = dist.get_rank()
+    m = LossMetric(mesh, nan_policy="skip" if rank == 5 else "propagate")
+    with tempfile.TemporaryDirectory() as run_dir:
+        logger = build_loggers(["jsonl"], run_dir, enabled=mesh.is_logging_rank)
+        if mesh.is_last_stage:
+            m.accumulate({"labels": torch.tensor([[1, 2]])}, {"loss": torch.tensor(1.0 + mesh.dp_rank)})
+        logger.log(m.calculate(async_op=True), 1)
+        try:
+            logger.close()
+            err = None
+        except MetricSyncError as e:
+            err = str(e)
+    m.nan_policy = "propagate"
+    return err, m.calculate()
+
+
+def test_failed_async_sync_keeps_the_interval_and_raises_on_every_rank(dist_pool):
+    for err, got in dist_pool.run(case_failed_async_sync_keeps_the_interval_and_raises_on_every_rank):
+        assert err is not None and "ranks hold different metrics or arguments" in err, err
+        assert got == {"loss": 1.5}
+
+
 _EXIT_SCRIPT = r"""
 import atexit, os, sys, torch, torch.distributed as dist
 from datetime import timedelta

@@ -26,6 +26,8 @@ class Extremes(Metric):
     f_min = State("min")
     i_max = State("max", torch.int64)
     i_min = State("min", torch.int64)
+    z_min = State("min")  # +0.0 on every rank
+    z_max = State("max")  # -0.0 on every rank
 
     def update(self, inputs, outputs, **kwargs):
         return dict(outputs)
@@ -49,7 +51,7 @@ def _ranks():
         tokens.accumulate(feats, {"values": outs})
         ext = Extremes().accumulate(None, {
             "f_max": math.nan if r == 2 else -1.5 * r, "f_min": -0.0 if r == 0 else 2.0 ** -1074 * r,
-            "i_max": 2 ** 62 + 3 * r, "i_min": -(2 ** 63) + 1 + 5 * r})
+            "i_max": 2 ** 62 + 3 * r, "i_min": -(2 ** 63) + 1 + 5 * r, "z_min": 0.0, "z_max": -0.0})
         out.append(list(coll) + [tokens, ext])
     return out
 
@@ -94,6 +96,8 @@ def test_reduce_path_equals_gather_path():
     ext = sync._unpack(reduced, plan, metrics)[-1]
     assert math.isnan(ext["f_max"]) and ext["f_min"] == 0.0 and math.copysign(1, ext["f_min"]) == -1
     assert ext["i_max"] == 2 ** 62 + 9 and ext["i_min"] == -(2 ** 63) + 1
+    # zeros keep their sign through the keys and the negation of minima
+    assert [math.copysign(1, ext[k]) for k in ("z_min", "z_max")] == [1, -1]
 
 
 def test_a_rank_without_a_plan_or_with_another_flags_a_new_plan():

@@ -374,6 +374,8 @@ class Metric:
         interval's states are handed off (the metric is reset now, so ``accumulate``
         goes on into the next interval), the sync runs in the background, and
         ``handle.wait()`` returns the same dict (see ``twinkle_metrics.pending``).
+        If the sync fails, the first ``wait()`` that raises folds the interval back
+        into the metric, so it is not lost (as a failed synchronous call keeps it).
         """
         if async_op:
             return pending.submit([self], lambda results: results[0], reset, type(self).__name__)
@@ -427,7 +429,14 @@ class Metric:
         self._commit_load(self._stage_load(state_dict))
         return self
 
-    def _stage_load(self, state_dict) -> tuple:
+    def _fold_back(self, snapshot: "Metric") -> None:
+        """Merge a handed-off interval (an asynchronous calculate's snapshot whose sync
+        failed) back into the states, as ``load_state_dict([mine, its])`` would: the
+        next ``calculate()`` reports it, as after a failed synchronous call. Not bounded
+        by ``max_slices``: the interval was within it when it was handed off."""
+        self._commit_load(self._stage_load([self.state_dict(), snapshot.state_dict()], bounded=False))
+
+    def _stage_load(self, state_dict, bounded: bool = True) -> tuple:
         """Validate and convert ``state_dict``; change nothing. Returns (new dynamic
         names, {name: tensor})."""
         name = type(self).__name__
@@ -453,7 +462,7 @@ class Metric:
                 new.append(key)
         extra = sorted(names - set(specs))
         slices = slicing.held(specs) if self.slice_by is not None else []
-        if len(slices) > self.max_slices:
+        if bounded and len(slices) > self.max_slices:
             raise ValueError(f"{name}.load_state_dict: the state dicts hold {len(slices)} slices of "
                              f"{self.slice_by!r} ({slices[:20]}), more than max_slices={self.max_slices}; "
                              "build the metric with a larger max_slices")

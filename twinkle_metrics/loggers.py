@@ -1,9 +1,11 @@
 """Where metric results go: console, JSON Lines, TensorBoard, Weights & Biases, a monitor.
 
 ``Logger`` is a null object; each sink subclasses it and ``LoggerGroup`` fans a call
-out to several. ``build_loggers`` returns the null logger on every rank except the
-logging rank, so a training loop calls ``logger.log(results, step)`` on every rank
-without an ``if``.
+out to several. ``build_loggers`` returns a group without sinks on every rank except
+the logging rank, so a training loop calls ``logger.log(results, step)`` on every rank
+without an ``if``: there it writes nothing, but still waits for the handles of
+asynchronous ``calculate()`` calls at ``close()`` and raises their errors, as on the
+logging rank (every rank then ends its syncs, and sees a failed one, alike).
 
 The logging rank (one rule, ``DeviceMesh.is_logging_rank``): global rank 0.
 ``calculate()`` leaves the same numbers on every rank, pipeline stages included,
@@ -225,7 +227,8 @@ def build_loggers(sinks: Sequence[str], run_dir: str, *, enabled: bool = True,
                   progress: Optional["Progress"] = None, config: Optional[Mapping[str, Any]] = None,
                   wandb_project: str = "twinkle-metrics", wandb_mode: str = "offline",
                   console_keys: Optional[Sequence[str]] = None) -> Logger:
-    """Loggers for ``sinks`` writing under ``run_dir``; the null logger when not ``enabled``.
+    """Loggers for ``sinks`` writing under ``run_dir``; a group without sinks when not
+    ``enabled`` (it writes nothing, and handles asynchronous results as any group does).
 
     Files: ``run_dir/metrics.jsonl``, ``run_dir/tb/`` (events), ``run_dir/wandb/``.
     ``"wandb"`` is skipped with a note when the package is not installed; a missing
@@ -235,10 +238,10 @@ def build_loggers(sinks: Sequence[str], run_dir: str, *, enabled: bool = True,
     unknown = [s for s in sinks if s not in SINKS]
     if unknown:
         raise ValueError(f"build_loggers: unknown sinks {unknown}; valid: {list(SINKS)}")
-    if not enabled:
-        return Logger()
-    os.makedirs(run_dir, exist_ok=True)
     group = LoggerGroup()
+    if not enabled:
+        return group
+    os.makedirs(run_dir, exist_ok=True)
     for sink in sinks:
         if sink == "console":
             group.add(ConsoleLogger(progress=progress, keys=console_keys))

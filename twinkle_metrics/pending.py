@@ -20,6 +20,10 @@ points, so every rank's thread runs the same syncs in the same order.
 
 ``handle.wait()`` returns exactly what the synchronous call would have returned,
 or raises what it would have raised (a ``MetricSyncError`` raises on every rank).
+A failed synchronous call keeps the interval in the metrics; so, with ``reset=True``,
+the first ``wait()`` that raises folds the handed-off interval back into them (on the
+caller's thread, merged with what they accumulated since, as ``load_state_dict`` of
+both would): fix the cause and calculate again, and it is reported.
 At interpreter exit, pending syncs get ``EXIT_WAIT_S`` seconds to finish; the
 thread is a daemon, so a sync whose peers are gone cannot hold the process.
 """
@@ -51,11 +55,12 @@ class CalculateHandle:
     Handles complete in the order of their calls.
     """
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, restore: Optional[Callable[[], None]] = None):
         self._what = what
         self._ready = threading.Event()
         self._result: Optional[Dict[str, Any]] = None
         self._error: Optional[BaseException] = None
+        self._restore = restore  # run once, by the first wait() that raises
 
     def done(self) -> bool:
         return self._ready.is_set()
@@ -65,6 +70,14 @@ class CalculateHandle:
             raise TimeoutError(f"{self._what}: the asynchronous calculate() did not complete within "
                                f"{timeout} s (its collectives are still running); call wait() again")
         if self._error is not None:
+            restore, self._restore = self._restore, None
+            if restore is not None:
+                try:
+                    restore()
+                except Exception as e:  # noqa: BLE001 - the sync's error is the one to raise
+                    note = getattr(self._error, "add_note", None)
+                    if note is not None:
+                        note(f"{self._what}: the interval could not be folded back into the metric: {e}")
             raise self._error
         return dict(self._result)
 
@@ -148,7 +161,12 @@ def submit(metrics: Sequence, finish: Callable[[List[Dict[str, Any]]], Dict[str,
 
     snapshots = [_hand_off(m, reset) for m in metrics]
     guard = _stream_guard(snapshots)
-    handle = CalculateHandle(what)
+
+    def restore():
+        for m, snap in zip(metrics, snapshots):
+            m._fold_back(snap)
+
+    handle = CalculateHandle(what, restore if reset else None)
     _worker().submit(lambda: finish(sync_and_compute(snapshots, reset=False, groups=groups)), handle, guard)
     return handle
 

@@ -488,7 +488,8 @@ def _reduce_pack(plan: Optional[_Plan], buf: torch.Tensor, sizes: Tuple[int, int
     head = buf[_H_PLAN:_H_NEED + 1].to(torch.int64)  # the hash has 48 bits: exact
     keys = [head[:1], -head[:1], head[1:]]
     if cols is not None:
-        keys += [ordered_f64(buf[cols[2]]), ordered_f64(-buf[cols[3]]), ints[cols[4]], ~ints[cols[5]]]
+        # signed zeros: a minimum of +0.0 comes back +0.0 after the two negations
+        keys += [ordered_f64(buf[cols[2]], True), ordered_f64(-buf[cols[3]], True), ints[cols[4]], ~ints[cols[5]]]
     top = _filled(keys, _KEYS_HEAD + n_ord, _I64_MIN, torch.int64, dev)
     sums_f = _filled([buf[cols[0]]] if cols else [], n_sf, 0, torch.float64, dev) if n_sf else None
     sums_i = _filled([ints[cols[1]]] if cols else [], n_si, 0, torch.int64, dev) if n_si else None
