@@ -134,9 +134,38 @@ def test_logger_group_raises_a_failed_handle_once_and_keeps_logging(monkeypatch)
     group.log(step(2.0), 20)
     group.log({"note": 1.0}, 25)
     group.flush(wait=True)
-    assert rec.lines == [(20, {"loss": 2.0}), (25, {"note": 1.0})]
+    # the failed interval (1.0) was folded back into the metric: step 20 reports both
+    assert rec.lines == [(20, {"loss": 1.5}), (25, {"note": 1.0})]
     group.log(step(3.0), 30)   # fails
     group.log({"note": 2.0}, 35)
     with pytest.raises(MetricSyncError, match="simulated"):
         group.close()
     assert rec.lines[-1] == (35, {"note": 2.0}) and closed == [True]
+    assert m.calculate() == {"loss": 3.0}  # the last failed interval is back in the metric
+
+
+def test_a_failed_handle_folds_its_interval_back_once(monkeypatch):
+    """reset=True: the interval returns to the metric at the first wait() that raises,
+    beside what it accumulated since, and a second wait() adds nothing more; reset=False
+    kept the states, so nothing is folded back."""
+    real = pending.sync_and_compute
+    fail = {"on": True}
+
+    def flaky(*a, **k):
+        if fail["on"]:
+            raise MetricSyncError("ranks disagree (simulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(pending, "sync_and_compute", flaky)
+    m = LossMetric(loss_reduction="sum")
+    m.accumulate(None, {"loss": 6.0, "num_tokens": 2})
+    handle = m.calculate(async_op=True)
+    m.accumulate(None, {"loss": 4.0, "num_tokens": 3})  # the next interval goes on
+    for _ in range(2):
+        with pytest.raises(MetricSyncError):
+            handle.wait()
+    kept = m.calculate(reset=False, async_op=True)
+    with pytest.raises(MetricSyncError):
+        kept.wait()
+    fail["on"] = False
+    assert m.calculate() == {"loss": 2.0, "num_tokens": 5}
