@@ -355,6 +355,24 @@ def test_embedding_propagate_shows_nan_in_every_key_it_feeds():
                          want, rel=1e-12)
 
 
+def test_embedding_loss_follows_the_policy_as_loss_metric_does():
+    emb, labels, _ = _poisoned_embeddings()
+    clean = torch.randn(9, 5, generator=torch.Generator().manual_seed(52))
+    for policy in ("skip", "propagate"):
+        m = EmbeddingMetric(nan_policy=policy)
+        with forbid_device_waits():
+            m.accumulate({"labels": labels}, {"embeddings": clean, "loss": torch.tensor(NAN)})
+            m.accumulate({"labels": labels}, {"embeddings": clean, "loss": [torch.tensor(2.0), INF]})
+        got = m.calculate()
+        assert got["loss_nonfinite"] == 2
+        if policy == "skip":
+            assert got["loss"] == 2.0
+        else:
+            assert math.isnan(got["loss"])
+    old = {k: v for k, v in m.state_dict().items() if k != "loss_bad"}  # saved before the state existed
+    assert "loss_nonfinite" not in EmbeddingMetric().load_state_dict(old).calculate()
+
+
 # --------------------------------------------------------------------------- CompletionRewardMetric
 def _stats(vals):
     import statistics

@@ -2,6 +2,7 @@
 metric and the field, no device reads, device tensors kept where they are."""
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, List, Optional, Sequence
 
@@ -146,3 +147,19 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
     if not (x.is_floating_point() or x.is_complex()):
         return torch.zeros(x.shape, dtype=torch.bool, device=x.device)
     return ~torch.isfinite(x)
+
+
+def is_bad(x):
+    """Whether ``x`` (None, a number or a 0-d tensor) is NaN/inf: a bool or a bool tensor."""
+    if x is None:
+        return False
+    return nonfinite(x) if isinstance(x, torch.Tensor) else not math.isfinite(x)
+
+
+def pick(cond, a, b, dtype=torch.float64):
+    """``a if cond else b`` for a host bool; ``torch.where`` (on the device) for a tensor."""
+    if not isinstance(cond, torch.Tensor):
+        return a if cond else b
+    def t(x):  # a fill kernel for numbers: no host-to-device copy
+        return x if isinstance(x, torch.Tensor) else torch.full((), x, dtype=dtype, device=cond.device)
+    return torch.where(cond, t(a), t(b))

@@ -10,7 +10,7 @@ from parallel import comm_device
 from parallel.groups import all_gather_rows, group_rank, group_size
 
 from . import exchange
-from ._checks import f64, int_tensor, nonfinite, plus, scalar
+from ._checks import f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .microbatch import as_feature_list, has_field, microbatches
@@ -71,7 +71,9 @@ class EmbeddingMetric(Metric):
     (default): NaN flows into every key the row feeds (``pos_sim*``, ``neg_sim``,
     ``margin``, and ``in_batch_accuracy``, which is NaN rather than a silently False
     comparison). ``'skip'``: every pair that uses the row is dropped (as anchor,
-    positive and in-batch negative). Both report ``nonfinite_rows`` when > 0.
+    positive and in-batch negative). Both report ``nonfinite_rows`` when > 0. A NaN/inf
+    ``loss`` is likewise kept (NaN ``loss``) or dropped, and counted in
+    ``loss_nonfinite``, as ``LossMetric`` does.
 
     Args:
         size_group: a CPU (gloo) process group over the data-group ranks for the
@@ -104,6 +106,7 @@ class EmbeddingMetric(Metric):
     loss_count = State("sum", torch.int64)
     grad_norm = State("max", local="last")
     n_bad = State("sum", torch.int64)  # non-finite rows
+    loss_bad = State("sum", torch.int64, optional=True)  # non-finite loss entries
 
     def __init__(self, device_mesh=None, process_group=None, *, size_group=None, eps: float = 1e-8,
                  nan_policy: str = "propagate", **kwargs):
@@ -123,9 +126,14 @@ class EmbeddingMetric(Metric):
             out = {}
             if grad_norm is not None:
                 out["grad_norm"] = f64(scalar(_NAME, "grad_norm", grad_norm))
+            skip = self.nan_policy == "skip"
             for loss in losses:
-                out["loss_total"] = plus(out.get("loss_total"), f64(loss))
-                out["loss_count"] = plus(out.get("loss_count"), 1)
+                loss = f64(loss)
+                bad = is_bad(loss)
+                out["loss_total"] = plus(out.get("loss_total"), pick(bad, 0.0, loss) if skip else loss)
+                out["loss_count"] = plus(out.get("loss_count"), pick(bad, 0, 1, torch.int64) if skip else 1)
+                out["loss_bad"] = plus(out.get("loss_bad"), bad.to(torch.int64) if isinstance(bad, torch.Tensor)
+                                       else int(bad))
             sizes = self._agree_sizes(emb)
         out.update(self._similarities(emb, labels, sizes))
         return out
@@ -295,4 +303,6 @@ class EmbeddingMetric(Metric):
             out["grad_norm"] = s["grad_norm"]
         if s["n_bad"]:
             out["nonfinite_rows"] = int(s["n_bad"])
+        if s["loss_bad"]:
+            out["loss_nonfinite"] = int(s["loss_bad"])
         return out

@@ -7,7 +7,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from ._checks import f64, int_tensor, nonfinite, plus, scalar
+from ._checks import f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .microbatch import as_feature_list
@@ -103,14 +103,14 @@ class LossMetric(Metric):
                     n = self._count_tokens(feats, where)
                 loss = f64(loss)
                 n = None if reduction == "mean" else f64(n)
-                n_bad = _bad(n)
-                bad = _or(_bad(loss), n_bad)
+                n_bad = is_bad(n)
+                bad = _or(is_bad(loss), n_bad)
                 if skip:
-                    loss, one = _sel(bad, 0.0, loss), _sel(bad, 0, 1, torch.int64)
-                    n = None if n is None else _sel(bad, 0.0, n)
+                    loss, one = pick(bad, 0.0, loss), pick(bad, 0, 1, torch.int64)
+                    n = None if n is None else pick(bad, 0.0, n)
                 else:
                     # sum / inf would be a finite 0: a non-finite count makes the loss NaN
-                    loss, one = (loss if n is None else _sel(n_bad, math.nan, loss)), 1
+                    loss, one = (loss if n is None else pick(n_bad, math.nan, loss)), 1
                 loss_total = plus(loss_total, loss)
                 entries = plus(entries, one)
                 if n is not None:
@@ -265,26 +265,10 @@ def _opt(o: Mapping, where: str):
     return None if n is None else scalar(_NAME, f"{where}['num_tokens']", n)
 
 
-def _bad(x):
-    """Whether ``x`` (None, a number or a 0-d tensor) is NaN/inf: a bool or a bool tensor."""
-    if x is None:
-        return False
-    return nonfinite(x) if isinstance(x, torch.Tensor) else not math.isfinite(x)
-
-
 def _or(a, b):
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a | b
     return a or b
-
-
-def _sel(cond, a, b, dtype=torch.float64):
-    """``a if cond else b`` for a host bool; ``torch.where`` (on the device) for a tensor."""
-    if not isinstance(cond, torch.Tensor):
-        return a if cond else b
-    def t(x):  # a fill kernel for numbers: no host-to-device copy
-        return x if isinstance(x, torch.Tensor) else torch.full((), x, dtype=dtype, device=cond.device)
-    return torch.where(cond, t(a), t(b))
 
 
 def _check_reduction(value: str) -> str:
