@@ -207,7 +207,7 @@ def test_loss_errors_and_skips():
         LossMetric(loss_reduction="sum").accumulate(None, {"loss": 1.0})
     with pytest.raises(ValueError, match="LossMetric: loss_reduction must be one of"):
         LossMetric(loss_reduction="avg")
-    with pytest.raises(TypeError, match=r"LossMetric: outputs\['loss'\] must be a number or a tensor, got str"):
+    with pytest.raises(TypeError, match=r"LossMetric: outputs\['loss'\] must be a real number or a tensor, got str"):
         LossMetric().accumulate(None, {"loss": "0.5"})
     with pytest.raises(ValueError,
                        match=r"LossMetric: outputs\['loss'\] must be a scalar, got a tensor of shape \[4, 6\]"):

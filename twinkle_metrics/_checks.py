@@ -57,6 +57,19 @@ def from_host_all(tensors: Sequence[torch.Tensor], device) -> List[torch.Tensor]
     return [piece.view(t.shape) for t, piece in zip(tensors, torch.split(block, [t.numel() for t in tensors]))]
 
 
+def real_values(metric: str, field: str, value, allow_bool: bool = False):
+    """``value`` unchanged, after refusing complex tensors (a cast would drop the imaginary
+    part and give finite, wrong numbers) and, unless ``allow_bool``, bool ones (flags are
+    not log-probs or values); a list is checked entry by entry."""
+    items = value if isinstance(value, (list, tuple)) else (value,)
+    for i, v in enumerate(items):
+        if isinstance(v, torch.Tensor) and (v.is_complex() or (v.dtype == torch.bool and not allow_bool)):
+            where = f"{field}[{i}]" if items is value else field
+            raise TypeError(f"{metric}: {where} must hold real numbers, got a {v.dtype} tensor of shape "
+                            f"{list(v.shape)}; pass a floating tensor")
+    return value
+
+
 def float_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
     """``value`` as a tensor: tensors as they are, other numbers as float64.
 
@@ -65,7 +78,7 @@ def float_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
     naming ``metric`` and ``field``.
     """
     if isinstance(value, torch.Tensor):
-        return as_tensor(value, device)
+        return as_tensor(real_values(metric, field, value), device)
     try:
         return from_host(torch.as_tensor(value, dtype=torch.float64), device)
     except (TypeError, ValueError, RuntimeError) as e:
@@ -97,10 +110,25 @@ def right_align(metric: str, field: str, value: torch.Tensor, target: Sequence[i
                      f"right); pass {field} aligned to the outputs")
 
 
+_I64 = 2 ** 63
+
+
+def fits_int64(metric: str, field: str, value: int) -> int:
+    """A Python int that an int64 state (and a float64 one, approximately) can hold."""
+    if not -_I64 <= value < _I64:
+        text = str(value)
+        shown = text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
+        raise ValueError(f"{metric}: {field} = {shown} does not fit in 64 bits; pass a count below 2**63")
+    return value
+
+
 def scalar(metric: str, field: str, value, numel: int = 1):
     """A Python number or a tensor with ``numel`` elements, returned as is (no read)."""
-    if isinstance(value, bool) or not isinstance(value, (numbers.Number, torch.Tensor)):
-        raise TypeError(f"{metric}: {field} must be a number or a tensor, got {type(value).__name__}")
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+        got = "a complex number" if isinstance(value, numbers.Complex) else type(value).__name__
+        raise TypeError(f"{metric}: {field} must be a real number or a tensor, got {got}")
+    if isinstance(value, numbers.Integral):
+        fits_int64(metric, field, int(value))
     if isinstance(value, torch.Tensor):
         if value.numel() != numel:
             want = "a scalar" if numel == 1 else f"{numel} elements"

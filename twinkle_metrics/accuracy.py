@@ -10,7 +10,7 @@ from . import exchange
 from ._checks import floating_tensor, int_tensor, right_align
 from .base import Metric
 from .kernels.argmax import INDEX_LIMIT, joined_hits, vocab_parallel_argmax
-from .microbatch import has_field, join, microbatches
+from .microbatch import has_field, host_array, join, microbatches
 from .state import State
 
 _NAME = "Accuracy"
@@ -119,8 +119,9 @@ class Accuracy(Metric):
                 continue  # Twinkle skips calls without logits
             where = f"microbatch {i}" if len(pairs) > 1 else "the batch"
             logits = floating_tensor(_NAME, "logits", logits)
-            if logits.dim() < 2:
-                raise ValueError(f"{_NAME}: logits must be [..., vocab], got shape {list(logits.shape)}")
+            if logits.dim() < 2 or logits.shape[-1] == 0:
+                raise ValueError(f"{_NAME}: logits must be [..., vocab] with a vocab of at least one entry, "
+                                 f"got shape {list(logits.shape)}")
             target = list(logits.shape[:-1])
             if feat.get("labels") is None:
                 raise ValueError(f"{_NAME}: labels missing in {where}: expected labels of shape {target} "
@@ -129,7 +130,8 @@ class Accuracy(Metric):
             labels = right_align(_NAME, "labels", labels, target, f"logits {list(logits.shape)}")
             mask = feat.get("completion_mask")
             if mask is not None:
-                mask = torch.as_tensor(mask)  # any dtype: nonzero marks a counted token (mask.bool())
+                # any real dtype: nonzero marks a counted token (mask.bool())
+                mask = mask if isinstance(mask, torch.Tensor) else host_array(_NAME, "completion_mask", mask)
                 if mask.is_complex():
                     raise TypeError(f"{_NAME}: completion_mask must be bool, integer or float, got {mask.dtype}")
                 mask = mask.to(logits.device, non_blocking=True)

@@ -10,7 +10,7 @@ import torch
 from parallel import group_rank, group_size
 
 from . import exchange, fold
-from ._checks import as_tensor, float_tensor
+from ._checks import as_tensor, float_tensor, floating_tensor
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .histogram import Histogram, check_quantiles, quantile_keys
@@ -362,13 +362,18 @@ class GRPOMetric(Metric):
         for i, ((feat, o), lp, m) in enumerate(zip(pairs, lps, masks)):
             ent = em = None  # entropies and the tokens that have one
             if "entropies" in o:
-                ent = as_tensor(o["entropies"], lp.device)
+                ent = float_tensor(name, "outputs['entropies']", o["entropies"], lp.device)
                 ent = ent.unsqueeze(0) if ent.dim() == 1 else ent
                 if ent.dim() == 2 and ent.shape == m.shape:
                     em = m
                 else:
                     ent, em = common_length(name, "outputs['entropies']", ent, m)
                 ent = _floating(ent)
+            elif self.entropy_from_logits and o.get("logits") is not None:
+                logits = floating_tensor(name, "logits", o["logits"])
+                if logits.dim() < 2 or logits.shape[-1] == 0:
+                    raise ValueError(f"{name}: outputs['logits'] must be [..., vocab] with a vocab of at least "
+                                     f"one entry for entropy_from_logits, got shape {list(logits.shape)}")
             adv = has_adv = ref = has_ref = old = has_old = None
             if m.numel():
                 if advs[i] is not None:

@@ -23,10 +23,24 @@ def batch_size(metric: str, feature: Mapping[str, Any]) -> int:
         value = feature.get(key)
         if value is None:
             continue
-        value = torch.as_tensor(value) if not isinstance(value, torch.Tensor) else value
+        if not isinstance(value, torch.Tensor):
+            value = host_array(metric, key, value)
         return 1 if value.dim() <= 1 else int(value.shape[0])
     raise ValueError(f"{metric}: an input feature has none of {list(_BATCH_KEYS)}; pass labels "
                      f"(or input_ids) so the batch size is known; got keys {sorted(feature)}")
+
+
+def host_array(metric: str, field: str, value) -> torch.Tensor:
+    """A host list (of lists) of numbers as a tensor, or a TypeError naming the field:
+    ragged rows (sequences of different lengths) and strings are not arrays."""
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{metric}: {field} must be a tensor or a rectangular list of numbers, one row per "
+                        f"sequence padded to one length, got {type(value).__name__} ({e})") from None
+    if t.is_complex():
+        raise TypeError(f"{metric}: {field} must hold real numbers, got {t.dtype}")
+    return t
 
 
 def has_field(outputs, *fields: str) -> bool:

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ._checks import fits_int64
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .kernels import _triton
@@ -236,6 +237,8 @@ class MoERoutingMetric(Metric):
             elif isinstance(d, bool) or not isinstance(d, int) or layer is None:
                 raise TypeError(f"{_NAME}: {where}['tokens_dropped'] must be an int (with layer) or an "
                                 f"integer tensor [{L}] (without), got {d!r}")
+            else:
+                fits_int64(_NAME, f"{where}['tokens_dropped']", d)
         for key in ("aux_loss", "z_loss"):
             if key in fields:
                 fields[key] = self._loss(fields[key], key, where, fields["device"])

@@ -8,7 +8,7 @@ from typing import Any, Dict, Hashable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from ._checks import nan_policy as check_nan_policy
-from ._checks import nonfinite
+from ._checks import nonfinite, real_values
 from .base import Metric
 from .histogram import Histogram, check_quantiles, quantile_keys
 from .moments import moments, moments_state
@@ -337,6 +337,7 @@ class CompletionRewardMetric(Metric):
 
 
 def _as_1d(field: str, value) -> torch.Tensor:
+    real_values(_NAME, field, value, allow_bool=True)  # pass/fail rewards may be bools
     if isinstance(value, torch.Tensor):
         return value.reshape(-1).to(torch.float64)
     if isinstance(value, Number):

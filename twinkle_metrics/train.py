@@ -10,6 +10,7 @@ import torch
 
 from parallel.groups import global_rank, world_size
 
+from ._checks import fits_int64
 from .base import Metric
 from .state import State
 
@@ -232,4 +233,4 @@ def _number(field: str, value) -> float:
 def _integer(field: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{_NAME}: {field} must be an int, got {type(value).__name__} ({value!r})")
-    return int(value)
+    return fits_int64(_NAME, field, int(value))
