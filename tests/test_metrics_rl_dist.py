@@ -20,13 +20,14 @@ N_SEQ, SEQ_LEN = 12, 8
 OFFSET = 1e6
 
 
-def _metrics(mesh):
+def _metrics(mesh, group=None):
+    """``group``: a process_group given to every metric (the CP rules still follow the mesh)."""
     return MetricCollection({
-        "grpo": GRPOMetric(top_k_kl=6),
-        "gspo": GSPOMetric(epsilon=0.05, epsilon_high=0.08, top_k_kl=3),
-        "cispo": CISPOMetric(),
-        "dpo": DPOMetric(beta=0.3),
-        "": CompletionRewardMetric(reward_names=["acc", "fmt"], max_completion_length=15,
+        "grpo": GRPOMetric(None, group, top_k_kl=6),
+        "gspo": GSPOMetric(None, group, epsilon=0.05, epsilon_high=0.08, top_k_kl=3),
+        "cispo": CISPOMetric(None, group),
+        "dpo": DPOMetric(None, group, beta=0.3),
+        "": CompletionRewardMetric(None, group, reward_names=["acc", "fmt"], max_completion_length=15,
                                    num_generations=2),
     }, device_mesh=mesh)
 
@@ -84,7 +85,7 @@ def case_sharded_equals_whole(source, sizes):
     try:
         mesh = _mesh(source, sizes)
         b = make_rl_batch(SEED, N_SEQ, SEQ_LEN)
-        coll = _metrics(mesh)
+        coll = _metrics(mesh, mesh.data_group if source == "group" else None)
         counts = None
         if mesh.is_last_stage:
             rows = dp_shards(N_SEQ, mesh.dp_size)[mesh.dp_rank]
@@ -107,7 +108,8 @@ def case_sharded_equals_whole(source, sizes):
 
 @pytest.mark.parametrize("source,sizes", [("megatron", dict(tp=2, pp=2, dp=2)),
                                           ("megatron", dict(tp=2, cp=2, dp=2)),
-                                          ("sizes", dict(cp=2, dp=4))])
+                                          ("sizes", dict(cp=2, dp=4)),
+                                          ("group", dict(cp=2, dp=4))])  # process_group = DP x CP
 def test_rl_metrics_sharded_equal_whole(dist_pool, source, sizes):
     whole = whole_results()
     # the comparison can fail: the data produce clipping, KL records and zero-std groups
@@ -120,6 +122,20 @@ def test_rl_metrics_sharded_equal_whole(dist_pool, source, sizes):
             # accumulate's only collectives, for DPO and for GSPO each: one host-side CP
             # agreement (exchange.agree, on gloo) and one CP all_reduce
             assert counts == (4 if cp > 1 else 0)
+
+
+def case_process_group_without_cp():
+    mesh = DeviceMesh.from_sizes(cp_size=2, dp_size=4)
+    m = DPOMetric(mesh, mesh.dp_group)  # DP only: the CP peers' token sums would be missing
+    try:
+        m.accumulate({"labels": torch.ones(2, 3, dtype=torch.long)}, {"logps": -torch.ones(2, 3)})
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_process_group_that_leaves_out_cp_raises_on_every_rank(dist_pool):
+    for err in dist_pool.run(case_process_group_without_cp):
+        assert err is not None and "pass the DP x CP group" in err, err
 
 
 def case_entropy_vocab_parallel(chunking):

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, 
 import torch
 
 from parallel import DeviceMesh, as_device_mesh, dist_ready, group_size
+from parallel.groups import group_ranks
 
 from . import pending, slicing
 from .exchange import join_failed
@@ -56,7 +57,9 @@ class Metric:
             ``DeviceMesh.from_twinkle``, collective the first time). ``None``:
             ``DeviceMesh.current()`` at the first ``calculate()`` (Megatron's groups
             when initialised, else WORLD as pure data parallel).
-        process_group: overrides the mesh's data group (DP x CP) for the reduction.
+        process_group: overrides the mesh's data group (DP x CP) for the reduction. Under
+            context parallelism it must hold the mesh's DP x CP ranks (the CP rules follow
+            the mesh: ``sequence_group``).
         slice_by: name of a per-sequence input field (``"data_source"``, ``"task"``: a list
             of strings or ints, one per sequence): results also carry every key per slice
             value, as ``"{key}/{slice}"`` (see ``twinkle_metrics.slicing``).
@@ -391,6 +394,23 @@ class Metric:
         if self.process_group is not None:
             return self.process_group if group_size(self.process_group) > 1 else None
         return self.resolve_mesh().data_group
+
+    def sequence_group(self):
+        """The mesh's CP group when context parallelism splits sequences (> 1 rank), else
+        None. The CP rules (sequence sums completed over it, each sequence counted by its
+        CP rank 0) follow the mesh, also when ``process_group`` replaces the data group;
+        that group must then hold the mesh's DP x CP ranks, or this raises."""
+        mesh = self.resolve_mesh()
+        if mesh.cp_size <= 1:
+            return None
+        if self.process_group is not None and not getattr(self, "_group_spans_cp", False):
+            mine, want = sorted(group_ranks(self.process_group)), sorted(group_ranks(mesh.data_group))
+            if mine != want:
+                raise ValueError(f"{type(self).__name__}: process_group holds ranks {mine[:16]} but the mesh "
+                                 f"splits sequences over CP (cp_size={mesh.cp_size}) and its DP x CP data "
+                                 f"group is {want[:16]}; pass the DP x CP group (or no process_group)")
+            self._group_spans_cp = True
+        return mesh.cp_group
 
     def gather_results(self, local_results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """Twinkle's helper: gather a list of Python dicts from every data-group rank.

@@ -115,10 +115,8 @@ class DPOMetric(Metric):
 
     def exchange_groups(self):
         """The CP group, over which sequence sums are completed (agreed on in every ``update``)."""
-        if self.process_group is not None:
-            return []
-        mesh = self.resolve_mesh()
-        return [mesh.cp_group] if mesh.cp_size > 1 else []
+        group = self.sequence_group()
+        return [] if group is None else [group]
 
     def update(self, inputs=None, outputs=None, *, ref_outputs=None, chosen=None, rejected=None,
                ref_chosen=None, ref_rejected=None, **kwargs) -> Dict[str, Any]:
@@ -248,9 +246,7 @@ class DPOMetric(Metric):
 
     def _complete(self, sums: torch.Tensor) -> torch.Tensor:
         """Whole-sequence totals: one SUM all_reduce of the partial sums over CP."""
-        if self.process_group is not None:
-            return sums
-        return cp_sum(sums, self.resolve_mesh().cp_group)
+        return cp_sum(sums, self.sequence_group())
 
     def _presummed(self, outputs) -> Tuple[torch.Tensor, torch.Tensor]:
         cols = _presummed_columns(outputs)

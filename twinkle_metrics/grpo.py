@@ -271,10 +271,7 @@ class GRPOMetric(Metric):
         return group if group_size(group) > 1 else None
 
     def _sequence_group(self):
-        if not self.sequence_level_clip or self.process_group is not None:
-            return None
-        group = self.resolve_mesh().cp_group
-        return group if group_size(group) > 1 else None
+        return self.sequence_group() if self.sequence_level_clip else None
 
     def update(self, inputs, outputs, *, old_logps=None, advantages=None, ref_logps=None,
                ref_outputs=None, **kwargs) -> Dict[str, Any]:
@@ -433,8 +430,10 @@ class GRPOMetric(Metric):
 
         if self.top_k_kl:
             mesh = self.resolve_mesh()
-            cp_rank = mesh.cp_rank if self.process_group is None else 0
-            dp_rank = mesh.dp_rank if self.process_group is None else group_rank(self.process_group)
+            # a process_group without CP stands for the data group: its rank orders the sequences
+            by_mesh = self.process_group is None or self.sequence_group() is not None
+            cp_rank = mesh.cp_rank if by_mesh else 0
+            dp_rank = mesh.dp_rank if by_mesh else group_rank(self.process_group)
             acc["n_seq"] = sum(batch["sizes"])
             acc["dp_index"] = dp_rank
             acc["cp_index"] = cp_rank
@@ -653,8 +652,7 @@ class GRPOMetric(Metric):
 
     def _sequence_clip(self, parts: torch.Tensor) -> Dict[str, Any]:
         """GSPO: gates on exp(mean d) per sequence, from whole-sequence sums over CP."""
-        mesh = self.resolve_mesh()
-        group = mesh.cp_group if self.process_group is None else None
+        group = self.sequence_group()
         parts = cp_sum(parts, group)
         if group is not None and group_rank(group) != 0:
             return {}  # every CP rank now holds the same totals; count each sequence once

@@ -389,9 +389,7 @@ def cp_lead(metric) -> bool:
     same on every CP rank once completed; only CP rank 0 contributes them, so the
     DP x CP reduction counts each sequence once.
     """
-    if metric.process_group is not None:
-        return True
-    return metric.resolve_mesh().cp_rank == 0
+    return metric.sequence_group() is None or metric.resolve_mesh().cp_rank == 0
 
 
 def common_length(metric: str, field: str, values: torch.Tensor, mask: torch.Tensor):

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from parallel import group_rank, group_size
+from parallel import group_rank
 
 from . import exchange, fold
 from ._checks import nan_policy as check_nan_policy
@@ -85,7 +85,8 @@ class RolloutMismatchMetric(Metric):
     are split over the CP ranks: its sum of d is completed over the CP group in
     ``accumulate`` (one host-side agreement and one all_reduce, as GSPOMetric; every
     CP rank must call it the same number of times), then counted on CP rank 0 only.
-    With ``process_group`` given, each rank's sequences are taken as whole.
+    With ``process_group`` given, the CP rules still follow the mesh (the group must
+    then hold its DP x CP ranks).
 
     Non-finite values (``nan_policy``): a counted token whose trainer or rollout
     log-prob is NaN/inf. ``'propagate'`` (default): it flows into every key
@@ -162,10 +163,7 @@ class RolloutMismatchMetric(Metric):
         return [] if group is None else [group]
 
     def _sequence_group(self):
-        if self.process_group is not None:
-            return None
-        group = self.resolve_mesh().cp_group
-        return group if group_size(group) > 1 else None
+        return self.sequence_group()
 
     def update(self, inputs, outputs, *, rollout_logps=None, **kwargs) -> Dict[str, Any]:
         name = type(self).__name__
