@@ -153,7 +153,9 @@ _TORCH_ALIASES = {"dp": "dp", "dp_replicate": "dp", "dp_shard": "dp", "fsdp": "d
 def from_torch(device_mesh, *, timeout: Optional[timedelta] = None) -> DeviceMesh:
     """From a ``torch.distributed.DeviceMesh`` whose axis names include dp/tp/pp/cp/ep.
 
-    ``dp_replicate``/``dp_shard``/``fsdp`` axes all count as data parallel.
+    ``dp_replicate``/``dp_shard``/``fsdp`` axes all count as data parallel. An ``ep``
+    axis is carved out of the data ranks: it gives the EP group and joins the data
+    group (its ranks hold different tokens); the dp axes alone are the expert-data group.
     Combined groups (dp x cp) are created here, so every rank must call this; they
     take ``timeout`` (default: the one given to ``init_process_group``).
     """
@@ -173,8 +175,15 @@ def from_torch(device_mesh, *, timeout: Optional[timedelta] = None) -> DeviceMes
         axes = [i for i, n in enumerate(names) if _TORCH_ALIASES[n] == role]
         if axes:
             found[role] = _torch_mesh_group(mesh, axes, me, timeout)
+    # Expert parallelism is carved out of the data ranks (as in Megatron and DeepSpeed-MoE):
+    # ranks along an ep axis hold different tokens, so the data group spans it; the
+    # expert-data group is the dp axes alone.
+    ep_axes = [i for i, n in enumerate(names) if _TORCH_ALIASES[n] == "ep"]
     dp_axes = [i for i, n in enumerate(names) if _TORCH_ALIASES[n] == "dp"]
     cp_axes = [i for i, n in enumerate(names) if _TORCH_ALIASES[n] == "cp"]
+    if ep_axes:
+        found["expt_dp"] = _torch_mesh_group(mesh, dp_axes, me, timeout)
+        dp_axes = sorted(dp_axes + ep_axes)
     found["dp"] = _torch_mesh_group(mesh, dp_axes, me, timeout)
     found["cp"] = _torch_mesh_group(mesh, cp_axes, me, timeout)
     found["dp_cp"] = _torch_mesh_group(mesh, dp_axes + cp_axes, me, timeout)

@@ -73,18 +73,40 @@ class DeviceMesh:
                 raise ValueError("DeviceMesh: cp > 1 needs the combined 'dp_cp' group; pass it")
             else:
                 self._groups["dp_cp"] = self._groups["cp"]
-        if "mp" not in groups:
+        if groups.get("mp") is None:
             # TP x PP is the TP group without PP and the PP group without TP.
             if self.tp_size == 1:
                 self._groups["mp"] = self._groups["pp"]
             elif self.pp_size == 1:
                 self._groups["mp"] = self._groups["tp"]
+            else:  # results shared over PP only would leave TP ranks apart, unchecked
+                raise ValueError("DeviceMesh: tp > 1 and pp > 1 need the model-parallel group 'mp' "
+                                 "(TP x PP) too; pass it (Megatron: parallel_state.get_model_parallel_group(), "
+                                 "or a ProcessGroupCollection's mp)")
+        self._check_orthogonal()
         if self._groups["dp_cp_cpu"] is None and G.is_cpu_group(self._groups["dp_cp"]):
             self._groups["dp_cp_cpu"] = self._groups["dp_cp"]
         self.layout = layout
         self.vpp_size = int(vpp_size or 1)
         self.source = source
         self._cpu_twins: Dict[Tuple[int, ...], G.ProcessGroup] = {}  # ranks -> gloo group
+
+    def _check_orthogonal(self) -> None:
+        """Groups of different axes meet in this rank only: a data group that shares a
+        rank with the TP or PP group would count one replica's tokens twice."""
+        if not G.dist_ready():
+            return
+        me = G.global_rank()
+        axes = [("data", "dp_cp"), ("TP", "tp"), ("PP", "pp")]
+        ranks = {name: set(G.group_ranks(self._groups[key])) for name, key in axes if self._groups[key] is not None}
+        names = list(ranks)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                both = sorted(ranks[a] & ranks[b] - {me})
+                if both:
+                    raise ValueError(f"DeviceMesh: the {a} group {sorted(ranks[a])[:16]} and the {b} group "
+                                     f"{sorted(ranks[b])[:16]} of rank {me} share ranks {both[:16]}; groups "
+                                     "of different axes meet in this rank only: pass each axis's own group")
 
     # ----------------------------------------------------------- constructors
     @classmethod

@@ -82,6 +82,39 @@ def test_deepspeed_and_torch_meshes(dist_pool):
         assert ds_last == last == t_last == (rank >= 4)
 
 
+def case_explicit_groups_are_checked():
+    """Misbuilt meshes raise on every rank; an ep axis of a torch mesh joins the data group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    lay = Layout(tp=2, pp=2, dp=2)
+    me = dist.get_rank()
+    groups = {}
+    for axis in ("tp", "pp", "dp"):
+        for ranks in lay.all_groups(axis):
+            g = dist.new_group(ranks)
+            if me in ranks:
+                groups[axis] = g
+    errors = []
+    for bad in (groups, {"dp": dist.group.WORLD, "tp": groups["tp"]}):  # no 'mp'; dp overlapping tp
+        try:
+            DeviceMesh(bad)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    tm = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "ep"))
+    mesh = DeviceMesh.from_torch(tm)
+    return errors, mesh.ranks("dp_cp"), mesh.ranks("expt_dp"), mesh.ranks("ep")
+
+
+def test_explicit_groups_are_checked(dist_pool):
+    for rank, (errors, data, expt_dp, ep) in enumerate(dist_pool.run(case_explicit_groups_are_checked)):
+        assert "need the model-parallel group 'mp'" in errors[0], errors
+        assert "groups of different axes meet in this rank only" in errors[1], errors
+        assert sorted(data) == [r for r in range(8) if r // 4 == rank // 4]  # dp x ep of its stage
+        assert sorted(expt_dp) == [r for r in range(8) if r // 4 == rank // 4 and r % 2 == rank % 2]
+        assert sorted(ep) == [rank - rank % 2, rank - rank % 2 + 1]
+
+
 def _whole(seed):
     labels, values = make_batch(seed)
     m = TokenStats(DeviceMesh.single())
