@@ -61,6 +61,12 @@ def _cases():
         "step 2**64": (tm.TrainMetric, lambda m: m.accumulate(None, None, step=2 ** 64), "step"),
         "tokens_dropped 2**64": (lambda: tm.MoERoutingMetric(num_layers=1, num_experts=2), lambda m: m.accumulate(
             None, {"tokens_dropped": 2 ** 64}, layer=0), "tokens_dropped"),
+        "accuracy outputs without inputs": (tm.Accuracy, lambda m: m.accumulate([], {"logits": logits}),
+                                            "outputs['logits']"),
+        "grpo outputs without inputs": (tm.GRPOMetric, lambda m: m.accumulate([], [{"logps": LP}]),
+                                        "outputs['logps']"),
+        "dpo pair sums as a list": (tm.DPOMetric, lambda m: m.accumulate(
+            None, [{"chosen_logps": LP[:, 0], "rejected_logps": LP[:, 1]}]), "per-pair sums"),
         "embedding loss complex": (tm.EmbeddingMetric, lambda m: m.accumulate(
             {"labels": torch.tensor([1, 0])}, {"embeddings": torch.randn(2, 3), "loss": 1j}), "outputs['loss']"),
     }

@@ -168,6 +168,10 @@ class DPOMetric(Metric):
                                  f"but rejected has {r.shape[0]} (ref: {r.shape[1] > 1}); pass "
                                  "matching pairs, with reference log-probs for both or neither")
             return _SEPARATE, torch.cat([c, r]), c.shape[0]
+        if isinstance(outputs, (list, tuple)) and any(isinstance(o, dict) and any(k in o for k in _PRESUMMED_KEYS)
+                                                      for o in outputs):
+            raise ValueError(f"{_NAME}: per-pair sums came as a list of dicts; pass one dict "
+                             "{'chosen_logps': [n], 'rejected_logps': [n], ...} per call")
         if ref_chosen is not None or ref_rejected is not None:
             raise ValueError(f"{_NAME}: got ref_chosen=/ref_rejected= without chosen=/rejected=, so they "
                              "would be ignored; pass chosen= and rejected= too, or ref_outputs= with an "

@@ -43,6 +43,20 @@ def host_array(metric: str, field: str, value) -> torch.Tensor:
     return t
 
 
+def _nothing_without_inputs(metric: str, outputs, fields: Sequence[str]) -> None:
+    """No input features (``[]``: a stage without the loss) come with no data: outputs that
+    hold some would be dropped silently."""
+    if not isinstance(outputs, Mapping):
+        return
+    for key in fields:
+        v = outputs.get(key)
+        full = (isinstance(v, torch.Tensor) and v.numel() > 0) or \
+            (isinstance(v, (list, tuple)) and any(not (isinstance(x, torch.Tensor) and x.numel() == 0) for x in v))
+        if full:
+            raise ValueError(f"{metric}: outputs[{key!r}] holds data but inputs is empty; pass the input "
+                             "features (labels / masks) of those outputs, one per microbatch")
+
+
 def has_field(outputs, *fields: str) -> bool:
     """Whether ``outputs`` (one dict or a list of them) holds a value for any of ``fields``;
     metrics use it to reject per-token outputs that came without their inputs."""
@@ -89,6 +103,8 @@ def microbatches(metric: str, inputs, outputs, fields: Sequence[str]) -> List[Pa
             if o is not None and not isinstance(o, Mapping):
                 raise TypeError(f"{metric}: outputs[{i}] is a {type(o).__name__}, expected a dict")
         if not feats:
+            for o in outputs:
+                _nothing_without_inputs(metric, o, fields)
             return []
         return [(f, {k: o[k] for k in fields if o is not None and o.get(k) is not None})
                 for f, o in zip(feats, outputs)]
@@ -96,6 +112,7 @@ def microbatches(metric: str, inputs, outputs, fields: Sequence[str]) -> List[Pa
         raise TypeError(f"{metric}: outputs must be a ModelOutput dict or a list of them, got "
                         f"{type(outputs).__name__}")
     if not feats:
+        _nothing_without_inputs(metric, outputs, fields)
         return []
     outputs = outputs or {}
     sizes = [batch_size(metric, f) for f in feats]
