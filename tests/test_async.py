@@ -169,3 +169,35 @@ def test_a_failed_handle_folds_its_interval_back_once(monkeypatch):
         kept.wait()
     fail["on"] = False
     assert m.calculate() == {"loss": 2.0, "num_tokens": 5}
+
+
+def test_a_folded_back_interval_keeps_grpo_record_indices(monkeypatch):
+    """GRPO's top-k records of the interval accumulated after a failed hand-off come after
+    the folded-back one's sequences, as if the two intervals had been one."""
+    from twinkle_metrics.testing import assert_results_close
+
+    b = make_rl_batch(5, 12, 8)
+
+    def call(m, rows):
+        r = torch.tensor(rows)
+        m.accumulate({"labels": b["labels"][r]}, {"logps": b["logps"][r]}, old_logps=b["old"][r],
+                     advantages=b["adv"][r])
+
+    whole = GRPOMetric(top_k_kl=4)
+    call(whole, range(6))
+    call(whole, range(6, 12))
+    want = whole.calculate()
+    assert {r["gsi"] for r in want["_high_kl_records"]} & set(range(6, 12))  # later sequences matter
+
+    def fail(*a, **k):
+        raise MetricSyncError("ranks disagree (simulated)")
+
+    m = GRPOMetric(top_k_kl=4)
+    call(m, range(6))
+    with monkeypatch.context() as p:
+        p.setattr(pending, "sync_and_compute", fail)
+        handle = m.calculate(async_op=True)
+        call(m, range(6, 12))
+        with pytest.raises(MetricSyncError):
+            handle.wait()
+    assert_results_close(m.calculate(), want, rel=1e-12)

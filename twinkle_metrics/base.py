@@ -451,10 +451,11 @@ class Metric:
 
     def _fold_back(self, snapshot: "Metric") -> None:
         """Merge a handed-off interval (an asynchronous calculate's snapshot whose sync
-        failed) back into the states, as ``load_state_dict([mine, its])`` would: the
-        next ``calculate()`` reports it, as after a failed synchronous call. Not bounded
-        by ``max_slices``: the interval was within it when it was handed off."""
-        self._commit_load(self._stage_load([self.state_dict(), snapshot.state_dict()], bounded=False))
+        failed) back into the states, as ``load_state_dict([its, mine])`` would (its
+        sequences came first): the next ``calculate()`` reports it, as after a failed
+        synchronous call. Not bounded by ``max_slices``: the interval was within it when
+        it was handed off."""
+        self._commit_load(self._stage_load([snapshot.state_dict(), self.state_dict()], bounded=False))
 
     def _stage_load(self, state_dict, bounded: bool = True) -> tuple:
         """Validate and convert ``state_dict``; change nothing. Returns (new dynamic

@@ -732,9 +732,13 @@ class GRPOMetric(Metric):
             counts = rows["n_seq"].to(torch.float64)
             dp, cp = rows["dp_index"], rows["cp_index"]
             # Sequences before rank j's: those of every DP rank below it, counted once per
-            # CP group (CP ranks share sequences).
+            # CP group (CP ranks share sequences); and, for rows of one rank (an interval folded
+            # back after a failed async calculate: rows in time order), its earlier rows'.
             first = torch.where(cp == 0, counts, torch.zeros_like(counts))
             offset = ((dp[None, :] < dp[:, None]).to(torch.float64) * first[None, :]).sum(1)
+            order = torch.arange(dp.shape[0], device=dp.device)
+            same = (dp[None, :] == dp[:, None]) & (cp[None, :] == cp[:, None]) & (order[None, :] < order[:, None])
+            offset = offset + (same.to(torch.float64) * counts[None, :]).sum(1)
             topk = rows["topk"].clone()
             topk[:, :, 1] += offset[:, None]
             rows["topk"] = topk
