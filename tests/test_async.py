@@ -201,3 +201,42 @@ def test_a_folded_back_interval_keeps_grpo_record_indices(monkeypatch):
         with pytest.raises(MetricSyncError):
             handle.wait()
     assert_results_close(m.calculate(), want, rel=1e-12)
+
+
+def test_a_folded_back_interval_folds_as_accumulate_does(monkeypatch):
+    """What came after the hand-off folds onto the folded-back interval with each state's
+    own fold: the newest grad norm and lr win ("last"), global token counts add up, and
+    nothing is counted twice; the same as if no calculate had been made between the calls."""
+    from twinkle_metrics import TrainMetric
+    from twinkle_metrics.testing import assert_results_close
+
+    def steps(m, first):
+        loss, train = m
+        if first:
+            loss.accumulate(None, {"loss": 2.0}, grad_norm=5.0)
+            train.accumulate(None, None, lr=1e-3, step=1, tokens=512)
+        else:
+            loss.accumulate(None, {"loss": 4.0}, grad_norm=1.0)
+            train.accumulate(None, None, lr=1e-4, step=2, tokens=256)
+
+    def fail(*a, **k):
+        raise MetricSyncError("ranks disagree (simulated)")
+
+    def make():
+        return MetricCollection({"loss": LossMetric(), "train": TrainMetric()})
+
+    want = make()
+    steps(want, True)
+    steps(want, False)
+    m = make()
+    steps(m, True)
+    with monkeypatch.context() as p:
+        p.setattr(pending, "sync_and_compute", fail)
+        handle = m.calculate(async_op=True)
+        steps(m, False)
+        with pytest.raises(MetricSyncError):
+            handle.wait()
+    assert m["train"].states["tokens"].item() == 768
+    keys = ("loss/loss", "loss/grad_norm", "train/learning rate", "train/iters")
+    got, expected = m.calculate(), want.calculate()
+    assert_results_close({k: got[k] for k in keys}, {k: expected[k] for k in keys})

@@ -236,3 +236,39 @@ def test_per_call_settings_reach_every_slice():
     want = built.calculate()
     assert want["loss/a"] == want["loss/b"] == 1.0
     assert per_call.calculate() == want
+
+
+def test_slicing_leaves_valid_calls_alone():
+    """What a sliced metric does not read (TrainMetric's lr list beside it), empty pipeline
+    stages ([] with None per microbatch) and DPO's other forms keep working."""
+    from twinkle_metrics import MetricCollection
+
+    coll = MetricCollection({"loss": LossMetric(slice_by="data_source"), "train": TrainMetric()})
+    coll.accumulate(None, None, grad_norm=1.5, lr=[1e-4], step=1)
+    got = coll.calculate()
+    assert got["loss/grad_norm"] == 1.5 and got["train/learning rate"] == 1e-4
+    for m in (Accuracy(slice_by="data_source"), GRPOMetric(slice_by="data_source")):
+        m.accumulate([], {"logits": [None, None], "logps": [None, None]})
+        assert m.calculate() == {}
+    # separate batches with one reference dict per microbatch, microbatches mixing slices
+    b = make_rl_batch(9, N, 8)
+    lab, lp, ref = b["labels"], b["logps"], b["ref"]
+    c, r = _rows(range(0, N, 2)), _rows(range(1, N, 2))
+    src = SOURCES[::2]
+    halves = [slice(0, 3), slice(3, 6)]
+
+    def side(rows):
+        return ([{"labels": lab[rows][h], "data_source": src[h]} for h in halves],
+                {"logps": [lp[rows][h] for h in halves]})
+
+    sep = DPOMetric(beta=0.2, slice_by="data_source")
+    sep.accumulate(chosen=side(c), rejected=side(r), ref_chosen=[{"logps": ref[c][h]} for h in halves],
+                   ref_rejected=[{"logps": ref[r][h]} for h in halves])
+    inter = DPOMetric(beta=0.2, slice_by="data_source")
+    inter.accumulate({"labels": lab, "data_source": SOURCES}, {"logps": lp}, ref_outputs={"logps": ref})
+    assert_results_close(sep.calculate(), inter.calculate(), rel=1e-12)
+    # per-pair sums as [n, 1], beside outputs DPO does not read
+    pre = DPOMetric()
+    pre.accumulate(None, {"chosen_logps": torch.tensor([[-1.0], [-2.0]]), "rejected_logps": torch.tensor([-3.0, -1.0]),
+                          "chosen_logits": torch.zeros(2, 3), "mean_chosen_logps": torch.zeros(2)})
+    assert pre.calculate() == {"logps/chosen": -1.5, "logps/rejected": -2.0}

@@ -102,6 +102,7 @@ class Metric:
     #: schema fingerprint), e.g. chunk sizes
     fingerprint_exclude: ClassVar[Sequence[str]] = ()
     _update_kwargs: ClassVar[Optional[frozenset]] = None  # set per class: see __init_subclass__
+    _update_reads: ClassVar[frozenset] = frozenset()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -120,6 +121,7 @@ class Metric:
         # an update without **kwargs gets only the keywords it names, so one shared kwargs
         # dict (TrainMetric's lr= beside a norm metric) works for it too
         cls._update_kwargs = None if any(p.kind == p.VAR_KEYWORD for p in params) else frozenset(named)
+        cls._update_reads = frozenset(named) | frozenset(cls.accepted_kwargs)  # the keywords it reads
 
     #: what ``slice_by`` cannot mean for this metric (None: it can be sliced)
     unsliceable: ClassVar[Optional[str]] = None
@@ -290,8 +292,8 @@ class Metric:
         name = type(self).__name__
         out = dict(whole or {})
         parts = self._slice_parts(inputs, outputs, kwargs)
-        if not parts and whole and inputs is None and (outputs is not None or any(map(slicing.is_data,
-                                                                                      kwargs.values()))):
+        reads = [v for k, v in kwargs.items() if k in self._update_reads]
+        if not parts and whole and inputs is None and (slicing.holds_data(outputs) or any(map(slicing.is_data, reads))):
             raise ValueError(f"{name}: slice_by={self.slice_by!r}, but this call has data and no inputs to read "
                              f"the slices from; pass inputs (an InputFeature or a list of them) with "
                              f"{self.slice_by!r}, one entry per sequence")
@@ -450,12 +452,35 @@ class Metric:
         return self
 
     def _fold_back(self, snapshot: "Metric") -> None:
-        """Merge a handed-off interval (an asynchronous calculate's snapshot whose sync
-        failed) back into the states, as ``load_state_dict([its, mine])`` would (its
-        sequences came first): the next ``calculate()`` reports it, as after a failed
-        synchronous call. Not bounded by ``max_slices``: the interval was within it when
-        it was handed off."""
-        self._commit_load(self._stage_load([snapshot.state_dict(), self.state_dict()], bounded=False))
+        """Fold a handed-off interval (an asynchronous calculate's snapshot whose sync
+        failed) back in, as if it had never left: its states come first and what was
+        accumulated since folds onto them with each state's own ``local`` fold, as
+        ``accumulate`` folds a call (a "last" state keeps the newer value when there is
+        one). The next ``calculate()`` then reports both, as after a failed synchronous
+        call. Not bounded by ``max_slices``: the interval was within it when handed off."""
+        specs = {**snapshot._specs, **self._specs}
+        earlier = move_states({k: snapshot._states[k] if k in snapshot._states else spec.new("cpu")
+                               for k, spec in specs.items()}, self._device)
+        later = {k: v for k, v in self._states.items()
+                 if not torch.equal(v, self._specs[k].new(v.device))}  # unset since: nothing to fold
+        later = self._rebase(later, earlier)
+        saved = self._specs, self._states
+        self._specs, self._states = specs, earlier
+        try:
+            staged = self._plan_fold(later)
+        except BaseException:
+            self._specs, self._states = saved
+            raise
+        staged.apply()
+        self._after_fold_back(snapshot)
+
+    def _rebase(self, later: Dict[str, torch.Tensor], earlier: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """States accumulated after ``earlier`` was handed off, made to follow it (e.g. a
+        sequence index counted from the start of the interval). Identity by default."""
+        return later
+
+    def _after_fold_back(self, snapshot: "Metric") -> None:
+        """Host bookkeeping of a folded-back interval (its start time, say)."""
 
     def _stage_load(self, state_dict, bounded: bool = True) -> tuple:
         """Validate and convert ``state_dict``; change nothing. Returns (new dynamic

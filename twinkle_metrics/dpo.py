@@ -1,7 +1,6 @@
 """``DPOMetric``: TRL-style preference statistics from per-token log-probs."""
 from __future__ import annotations
 
-import difflib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -269,8 +268,9 @@ class DPOMetric(Metric):
             for side in ("chosen", "rejected"):
                 s_in, s_out = _pair(side, kwargs[side])
                 names = sum(slicing.slice_values(_NAME, field, as_feature_list(_NAME, s_in)), [])
-                parts = slicing.split(_NAME, field, s_in, s_out, {"ref": kwargs.get(f"ref_{side}")})
-                sides.append((names, {name: (i, o, kw.get("ref")) for name, i, o, kw in parts}))
+                ref = f"ref_{side}"
+                parts = slicing.split(_NAME, field, s_in, s_out, {ref: kwargs.get(ref)})
+                sides.append((names, {name: (i, o, kw.get(ref)) for name, i, o, kw in parts}))
             (c_names, c_parts), (r_names, r_parts) = sides
             if c_names != r_names:
                 raise ValueError(f"{_NAME}: slice_by={field!r}: the chosen sequences are in slices {c_names[:8]} "
@@ -396,6 +396,16 @@ _PRESUMMED_KEYS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_re
 _SIDES = ("chosen", "rejected", "ref_chosen", "ref_rejected")
 
 
+def _spelling(key) -> str:
+    text = "".join(c for c in str(key).lower() if c.isalnum())
+    for long, short in (("logprobs", "logps"), ("logprob", "logps")):
+        text = text.replace(long, short)
+    return text + "s" if text.endswith("logp") else text
+
+
+_SPELLINGS = {_spelling(k): k for k in _PRESUMMED_KEYS}
+
+
 def _check_presummed_call(outputs, ref_outputs) -> None:
     """Per-pair sums come alone: whatever else the call holds for DPO would be ignored."""
     if ref_outputs is not None:
@@ -406,9 +416,11 @@ def _check_presummed_call(outputs, ref_outputs) -> None:
         raise ValueError(f"{_NAME}: outputs holds both per-pair sums ('chosen_logps') and per-token 'logps'; "
                          "pass one form per call")
     for key in outputs:
-        near = difflib.get_close_matches(str(key), _PRESUMMED_KEYS, n=1, cutoff=0.8)
-        if near and key not in _PRESUMMED_KEYS:
-            raise ValueError(f"{_NAME}: outputs has {key!r} beside per-pair sums; did you mean {near[0]!r}? "
+        # another spelling of a per-pair key (ref_chosen_logp, refChosenLogprobs); other outputs
+        # (chosen_logits, mean_chosen_logps, a loss) are not DPO's to read
+        near = _SPELLINGS.get(_spelling(key))
+        if near is not None and key != near:
+            raise ValueError(f"{_NAME}: outputs has {key!r} beside per-pair sums; did you mean {near!r}? "
                              f"(the per-pair keys are {list(_PRESUMMED_KEYS)})")
 
 
@@ -437,6 +449,8 @@ def _presummed_columns(outputs) -> Dict[str, torch.Tensor]:
 
 def _pair_column(field: str, value) -> torch.Tensor:
     t = float_tensor(_NAME, field, value)
+    if t.dim() == 2 and t.shape[1] == 1:
+        t = t[:, 0]  # [n, 1]: one value per pair too
     if t.dim() > 1:
         raise ValueError(f"{_NAME}: {field} has shape {list(t.shape)}; per-pair sums are one value per pair "
                          "([n]); for per-token log-probs pass outputs={'logps': [batch, seq]} with the inputs")

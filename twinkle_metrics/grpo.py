@@ -732,17 +732,21 @@ class GRPOMetric(Metric):
             counts = rows["n_seq"].to(torch.float64)
             dp, cp = rows["dp_index"], rows["cp_index"]
             # Sequences before rank j's: those of every DP rank below it, counted once per
-            # CP group (CP ranks share sequences); and, for rows of one rank (an interval folded
-            # back after a failed async calculate: rows in time order), its earlier rows'.
+            # CP group (CP ranks share sequences).
             first = torch.where(cp == 0, counts, torch.zeros_like(counts))
             offset = ((dp[None, :] < dp[:, None]).to(torch.float64) * first[None, :]).sum(1)
-            order = torch.arange(dp.shape[0], device=dp.device)
-            same = (dp[None, :] == dp[:, None]) & (cp[None, :] == cp[:, None]) & (order[None, :] < order[:, None])
-            offset = offset + (same.to(torch.float64) * counts[None, :]).sum(1)
             topk = rows["topk"].clone()
             topk[:, :, 1] += offset[:, None]
             rows["topk"] = topk
         return super().merge(rows)
+
+    def _rebase(self, later, earlier):
+        # records made after the hand-off counted sequences from 0: they come after earlier's
+        if self.top_k_kl and "topk" in later:
+            topk = later["topk"].clone()
+            topk[:, 1] += earlier["n_seq"].to(topk.dtype)
+            later = {**later, "topk": topk}
+        return later
 
     def _merge_reads(self):
         # merge() only places the top-k records; every other state merges on its own

@@ -50,8 +50,8 @@ def _nothing_without_inputs(metric: str, outputs, fields: Sequence[str]) -> None
         return
     for key in fields:
         v = outputs.get(key)
-        full = (isinstance(v, torch.Tensor) and v.numel() > 0) or \
-            (isinstance(v, (list, tuple)) and any(not (isinstance(x, torch.Tensor) and x.numel() == 0) for x in v))
+        full = (isinstance(v, torch.Tensor) and v.numel() > 0) or (isinstance(v, (list, tuple)) and any(
+            x is not None and not (isinstance(x, torch.Tensor) and x.numel() == 0) for x in v))
         if full:
             raise ValueError(f"{metric}: outputs[{key!r}] holds data but inputs is empty; pass the input "
                              "features (labels / masks) of those outputs, one per microbatch")

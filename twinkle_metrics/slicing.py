@@ -210,6 +210,22 @@ def is_reading(value) -> bool:
     return value is None or isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0)
 
 
+def holds_data(outputs) -> bool:
+    """Whether outputs (a dict or a list of them) hold a value: not None, not empty."""
+    items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    return any(isinstance(o, Mapping) and any(_full(v) for v in o.values()) for o in items)
+
+
+def _full(v) -> bool:
+    if v is None:
+        return False
+    if isinstance(v, torch.Tensor):
+        return v.numel() > 0
+    if isinstance(v, (list, tuple)):
+        return any(map(_full, v))
+    return True
+
+
 def is_data(value) -> bool:
     """Whether a keyword value holds per-sequence data: neither a reading nor a setting."""
     return not (is_reading(value) or isinstance(value, (str, bool)))
@@ -218,6 +234,8 @@ def is_data(value) -> bool:
 def _select_entry(metric, key, entry, rows, b):
     if len(rows) == b:
         return entry
+    if isinstance(entry, Mapping):  # one microbatch's dict (reference outputs): each field split
+        return {k: _select_entry(metric, f"{key}[{k!r}]", v, rows, b) for k, v in entry.items() if v is not None}
     if isinstance(entry, torch.Tensor) and entry.dim() >= 1 and entry.shape[0] == b:
         return _rows_of(entry, rows, entry.device)
     if isinstance(entry, (list, tuple)) and len(entry) == b:

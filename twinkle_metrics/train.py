@@ -161,6 +161,11 @@ class TrainMetric(Metric):
             out["peak_memory"] = torch.cuda.max_memory_allocated() / 2**30
         return out
 
+    def _after_fold_back(self, snapshot):
+        # the interval that failed to sync goes on: it started when the snapshot's did
+        self._interval_start = snapshot._interval_start
+        self._interval_first_step = snapshot._interval_first_step
+
     def _after_commit(self, contributions):
         # Host bookkeeping only once the call is folded in (a failed call, or one a
         # MetricCollection rejects because another metric failed, changes nothing).
