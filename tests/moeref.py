@@ -40,6 +40,7 @@ def reference(calls: List[tuple], num_layers: int, num_experts: int, per_layer: 
     E = num_experts
     counts = [[0] * E for _ in range(num_layers)]
     dropped = [0] * num_layers
+    reported = False  # whether any call reported drops: else they were not measured
     ent = [[0.0, 0] for _ in range(num_layers)]
     aux = [[0.0, 0] for _ in range(num_layers)]
     z = [[0.0, 0] for _ in range(num_layers)]
@@ -67,6 +68,7 @@ def reference(calls: List[tuple], num_layers: int, num_experts: int, per_layer: 
                     ent[layer][0] -= sum(p / s * math.log(p / s) for p in row if p > 0)
                     ent[layer][1] += 1
         dropped[layer] += int(f.get("tokens_dropped", 0))
+        reported = reported or "tokens_dropped" in f
         for key, acc in (("aux_loss", aux), ("z_loss", z)):
             if key in f:
                 acc[layer][0] += float(f[key])
@@ -81,7 +83,7 @@ def reference(calls: List[tuple], num_layers: int, num_experts: int, per_layer: 
             r["load_imbalance"] = max(c) / mean
             r["cv"] = math.sqrt(sum((x - mean) ** 2 for x in c) / E) / mean
             r["dead_expert_fraction"] = sum(x == 0 for x in c) / E
-        if n or dropped[i]:
+        if reported and (n or dropped[i]):
             r["tokens_dropped"] = dropped[i]
             r["drop_fraction"] = dropped[i] / (n + dropped[i])
         for name, acc in (("router_entropy", ent), ("aux_loss", aux), ("z_loss", z)):
@@ -98,7 +100,7 @@ def reference(calls: List[tuple], num_layers: int, num_experts: int, per_layer: 
                 out["moe/load_imbalance_max"] = max(vals)
     routed = sum(sum(counts[i]) for i in per)
     drops = sum(dropped[i] for i in per)
-    if routed or drops:
+    if reported and (routed or drops):
         out["moe/tokens_dropped"] = drops
         out["moe/drop_fraction"] = drops / (routed + drops)
     if per_layer:

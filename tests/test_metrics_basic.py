@@ -176,7 +176,9 @@ def test_loss_sum_over_only_masked_tokens_reports_no_loss():
     got = m.calculate()
     assert set(got) == {"loss", "loss_nonfinite"} and math.isnan(got["loss"])
     m.accumulate(masked, {"loss": 0.0}).accumulate(None, {"loss": 3.0}, loss_reduction="mean")
-    assert m.calculate() == {"loss": 3.0}
+    with pytest.raises(ValueError, match="mixes 1 loss_reduction='sum' entries with 1 'mean' ones"):
+        m.calculate()  # a sum over tokens and a mean of calls make no loss together
+    m.reset()
     m.accumulate(masked, {"loss": 0.0}).accumulate(None, {"loss": 6.0, "num_tokens": 4})
     assert m.calculate() == {"loss": 1.5, "num_tokens": 4}
 
@@ -186,7 +188,7 @@ def test_loss_loads_a_checkpoint_saved_before_sum_entries_existed():
     at 0, which keeps that checkpoint's meaning; a state dict missing another state is
     still refused."""
     m = LossMetric(loss_reduction="sum").accumulate(None, {"loss": 6.0, "num_tokens": 4})
-    m.accumulate(None, {"loss": 1.0}, loss_reduction="mean")
+    m.accumulate(None, {"loss": 2.0, "num_tokens": 4})
     old = {k: v for k, v in m.state_dict().items() if k != "sum_entries"}
     assert_results_close(LossMetric(loss_reduction="sum").load_state_dict(old).calculate(), m.calculate())
     with pytest.raises(ValueError, match=r"missing states \['entries'\]"):
@@ -416,3 +418,15 @@ def test_loss_report_with_more_than_a_pair_says_what_it_got():
                                          r"expected one loss, or Megatron's \[loss_sum, num_tokens\] pair"):
         m.accumulate(None, [{"lm loss": torch.tensor([1.0, 2.0, 3.0])}])
     assert m.calculate() == {}  # nothing added
+
+
+def test_embedding_in_batch_accuracy_ranks_only_anchors_with_negatives():
+    """An anchor alone in its batch has nothing to be ranked against: it is no hit."""
+    lone = torch.tensor([[1.0, 0.0], [-1.0, 0.0]])  # its positive points the other way
+    m = EmbeddingMetric().accumulate({"labels": torch.tensor([1, 0])}, {"embeddings": lone})
+    got = m.calculate()
+    assert got["pos_sim"] == -1.0 and "in_batch_accuracy" not in got and "margin" not in got
+    two = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 0.0]])  # each anchor nearer the other's positive
+    m.accumulate({"labels": torch.tensor([1, 0])}, {"embeddings": lone})
+    m.accumulate({"labels": torch.tensor([1, 0, 1, 0])}, {"embeddings": two})
+    assert m.calculate()["in_batch_accuracy"] == 0.0

@@ -94,8 +94,12 @@ def test_overall_is_mean_over_layers_and_per_layer_optional():
     got = m.calculate()
     # layer 0 balanced (1, 0, 0), layer 1 collapsed onto one expert (4, sqrt(3), 3/4); layer 2 empty
     assert_results_close(got, {"moe/load_imbalance": 2.5, "moe/load_imbalance_max": 4.0,
-                               "moe/cv": math.sqrt(3) / 2, "moe/dead_expert_fraction": 0.375,
-                               "moe/tokens_dropped": 0, "moe/drop_fraction": 0.0})
+                               "moe/cv": math.sqrt(3) / 2, "moe/dead_expert_fraction": 0.375})
+    # drops are reported only when measured: a call that reports 0 says none were dropped
+    m.accumulate(None, {"expert_counts": torch.tensor([[4, 4, 4, 4], [8, 0, 0, 0], [0, 0, 0, 0]]),
+                        "tokens_dropped": torch.tensor([0, 2, 0])})
+    got = m.calculate()
+    assert got["moe/tokens_dropped"] == 2 and got["moe/drop_fraction"] == 2 / 26
     assert m.calculate() == {}  # reset after calculate; nothing since
 
 

@@ -37,9 +37,10 @@ class EmbeddingMetric(Metric):
     * ``loss``: mean of ``outputs['loss']`` over the entries seen; ``grad_norm``: MAX
       over ranks of the last value passed.
 
-    Added: ``in_batch_accuracy``: the fraction of anchors whose own positive is
-    strictly more similar than every in-batch negative (top-1 retrieval; a tie
-    counts as a miss); ``margin``: mean over anchors that have negatives of
+    Added: ``in_batch_accuracy``: over the anchors that have in-batch negatives, the
+    fraction whose own positive is strictly more similar than every one of them
+    (top-1 retrieval; a tie counts as a miss; an anchor alone in its batch ranks
+    nothing and is left out); ``margin``: mean over anchors that have negatives of
     ``pos - max(neg)`` (positive minus the hardest in-batch negative).
 
     In-batch statistics span the whole data group (DP x CP, or ``process_group``):
@@ -281,7 +282,7 @@ class EmbeddingMetric(Metric):
             "pos_count": is_anchor.sum(),
             "neg_sum": (sim * neg_mask).sum(),
             "neg_count": neg_count.sum(),
-            "top1_correct": (is_anchor & (pos > hardest)).sum(),
+            "top1_correct": (has_neg & (pos > hardest)).sum(),
             "margin_sum": torch.where(has_neg, pos - hardest, 0.0).sum(),
             "margin_count": has_neg.sum(),
         }
@@ -292,7 +293,9 @@ class EmbeddingMetric(Metric):
             # 0, or NaN when a NaN row fed the comparisons ('propagate'; NaN > x is False)
             poison = (s["pos_sum"] + s["neg_sum"] + s["margin_sum"]) * 0.0
             out.update(pos_sim=s["pos_sum"] / s["pos_count"], pos_sim_min=s["pos_min"],
-                       pos_sim_max=s["pos_max"], in_batch_accuracy=s["top1_correct"] / s["pos_count"] + poison)
+                       pos_sim_max=s["pos_max"])
+            if s["margin_count"]:  # anchors with negatives: the ones top-1 retrieval ranks
+                out["in_batch_accuracy"] = s["top1_correct"] / s["margin_count"] + poison
         if s["neg_count"]:
             out["neg_sim"] = s["neg_sum"] / s["neg_count"]
         if s["margin_count"]:

@@ -244,10 +244,15 @@ class LossMetric(Metric):
         out = {}
         tokens = s["num_tokens"]
         total, means = s["loss_total"], s["entries"] - s["sum_entries"]
+        if means > 0 and s["sum_entries"] > 0:
+            raise ValueError(f"{_NAME}: this interval mixes {int(s['sum_entries'])} loss_reduction='sum' entries "
+                             f"with {int(means)} 'mean' ones, whose combination is no loss at all; use one "
+                             "loss_reduction per interval (or one LossMetric per reduction), then reset() "
+                             "this metric")
         if tokens > 0:
             out["loss"] = total / tokens
         elif means > 0:
-            out["loss"] = total / means
+            out["loss"] = total / means  # 'mean' entries only
         elif s["entries"] and not math.isfinite(total):
             out["loss"] = total  # a NaN/inf token-loss sum over no tokens still shows
         # else: only 'sum' entries, all of their tokens masked: no loss to report

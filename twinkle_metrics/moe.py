@@ -35,8 +35,8 @@ class MoERoutingMetric(Metric):
       softmax of ``router_logits`` or the rows of ``router_probs`` normalised to sum 1
       (pass the router's full scores: megatron-core's ``probs`` output holds only the
       top-k weights, so its entropy is at most ``log k``);
-    * ``tokens_dropped`` (token-to-expert assignments dropped over expert capacity; 0
-      when no call reported drops) and ``drop_fraction`` (dropped / assignments before
+    * ``tokens_dropped`` (token-to-expert assignments dropped over expert capacity; left
+      out when no call reported drops: not measured) and ``drop_fraction`` (dropped / assignments before
       dropping);
     * ``aux_loss`` and ``z_loss``: means over the calls that reported them (the values
       as given, e.g. megatron-core's losses unscaled by their coefficients).
@@ -80,7 +80,7 @@ class MoERoutingMetric(Metric):
         >>> _ = m.observe(0, routing_map=routing_map)  # counts 3, 2, 1, 0: one dead expert
         >>> {k: round(v, 4) for k, v in m.calculate().items()}  # doctest: +NORMALIZE_WHITESPACE
         {'moe/load_imbalance': 2.0, 'moe/cv': 0.7454, 'moe/dead_expert_fraction': 0.25,
-         'moe/load_imbalance_max': 2.0, 'moe/tokens_dropped': 0, 'moe/drop_fraction': 0.0}
+         'moe/load_imbalance_max': 2.0}
 
     With a megatron-core model::
 
@@ -127,6 +127,8 @@ class MoERoutingMetric(Metric):
                                    ("z_sum", torch.float64, (L,)), ("z_calls", torch.int64, (L,)),
                                    ("nonfinite", torch.int64, (L,))):
             self.add_state(name, State("sum", dtype, shape=shape, scope=scope))
+        # calls that reported drops: without one, drops were not measured (not "0 dropped")
+        self.add_state("drop_reports", State("sum", torch.int64, scope=scope, optional=True))
 
     # ------------------------------------------------------------------ input
     def observe(self, layer: int, **fields) -> "MoERoutingMetric":
@@ -156,11 +158,13 @@ class MoERoutingMetric(Metric):
         f = self._fields(o, layer, where)
         if f is None:
             return {}
+        out = None
         if self._fuses(f, layer):
             out = _triton.attempt("MoE routing statistics", self._fused, f, layer)
-            if out is not None:
-                return out
-        return self._torch(f, layer)
+        out = self._torch(f, layer) if out is None else out
+        if "tokens_dropped" in f:
+            out = {**out, "drop_reports": 1}
+        return out
 
     def _fields(self, o: Mapping, layer: Optional[int], where: str) -> Optional[Dict[str, Any]]:
         """The call's fields, validated (nothing is computed): tensors detached, the router
@@ -372,7 +376,7 @@ class MoERoutingMetric(Metric):
             out["moe/load_imbalance_max"] = max(imb)
         routed = sum(sum(s["counts"][i]) for i, _ in per)
         dropped = sum(s["dropped"][i] for i, _ in per)
-        if routed or dropped:
+        if s["drop_reports"] and (routed or dropped):
             out["moe/tokens_dropped"] = dropped
             out["moe/drop_fraction"] = dropped / (routed + dropped)
         bad = sum(s["nonfinite"])
@@ -394,7 +398,7 @@ def _layer_stats(s: Dict[str, Any], i: int, E: int) -> Dict[str, float]:
         out["load_imbalance"] = max(c) / mean
         out["cv"] = math.sqrt(var) / mean
         out["dead_expert_fraction"] = sum(1 for x in c if x == 0) / E
-    if total or dropped:
+    if s["drop_reports"] and (total or dropped):
         out["tokens_dropped"] = dropped
         out["drop_fraction"] = dropped / (total + dropped)
     if s["entropy_tokens"][i]:
