@@ -35,7 +35,10 @@ class CompletionRewardMetric(Metric):
     ``_max``, ``train/completion_clipped_ratio`` (lengths >= ``max_completion_length``),
     ``train/frac_reward_zero_std`` (prompt groups whose total reward has sample std
     <= 1e-8, TRL's ``isclose(std, 0)``; the total is the NaN-skipping sum over reward
-    functions, as TRL's ``nansum``; a group of one completion counts as zero std),
+    functions, as TRL's ``nansum``; a group of one completion counts as zero std; each
+    call's groups are tested on their own, so a prompt group must lie within one
+    ``accumulate`` call of one rank: ids are not matched across calls or ranks, and a
+    group split over them is counted as several),
     ``profiling/Time taken: generate`` and ``profiling/Time taken: move_model_to_sampler``
     (mean seconds per call).
 
@@ -72,8 +75,10 @@ class CompletionRewardMetric(Metric):
         reward_names: reward function names known up front (recommended).
         max_completion_length: length at which a completion counts as clipped.
         num_generations: completions per prompt, consecutive within each call; enables
-            ``frac_reward_zero_std`` (or pass ``group_ids`` to ``accumulate``). A prompt
-            group must lie within one ``accumulate`` call of one rank.
+            ``frac_reward_zero_std`` (or pass ``group_ids`` to ``accumulate``: ids within
+            the call). Either way a prompt group must lie within one ``accumulate`` call of
+            one rank (after verl's ``balance_batch`` or any reshuffle across ranks, call it
+            where the whole groups are, such as the rollout driver).
         zero_std_reward: the reward name whose per-group std is tested; default the
             sum over all reward functions of the call (TRL tests the total reward).
         nan_policy: ``'skip'`` (default, TRL's) or ``'propagate'`` (see above).
