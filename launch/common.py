@@ -156,7 +156,7 @@ def finish_run(tag: str, steps: int, start: float, run_dir: str, sinks, enabled:
     if not enabled:
         return
     jsonl = os.path.join(run_dir, "metrics.jsonl")
-    if "plot" in sinks and os.path.exists(jsonl):
+    if "plot" in sinks and os.path.exists(jsonl) and os.path.getsize(jsonl) > 0:  # a 0-step run logs nothing
         from twinkle_metrics.plot import plot
 
         print(f"[{tag}] plot: {plot(jsonl, title=title)}", flush=True)
@@ -171,4 +171,31 @@ def skip_deepspeed_shm_op() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # the probed dict is kept
+
+
+#: config keys the launch scripts read with a default (``--set`` may add them)
+OPTIONAL_KEYS = ("logging.progress", "logging.interval", "logging.sinks", "logging.console_keys",
+                 "logging.run_root", "train.clip_grad")
+
+
+def load_run_config(path: str, overrides, optional=()) -> dict:
+    """The run's config with ``--set`` overrides checked (``load_config(strict=True)``):
+    a bad one ends the run with its message, before any process group exists."""
+    from twinkle_metrics.factory import load_config
+
+    try:
+        cfg = load_config(path, overrides, strict=True, optional=optional)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    check_run_settings(cfg)
+    return cfg
+
+
+def check_run_settings(cfg) -> None:
+    """Settings that would fail late (a division by the interval) or run nothing useful."""
+    steps, interval = cfg["train"].get("steps"), cfg.get("logging", {}).get("interval", 1)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise SystemExit(f"train.steps must be an int >= 0, got {steps!r}")
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise SystemExit(f"logging.interval must be an int >= 1, got {interval!r}")
 

@@ -118,8 +118,9 @@ def global_grad_norm(params, group):
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     args = parse_args(argv)
-    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
-    cfg = load_config(config_path(args.config), overrides)
+    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
+    cfg = common.load_run_config(config_path(args.config), overrides,
+                      optional=common.OPTIONAL_KEYS + ("parallel.pp",))
     env = read_env(args.local_rank)
     if not env.distributed:  # DeepSpeed wants a rendezvous even for one process
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from common import DebugDump, init_torch_distributed, make_run_dir, print_rank0, read_env
 
 from parallel import DeviceMesh
-from twinkle_metrics.factory import build_metrics, config_path, load_config, split_feeds
+from twinkle_metrics.factory import build_metrics, config_path, split_feeds
 from twinkle_metrics.loggers import Progress, build_loggers
 
 DEFAULT_CONFIG = "megatron_demo.json"
@@ -75,6 +75,11 @@ def build_model(cfg: dict, ps, vpp: int):
         pipeline_dtype=torch.float32, params_dtype=torch.float32,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         calculate_per_token_loss=True, batch_p2p_sync=torch.cuda.is_available(),
+        # gloo pairs the messages to one peer in order: with PP = 2 the previous and the next
+        # stage are one rank, and a batched send_prev + send_next would swap activations and
+        # gradients of one shape (the interleaved schedule sends both). Unbatched p2p keeps
+        # the two directions on two groups.
+        batch_p2p_comm=torch.cuda.is_available(),
     )
     # Same seed everywhere: DP replicas start equal; CPU init splits one master
     # weight across TP ranks, so TP ranks must draw the same numbers too.
@@ -149,8 +154,10 @@ def lr_at(step: int, t: dict) -> float:
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     args = parse_args(argv)
-    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
-    cfg = load_config(config_path(args.config), overrides)
+    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
+    cfg = common.load_run_config(config_path(args.config), overrides,
+                      optional=common.OPTIONAL_KEYS + ("parallel.tp", "parallel.pp", "parallel.vpp",
+                                                       "train.warmup_steps", "train.min_lr", "train.weight_decay"))
     env = read_env(args.local_rank)
     init_torch_distributed(env)
 

@@ -146,6 +146,22 @@ def test_config_overrides(tmp_path):
         load_config(str(path))
 
 
+def test_strict_overrides_refuse_typos_and_wrong_types():
+    """What the launch scripts use: a mistyped --set cannot quietly run another experiment."""
+    cfg = {"train": {"steps": 40, "lr": 0.005}, "logging": {"sinks": ["console"]}}
+    got = apply_overrides(cfg, ["train.steps=8", "train.lr=1", "logging.sinks=jsonl", "logging.progress=false"],
+                          strict=True, optional=["logging.progress"])
+    assert got == {"train": {"steps": 8, "lr": 1}, "logging": {"sinks": ["jsonl"], "progress": False}}
+    for item, match in (("train.step=3", "no 'train.step'; did you mean 'train.steps'"),
+                        ("train.steps=2.0", r"train.steps is int \(40\) in the config, got float"),
+                        ("train.steps=true", "train.steps is int"),
+                        ("train.lr=fast", "train.lr is float"),
+                        ("a..b=1", "must look like 'section.key=value'")):
+        with pytest.raises(ValueError, match=match):
+            apply_overrides(cfg, [item], strict=True)
+    assert apply_overrides(cfg, ["train.step=3"])["train"]["step"] == 3  # not strict: anything goes
+
+
 @pytest.mark.parametrize("name", ["megatron_demo.json", "deepspeed_demo.json"])
 def test_shipped_configs_build(name, monkeypatch):
     cfg = load_config(factory.config_path(name))

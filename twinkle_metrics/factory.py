@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib
 import inspect
 import json
@@ -184,11 +185,13 @@ def split_feeds(entries: Sequence[Any], collection: MetricCollection):
 
 
 # ------------------------------------------------------------------ configs
-def load_config(path: str, overrides: Iterable[str] = ()) -> Dict[str, Any]:
+def load_config(path: str, overrides: Iterable[str] = (), *, strict: bool = False,
+                optional: Iterable[str] = ()) -> Dict[str, Any]:
     """Read a JSON config and apply ``key.sub=value`` overrides (values parsed as JSON).
 
     ``path`` is a file or the name of a shipped config (see ``config_path``).
-    Example: ``load_config("megatron_demo", ["train.steps=8"])``.
+    Example: ``load_config("megatron_demo", ["train.steps=8"])``. ``strict``: see
+    ``apply_overrides``.
     """
     path = config_path(path)
     with open(path, encoding="utf-8") as f:
@@ -196,14 +199,24 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> Dict[str, Any]:
             config = json.load(f)
         except json.JSONDecodeError as exc:
             raise ValueError(f"load_config: {path} is not valid JSON: {exc}") from exc
-    return apply_overrides(config, overrides)
+    return apply_overrides(config, overrides, strict=strict, optional=optional)
 
 
-def apply_overrides(config: Mapping[str, Any], overrides: Iterable[str]) -> Dict[str, Any]:
+def apply_overrides(config: Mapping[str, Any], overrides: Iterable[str], *, strict: bool = False,
+                    optional: Iterable[str] = ()) -> Dict[str, Any]:
+    """``config`` with ``key.sub=value`` overrides applied (a copy).
+
+    ``strict`` (what the launch scripts use): a key must be in the config or in
+    ``optional`` (dotted keys a program reads with a default), else the override is
+    refused with a did-you-mean, so a typo cannot quietly run another experiment; and a
+    value must have the type of the one it replaces (an int where a float was is fine,
+    a bare string where a list was becomes a one-element list).
+    """
     out = copy.deepcopy(dict(config))
+    optional = set(optional)
     for item in overrides or ():
         key, sep, raw = item.partition("=")
-        if not sep or not key:
+        if not sep or not key or "" in key.split("."):
             raise ValueError(f"config override {item!r} must look like 'section.key=value'")
         try:
             value = json.loads(raw)
@@ -218,8 +231,37 @@ def apply_overrides(config: Mapping[str, Any], overrides: Iterable[str]) -> Dict
             if not isinstance(child, dict):
                 raise ValueError(f"config override {item!r}: {part!r} is not a section")
             node = child
+        if strict:
+            value = _checked_override(item, key, node, parts[-1], value, config, optional)
         node[parts[-1]] = value
     return out
+
+
+def _checked_override(item, key, node, name, value, config, optional):
+    if name not in node:
+        if key in optional:
+            return value
+        known = sorted(set(_dotted_keys(config)) | optional)
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"config override {item!r}: the config has no {key!r}; {hint}known keys: {known}")
+    old = node[name]
+    if isinstance(old, list) and isinstance(value, str):
+        return [value]
+    numbers = (int, float)
+    same = (type(old) is type(value) or (type(old) is float and type(value) is int)
+            or old is None or value is None)
+    if not same or (isinstance(old, numbers) and isinstance(value, bool) != isinstance(old, bool)):
+        raise ValueError(f"config override {item!r}: {key} is {type(old).__name__} ({old!r}) in the config, "
+                         f"got {type(value).__name__} ({value!r})")
+    return value
+
+
+def _dotted_keys(node, prefix=""):
+    for k, v in node.items():
+        yield prefix + k
+        if isinstance(v, dict):
+            yield from _dotted_keys(v, prefix + k + ".")
 
 
 def config_path(name_or_path: str) -> str:
