@@ -175,7 +175,7 @@ def skip_deepspeed_shm_op() -> None:
 
 #: config keys the launch scripts read with a default (``--set`` may add them)
 OPTIONAL_KEYS = ("logging.progress", "logging.interval", "logging.sinks", "logging.console_keys",
-                 "logging.run_root", "train.clip_grad")
+                 "logging.run_root", "train.clip_grad", "train.max_stride")
 
 
 def load_run_config(path: str, overrides, optional=()) -> dict:

@@ -191,6 +191,9 @@ def test_loss_loads_a_checkpoint_saved_before_sum_entries_existed():
     m.accumulate(None, {"loss": 2.0, "num_tokens": 4})
     old = {k: v for k, v in m.state_dict().items() if k != "sum_entries"}
     assert_results_close(LossMetric(loss_reduction="sum").load_state_dict(old).calculate(), m.calculate())
+    # its entries counted tokens, so they were 'sum' ones: a 'sum' call after the load mixes nothing
+    resumed = LossMetric(loss_reduction="sum").load_state_dict(old)
+    assert resumed.accumulate(None, {"loss": 4.0, "num_tokens": 4}).calculate() == {"loss": 1.0, "num_tokens": 12}
     with pytest.raises(ValueError, match=r"missing states \['entries'\]"):
         LossMetric(loss_reduction="sum").load_state_dict({k: v for k, v in old.items() if k != "entries"})
 

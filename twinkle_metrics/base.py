@@ -149,6 +149,10 @@ class Metric:
         self._device = torch.device("cpu")
         self._states: Dict[str, torch.Tensor] = {}
         self._agreed: List[Any] = []
+        # handed-off intervals whose asynchronous sync failed, oldest first, waiting to be
+        # folded back on the caller's thread (pending.py), and the snapshots in flight
+        self._returned: List["Metric"] = []
+        self._in_flight: List["Metric"] = []
         self.reset()
 
     # ------------------------------------------------------------------ states
@@ -196,11 +200,14 @@ class Metric:
     @property
     def states(self) -> Dict[str, torch.Tensor]:
         """The live state tensors (read-only view by convention)."""
+        pending.settle(self)
         return dict(self._states)
 
     def reset(self) -> "Metric":
         """Restore every state to its default."""
         self._states = new_states(self._specs, self._device)
+        self._touched: Set[str] = set()  # states folded into since: what "last" folds keep
+        pending.drop_returned(self)
         return self
 
     def to(self, device) -> "Metric":
@@ -338,6 +345,7 @@ class Metric:
         if staged is None:
             return
         staged.apply()
+        self._touched.update(staged.contributions)
         self._after_commit(staged.contributions)
 
     def _after_commit(self, contributions: Mapping[str, Any]) -> None:
@@ -379,11 +387,12 @@ class Metric:
         interval's states are handed off (the metric is reset now, so ``accumulate``
         goes on into the next interval), the sync runs in the background, and
         ``handle.wait()`` returns the same dict (see ``twinkle_metrics.pending``).
-        If the sync fails, the first ``wait()`` that raises folds the interval back
-        into the metric, so it is not lost (as a failed synchronous call keeps it).
+        If the sync fails, the interval is not lost (as a failed synchronous call keeps
+        it): it goes back under the next interval, and the next calculate reports both.
         """
         if async_op:
             return pending.submit([self], lambda results: results[0], reset, type(self).__name__)
+        pending.settle(self)
         return sync_and_compute([self], reset=reset)[0]
 
     def resolve_mesh(self) -> DeviceMesh:
@@ -433,6 +442,7 @@ class Metric:
     def state_dict(self) -> Dict[str, Any]:
         """The local (unreduced) states, so a resumed run keeps what it accumulated,
         and the metric's fingerprint (checked by ``load_state_dict``)."""
+        pending.settle(self)
         out: Dict[str, Any] = {name: t.detach().clone() for name, t in self._states.items()}
         out[FINGERPRINT_KEY] = self.fingerprint()
         return out
@@ -451,38 +461,42 @@ class Metric:
         self._commit_load(self._stage_load(state_dict))
         return self
 
-    def _fold_back(self, snapshot: "Metric") -> None:
-        """Fold a handed-off interval (an asynchronous calculate's snapshot whose sync
-        failed) back in, as if it had never left: its states come first and what was
-        accumulated since folds onto them with each state's own ``local`` fold, as
-        ``accumulate`` folds a call (a "last" state keeps the newer value when there is
-        one). The next ``calculate()`` then reports both, as after a failed synchronous
-        call. Not bounded by ``max_slices``: the interval was within it when handed off."""
-        specs = {**snapshot._specs, **self._specs}
-        earlier = move_states({k: snapshot._states[k] if k in snapshot._states else spec.new("cpu")
-                               for k, spec in specs.items()}, self._device)
-        later = {k: v for k, v in self._states.items()
-                 if not torch.equal(v, self._specs[k].new(v.device))}  # unset since: nothing to fold
-        later = self._rebase(later, earlier)
+    def _legacy_state(self, name: str, saved: Mapping[str, Any]) -> torch.Tensor:
+        """The value of optional state ``name`` for a state dict saved before it existed:
+        its default, unless the metric can tell it from the saved states."""
+        return self._specs[name].new("cpu")
+
+    def _fold_under(self, earlier: "Metric") -> None:
+        """Put an earlier interval under this one's states, as if the two had been one:
+        ``earlier``'s states come first, and the states this interval folded into fold
+        onto them with each state's own ``local`` fold, as ``accumulate`` folds a call (a
+        "last" state this interval set wins; one it never set keeps ``earlier``'s).
+        ``self`` is the metric or a later hand-off's snapshot (``pending``); not bounded by
+        ``max_slices``: both intervals were within it when handed off."""
+        specs = {**earlier._specs, **self._specs}
+        base = move_states({k: earlier._states[k] if k in earlier._states else spec.new("cpu")
+                            for k, spec in specs.items()}, self._device)
+        later = self._rebase({k: self._states[k] for k in self._touched if k in self._states}, earlier)
         saved = self._specs, self._states
-        self._specs, self._states = specs, earlier
+        self._specs, self._states = specs, base
         try:
             staged = self._plan_fold(later)
         except BaseException:
             self._specs, self._states = saved
             raise
         staged.apply()
-        self._after_fold_back(snapshot)
+        self._touched = earlier._touched | self._touched
+        self._after_fold_under(earlier)
 
-    def _rebase(self, later: Dict[str, torch.Tensor], earlier: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """States accumulated after ``earlier`` was handed off, made to follow it (e.g. a
-        sequence index counted from the start of the interval). Identity by default."""
+    def _rebase(self, later: Dict[str, torch.Tensor], earlier: "Metric") -> Dict[str, torch.Tensor]:
+        """States of this interval made to follow ``earlier`` (e.g. a sequence index counted
+        from this interval's start). Identity by default."""
         return later
 
-    def _after_fold_back(self, snapshot: "Metric") -> None:
-        """Host bookkeeping of a folded-back interval (its start time, say)."""
+    def _after_fold_under(self, earlier: "Metric") -> None:
+        """Host bookkeeping of an interval with ``earlier`` under it (its start time, say)."""
 
-    def _stage_load(self, state_dict, bounded: bool = True) -> tuple:
+    def _stage_load(self, state_dict) -> tuple:
         """Validate and convert ``state_dict``; change nothing. Returns (new dynamic
         names, {name: tensor})."""
         name = type(self).__name__
@@ -508,7 +522,7 @@ class Metric:
                 new.append(key)
         extra = sorted(names - set(specs))
         slices = slicing.held(specs) if self.slice_by is not None else []
-        if bounded and len(slices) > self.max_slices:
+        if len(slices) > self.max_slices:
             raise ValueError(f"{name}.load_state_dict: the state dicts hold {len(slices)} slices of "
                              f"{self.slice_by!r} ({slices[:20]}), more than max_slices={self.max_slices}; "
                              "build the metric with a larger max_slices")
@@ -521,8 +535,8 @@ class Metric:
         for key, spec in specs.items():
             values = []
             for d in dicts:
-                if key not in d:
-                    values.append(spec.new("cpu"))  # created on the fly elsewhere, or optional: default
+                if key not in d:  # created on the fly elsewhere (default), or optional
+                    values.append(self._legacy_state(key, d) if spec.optional else spec.new("cpu"))
                     continue
                 value = torch.as_tensor(d[key]).detach()
                 if tuple(value.shape) != spec.shape:
@@ -541,6 +555,8 @@ class Metric:
         new, loaded = staged
         self._adopt(new)
         self._states = {k: loaded[k] for k in self._specs}
+        self._touched = set(self._specs)  # loaded values stand for calls of their own
+        pending.drop_returned(self)
 
     # --------------------------------------------------------------- internal
     def _plan_fold(self, contributions: Mapping[str, Any]) -> "_Staged":

@@ -87,6 +87,8 @@ class MetricCollection:
         metrics = [m for _, m in self._items]
         if async_op:
             return pending.submit(metrics, self._combine, reset, "MetricCollection")
+        for m in metrics:
+            pending.settle(m)
         out = self._combine(sync_and_compute(metrics, reset=False))
         if reset:
             self.reset()

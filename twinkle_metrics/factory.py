@@ -246,6 +246,9 @@ def _checked_override(item, key, node, name, value, config, optional):
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"config override {item!r}: the config has no {key!r}; {hint}known keys: {known}")
     old = node[name]
+    raw = item.partition("=")[2]
+    if isinstance(old, str) and not isinstance(value, str):
+        return raw  # a string key keeps its text: logging.run_root=2024
     if isinstance(old, list) and isinstance(value, str):
         return [value]
     numbers = (int, float)

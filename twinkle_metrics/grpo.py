@@ -744,7 +744,7 @@ class GRPOMetric(Metric):
         # records made after the hand-off counted sequences from 0: they come after earlier's
         if self.top_k_kl and "topk" in later:
             topk = later["topk"].clone()
-            topk[:, 1] += earlier["n_seq"].to(topk.dtype)
+            topk[:, 1] += earlier._states["n_seq"].to(topk.device, topk.dtype)
             later = {**later, "topk": topk}
         return later
 

@@ -240,6 +240,13 @@ class LossMetric(Metric):
             total = plus(total, (labels != self.ignore_index).sum())
         return total
 
+    def _legacy_state(self, name, saved):
+        if name == "sum_entries":  # before it existed, only 'sum' entries counted tokens
+            tokens, entries = saved.get("num_tokens"), saved.get("entries")
+            if tokens is not None and entries is not None and float(torch.as_tensor(tokens)) > 0:
+                return torch.as_tensor(entries, dtype=torch.int64).clone()
+        return super()._legacy_state(name, saved)
+
     def compute(self, s):
         out = {}
         tokens = s["num_tokens"]

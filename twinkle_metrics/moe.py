@@ -166,6 +166,11 @@ class MoERoutingMetric(Metric):
             out = {**out, "drop_reports": 1}
         return out
 
+    def _legacy_state(self, name, saved):
+        if name == "drop_reports" and saved.get("dropped") is not None:  # drops seen: they were measured
+            return torch.tensor(int(bool(torch.as_tensor(saved["dropped"]).sum() > 0)), dtype=torch.int64)
+        return super()._legacy_state(name, saved)
+
     def _fields(self, o: Mapping, layer: Optional[int], where: str) -> Optional[Dict[str, Any]]:
         """The call's fields, validated (nothing is computed): tensors detached, the router
         tensors as given, the losses as 0-d float tensors, the dropped count as an int or

@@ -20,10 +20,14 @@ points, so every rank's thread runs the same syncs in the same order.
 
 ``handle.wait()`` returns exactly what the synchronous call would have returned,
 or raises what it would have raised (a ``MetricSyncError`` raises on every rank).
-A failed synchronous call keeps the interval in the metrics; so, with ``reset=True``,
-the first ``wait()`` that raises folds the handed-off interval back into them (on the
-caller's thread, merged with what they accumulated since, as ``load_state_dict`` of
-both would): fix the cause and calculate again, and it is reported.
+A failed synchronous call keeps the interval in the metrics, and so does a failed
+asynchronous one (with ``reset=True``): its interval goes back under the next one, in
+call order. If a later hand-off of the metric is still waiting its turn, the worker puts
+the failed interval under that snapshot before syncing it; otherwise the metric keeps
+it aside and puts it under its live states on the caller's thread at the next
+``calculate()``, hand-off or ``state_dict()`` (``settle``). Either way each state folds
+as ``accumulate`` folds a call (``Metric._fold_under``): fix the cause and calculate
+again, and both intervals are reported, as one.
 At interpreter exit, pending syncs get ``EXIT_WAIT_S`` seconds to finish; the
 thread is a daemon, so a sync whose peers are gone cannot hold the process.
 """
@@ -55,12 +59,11 @@ class CalculateHandle:
     Handles complete in the order of their calls.
     """
 
-    def __init__(self, what: str, restore: Optional[Callable[[], None]] = None):
+    def __init__(self, what: str):
         self._what = what
         self._ready = threading.Event()
         self._result: Optional[Dict[str, Any]] = None
         self._error: Optional[BaseException] = None
-        self._restore = restore  # run once, by the first wait() that raises
 
     def done(self) -> bool:
         return self._ready.is_set()
@@ -70,14 +73,6 @@ class CalculateHandle:
             raise TimeoutError(f"{self._what}: the asynchronous calculate() did not complete within "
                                f"{timeout} s (its collectives are still running); call wait() again")
         if self._error is not None:
-            restore, self._restore = self._restore, None
-            if restore is not None:
-                try:
-                    restore()
-                except Exception as e:  # noqa: BLE001 - the sync's error is the one to raise
-                    note = getattr(self._error, "add_note", None)
-                    if note is not None:
-                        note(f"{self._what}: the interval could not be folded back into the metric: {e}")
             raise self._error
         return dict(self._result)
 
@@ -100,20 +95,24 @@ class _Worker:
         self._thread = threading.Thread(target=self._run, name="twinkle-metrics-calculate", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], Dict[str, Any]], handle: CalculateHandle, stream_guard) -> None:
+    def submit(self, job: Callable[[], Dict[str, Any]], handle: CalculateHandle, stream_guard,
+               handed: Sequence = ()) -> None:
+        """``handed``: (metric, snapshot) pairs whose interval returns if the job fails."""
         with self._idle:
             self._pending += 1
-        self._jobs.put((job, handle, stream_guard))
+        self._jobs.put((job, handle, stream_guard, handed))
 
     def _run(self) -> None:
         while True:
-            job, handle, stream_guard = self._jobs.get()
+            job, handle, stream_guard, handed = self._jobs.get()
             try:
                 with stream_guard():
                     result = job()
             except BaseException as e:  # noqa: BLE001 - every error belongs to the handle
+                _give_back(handed, e)
                 handle._finish(error=e)
             else:
+                _done(handed)
                 handle._finish(result=result)
             with self._idle:
                 self._pending -= 1
@@ -159,16 +158,72 @@ def submit(metrics: Sequence, finish: Callable[[List[Dict[str, Any]]], Dict[str,
     def groups(data_group, share_group):
         return tuple(None if g is None else twins[id(g)] for g in (data_group, share_group))
 
-    snapshots = [_hand_off(m, reset) for m in metrics]
+    handed = []
+    with _RETURN_LOCK:  # no interval given back between the settle and the hand-off
+        for m in metrics:
+            settle(m)
+        snapshots = [_hand_off(m, reset) for m in metrics]
+        if reset:  # reset=False kept the states in the metrics: nothing to give back
+            for m, snap in zip(metrics, snapshots):
+                m._in_flight.append(snap)
+                handed.append((m, snap))
     guard = _stream_guard(snapshots)
-
-    def restore():
-        for m, snap in zip(metrics, snapshots):
-            m._fold_back(snap)
-
-    handle = CalculateHandle(what, restore if reset else None)
-    _worker().submit(lambda: finish(sync_and_compute(snapshots, reset=False, groups=groups)), handle, guard)
+    handle = CalculateHandle(what)
+    _worker().submit(lambda: finish(sync_and_compute(snapshots, reset=False, groups=groups)), handle, guard,
+                     handed)
     return handle
+
+
+_RETURN_LOCK = threading.RLock()
+
+
+def _done(handed) -> None:
+    with _RETURN_LOCK:
+        for m, snap in handed:
+            _forget(m._in_flight, snap)
+
+
+def _give_back(handed, error: BaseException) -> None:
+    """On the worker, after a failed sync: each handed-off interval goes under the next
+    snapshot of its metric still in flight (synced after this one, by this thread), or
+    else back to the metric, to be settled on the caller's thread."""
+    with _RETURN_LOCK:
+        for m, snap in handed:
+            _forget(m._in_flight, snap)
+            try:
+                if m._in_flight:
+                    m._in_flight[0]._fold_under(snap)
+                else:
+                    m._returned.append(snap)
+            except Exception as e:  # noqa: BLE001 - the sync's error is the one to raise
+                note = getattr(error, "add_note", None)
+                if note is not None:
+                    note(f"{type(m).__name__}: the interval could not be given back: {e}")
+
+
+def settle(metric) -> None:
+    """On the caller's thread: put the intervals given back to ``metric`` under its live
+    states, oldest first (they are older than everything it accumulated since)."""
+    if not metric._returned:
+        return
+    with _RETURN_LOCK:
+        returned, metric._returned = metric._returned, []
+    for snap in reversed(returned):  # the newest goes right under the live states
+        metric._fold_under(snap)
+
+
+def drop_returned(metric) -> None:
+    """``reset()`` and loads discard intervals given back, as they discard the states."""
+    if getattr(metric, "_returned", None):
+        with _RETURN_LOCK:
+            metric._returned = []
+
+
+def _forget(items: List, obj) -> None:
+    for i, x in enumerate(items):
+        if x is obj:
+            del items[i]
+            return
 
 
 def _hand_off(metric, reset: bool):
@@ -176,6 +231,8 @@ def _hand_off(metric, reset: bool):
     (``reset=True``: the states move, no copy) or keeps its states (they are cloned)."""
     snap = copy.copy(metric)
     snap._specs = dict(metric._specs)
+    snap._touched = set(metric._touched)
+    snap._returned, snap._in_flight = [], []
     if reset:
         snap._states = metric._states
         metric.reset()

@@ -53,8 +53,8 @@ class State:
 
             ``"stage"`` and ``"model"`` need a ``"sum"``, ``"max"`` or ``"min"`` reduction.
         optional: a state added to a metric after checkpoints of it were written: a state
-            dict without it loads it at its default (so the default must keep the old
-            meaning) instead of being refused as incomplete.
+            dict without it loads it as ``Metric._legacy_state`` says (its default, or what
+            the metric tells from the other saved states) instead of being refused.
     """
 
     reduce: Reduce = "sum"

@@ -161,10 +161,18 @@ class TrainMetric(Metric):
             out["peak_memory"] = torch.cuda.max_memory_allocated() / 2**30
         return out
 
-    def _after_fold_back(self, snapshot):
-        # the interval that failed to sync goes on: it started when the snapshot's did
-        self._interval_start = snapshot._interval_start
-        self._interval_first_step = snapshot._interval_first_step
+    def _rebase(self, later, earlier):
+        # this interval's clock and step count ran from its own start: from earlier's now
+        out = dict(later)
+        if "interval_time" in out:
+            out["interval_time"] = out["interval_time"] + (self._interval_start - earlier._interval_start)
+        if "interval_steps" in out:
+            out["interval_steps"] = out["interval_steps"] + (self._interval_first_step - earlier._interval_first_step)
+        return out
+
+    def _after_fold_under(self, earlier):
+        self._interval_start = earlier._interval_start
+        self._interval_first_step = earlier._interval_first_step
 
     def _after_commit(self, contributions):
         # Host bookkeeping only once the call is folded in (a failed call, or one a
