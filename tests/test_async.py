@@ -278,3 +278,71 @@ def test_failed_intervals_go_back_in_call_order_and_fold_as_accumulate_does(monk
     assert_results_close(timeless(got), timeless(expected), rel=1e-12)
     assert got["last/value"] == 0.0 and got["loss/grad_norm"] == 2.0
     assert 768 / took <= got["train/tokens/s"] <= 768 / 0.2  # the clock ran from the first step
+
+
+def test_intervals_given_back_late_land_once_and_resets_drop_them(monkeypatch):
+    """A failed interval that comes back while a synchronous calculate runs stays for the
+    next one; a queued calculate(reset=False) gets it too; reset() and loads drop intervals
+    from before them, even those whose sync fails only afterwards."""
+    from twinkle_metrics import base
+
+    real = pending.sync_and_compute
+    plan = []  # per background job: (gate to wait for, fail?)
+
+    def scripted(*a, **k):
+        gate, fail = plan.pop(0)
+        gate.wait(10)
+        if fail:
+            raise MetricSyncError("ranks disagree (simulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(pending, "sync_and_compute", scripted)
+
+    def call(m, loss, n):
+        m.accumulate(None, {"loss": loss, "num_tokens": n})
+
+    # 1. given back while a synchronous calculate() runs: reported by the next one
+    m = LossMetric(loss_reduction="sum")
+    gate = threading.Event()
+    plan.append((gate, True))
+    call(m, 6.0, 2)
+    failed = m.calculate(async_op=True)
+    call(m, 4.0, 3)
+    real_sync = base.sync_and_compute
+
+    def sync_while_failing(*a, **k):
+        gate.set()  # the failed interval comes back in the middle of this calculate
+        with pytest.raises(MetricSyncError):
+            failed.wait(10)
+        return real_sync(*a, **k)
+
+    monkeypatch.setattr(base, "sync_and_compute", sync_while_failing)
+    assert m.calculate() == {"loss": 4.0 / 3, "num_tokens": 3}
+    monkeypatch.setattr(base, "sync_and_compute", real_sync)
+    assert m.calculate() == {"loss": 3.0, "num_tokens": 2}
+
+    # 2. a calculate(reset=False) queued behind the failing one reports both, and keeps them
+    gate = threading.Event()
+    plan += [(gate, True), (gate, False)]
+    call(m, 6.0, 2)
+    failed = m.calculate(async_op=True)
+    call(m, 4.0, 3)
+    kept = m.calculate(reset=False, async_op=True)
+    gate.set()
+    with pytest.raises(MetricSyncError):
+        failed.wait(10)
+    assert kept.wait(10) == {"loss": 2.0, "num_tokens": 5}
+    assert m.calculate() == {"loss": 2.0, "num_tokens": 5}
+
+    # 3. reset() and load_state_dict() drop intervals handed off before them
+    for drop in (lambda x: x.reset(), lambda x: x.load_state_dict(LossMetric(loss_reduction="sum").state_dict())):
+        gate = threading.Event()
+        plan.append((gate, True))
+        call(m, 6.0, 2)
+        failed = m.calculate(async_op=True)
+        drop(m)
+        gate.set()
+        with pytest.raises(MetricSyncError):
+            failed.wait(10)
+        call(m, 1.0, 1)
+        assert m.calculate() == {"loss": 1.0, "num_tokens": 1}

@@ -153,6 +153,7 @@ class Metric:
         # folded back on the caller's thread (pending.py), and the snapshots in flight
         self._returned: List["Metric"] = []
         self._in_flight: List["Metric"] = []
+        self._epoch = 0  # bumped by reset() and loads: intervals from before them are dropped
         self.reset()
 
     # ------------------------------------------------------------------ states
@@ -196,6 +197,15 @@ class Metric:
         if states is not None and name in states:
             return states[name]
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    def _end_interval(self) -> None:
+        """``reset()`` after a ``calculate()`` or at a hand-off: it ends the interval, so
+        intervals given back (``pending``), now or later, stay for the next one."""
+        self._keep_returned = True
+        try:
+            self.reset()
+        finally:
+            self._keep_returned = False
 
     @property
     def states(self) -> Dict[str, torch.Tensor]:
@@ -474,8 +484,8 @@ class Metric:
         ``self`` is the metric or a later hand-off's snapshot (``pending``); not bounded by
         ``max_slices``: both intervals were within it when handed off."""
         specs = {**earlier._specs, **self._specs}
-        base = move_states({k: earlier._states[k] if k in earlier._states else spec.new("cpu")
-                            for k, spec in specs.items()}, self._device)
+        base = move_states({k: earlier._states[k].clone() if k in earlier._states else spec.new("cpu")
+                            for k, spec in specs.items()}, self._device)  # earlier may go under others too
         later = self._rebase({k: self._states[k] for k in self._touched if k in self._states}, earlier)
         saved = self._specs, self._states
         self._specs, self._states = specs, base

@@ -91,7 +91,8 @@ class MetricCollection:
             pending.settle(m)
         out = self._combine(sync_and_compute(metrics, reset=False))
         if reset:
-            self.reset()
+            for m in metrics:
+                m._end_interval()
         return out
 
     def _combine(self, per_metric: List[Dict[str, Any]]) -> Dict[str, Any]:

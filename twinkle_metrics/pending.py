@@ -158,15 +158,13 @@ def submit(metrics: Sequence, finish: Callable[[List[Dict[str, Any]]], Dict[str,
     def groups(data_group, share_group):
         return tuple(None if g is None else twins[id(g)] for g in (data_group, share_group))
 
-    handed = []
     with _RETURN_LOCK:  # no interval given back between the settle and the hand-off
         for m in metrics:
             settle(m)
         snapshots = [_hand_off(m, reset) for m in metrics]
-        if reset:  # reset=False kept the states in the metrics: nothing to give back
-            for m, snap in zip(metrics, snapshots):
-                m._in_flight.append(snap)
-                handed.append((m, snap))
+        handed = list(zip(metrics, snapshots))
+        for m, snap in handed:
+            m._in_flight.append(snap)
     guard = _stream_guard(snapshots)
     handle = CalculateHandle(what)
     _worker().submit(lambda: finish(sync_and_compute(snapshots, reset=False, groups=groups)), handle, guard,
@@ -184,15 +182,22 @@ def _done(handed) -> None:
 
 
 def _give_back(handed, error: BaseException) -> None:
-    """On the worker, after a failed sync: each handed-off interval goes under the next
-    snapshot of its metric still in flight (synced after this one, by this thread), or
-    else back to the metric, to be settled on the caller's thread."""
+    """On the worker, after a failed sync: each handed-off interval (``reset=True``; a
+    ``reset=False`` one never left its metric) goes under the later snapshots of its
+    metric still in flight (synced after this one, by this thread) up to the first that
+    took the metric's states, or, when none did, back to the metric, to be settled on the
+    caller's thread. An interval from before a ``reset()`` or a load is dropped, as they
+    dropped the states."""
     with _RETURN_LOCK:
         for m, snap in handed:
             _forget(m._in_flight, snap)
+            if not snap._gives_back or snap._epoch != m._epoch:
+                continue
             try:
-                if m._in_flight:
-                    m._in_flight[0]._fold_under(snap)
+                for later in [x for x in m._in_flight if x._epoch == m._epoch]:
+                    later._fold_under(snap)
+                    if later._gives_back:
+                        break
                 else:
                     m._returned.append(snap)
             except Exception as e:  # noqa: BLE001 - the sync's error is the one to raise
@@ -213,10 +218,14 @@ def settle(metric) -> None:
 
 
 def drop_returned(metric) -> None:
-    """``reset()`` and loads discard intervals given back, as they discard the states."""
-    if getattr(metric, "_returned", None):
-        with _RETURN_LOCK:
-            metric._returned = []
+    """``reset()`` and loads discard intervals given back, and those still in flight, as
+    they discard the states; the resets that end an interval (``Metric._end_interval``)
+    keep them, since those belong under the next interval."""
+    if getattr(metric, "_keep_returned", False) or not hasattr(metric, "_returned"):
+        return
+    with _RETURN_LOCK:
+        metric._returned = []
+        metric._epoch = getattr(metric, "_epoch", 0) + 1
 
 
 def _forget(items: List, obj) -> None:
@@ -233,9 +242,11 @@ def _hand_off(metric, reset: bool):
     snap._specs = dict(metric._specs)
     snap._touched = set(metric._touched)
     snap._returned, snap._in_flight = [], []
+    snap._epoch = metric._epoch
+    snap._gives_back = reset
     if reset:
         snap._states = metric._states
-        metric.reset()
+        metric._end_interval()
     else:
         snap._states = {k: v.clone() for k, v in metric._states.items()}
     return snap

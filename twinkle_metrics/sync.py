@@ -268,7 +268,7 @@ def sync_and_compute(metrics: Sequence, reset: bool = True, groups=None) -> List
             results[i] = m._results(states)
     if reset:  # only once every metric computed: an error above keeps every interval intact
         for m in metrics:
-            m.reset()
+            m._end_interval()
     return results
 
 
