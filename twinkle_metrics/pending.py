@@ -23,11 +23,13 @@ or raises what it would have raised (a ``MetricSyncError`` raises on every rank)
 A failed synchronous call keeps the interval in the metrics, and so does a failed
 asynchronous one (with ``reset=True``): its interval goes back under the next one, in
 call order. If a later hand-off of the metric is still waiting its turn, the worker puts
-the failed interval under that snapshot before syncing it; otherwise the metric keeps
-it aside and puts it under its live states on the caller's thread at the next
-``calculate()``, hand-off or ``state_dict()`` (``settle``). Either way each state folds
-as ``accumulate`` folds a call (``Metric._fold_under``): fix the cause and calculate
-again, and both intervals are reported, as one.
+the failed interval under that snapshot before syncing it (and under a ``reset=False``
+one's copy as well as further on); otherwise the metric keeps it aside and puts it under
+its live states on the caller's thread at the next ``calculate()``, hand-off,
+``state_dict()`` or ``states`` (``settle``). Either way each state folds as
+``accumulate`` folds a call (``Metric._fold_under``): fix the cause and calculate again,
+and both intervals are reported, as one. ``reset()`` and loads drop intervals handed
+off before them (each metric counts them in ``_epoch``).
 At interpreter exit, pending syncs get ``EXIT_WAIT_S`` seconds to finish; the
 thread is a daemon, so a sync whose peers are gone cannot hold the process.
 """
