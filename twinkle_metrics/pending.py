@@ -109,9 +109,12 @@ class _Worker:
             job, handle, stream_guard, handed = self._jobs.get()
             try:
                 with stream_guard():
-                    result = job()
+                    try:
+                        result = job()
+                    except BaseException as e:  # noqa: BLE001 - given back on the job's stream
+                        _give_back(handed, e)
+                        raise
             except BaseException as e:  # noqa: BLE001 - every error belongs to the handle
-                _give_back(handed, e)
                 handle._finish(error=e)
             else:
                 _done(handed)
@@ -197,11 +200,15 @@ def _give_back(handed, error: BaseException) -> None:
                 continue
             try:
                 for later in [x for x in m._in_flight if x._epoch == m._epoch]:
+                    if later._ready is not None:  # its states may still be in the caller's queue
+                        torch.cuda.current_stream().wait_event(later._ready)
                     later._fold_under(snap)
                     if later._gives_back:
                         break
                 else:
                     m._returned.append(snap)
+                if snap._ready is not None:  # the caller folds what it gets back on its own stream
+                    torch.cuda.current_stream().synchronize()
             except Exception as e:  # noqa: BLE001 - the sync's error is the one to raise
                 note = getattr(error, "add_note", None)
                 if note is not None:
@@ -246,6 +253,7 @@ def _hand_off(metric, reset: bool):
     snap._returned, snap._in_flight = [], []
     snap._epoch = metric._epoch
     snap._gives_back = reset
+    snap._ready = None  # CUDA: the event after which its states are complete (_stream_guard)
     if reset:
         snap._states = metric._states
         metric._end_interval()
@@ -264,6 +272,8 @@ def _stream_guard(snapshots) -> Callable[[], Any]:
     device = sorted(devices, key=str)[0]
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
+    for s in snapshots:
+        s._ready = event
     stream = _SIDE_STREAMS.get(device)
     if stream is None:
         stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
