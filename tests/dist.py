@@ -66,6 +66,18 @@ def _destroy_groups_since(before):
     gc.collect()
 
 
+def sync_error(call):
+    """Run ``call()`` (a calculate, a wait, a logger's close) on this rank: the text of the
+    ``MetricSyncError`` it raised, or None."""
+    from twinkle_metrics import MetricSyncError
+
+    try:
+        call()
+    except MetricSyncError as e:
+        return str(e)
+    return None
+
+
 class DistPool:
     def __init__(self, world: int = WORLD, timeout_s: float = COLLECTIVE_TIMEOUT_S):
         """``timeout_s``: the ``init_process_group`` timeout of every rank."""

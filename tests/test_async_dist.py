@@ -11,10 +11,11 @@ import torch.distributed as dist
 
 from parallel import DeviceMesh
 from parallel.groups import free_port
+from tests.dist import sync_error
 from tests.refmetric import cp_slice, dp_shards
 from tests.rlref import make_rl_batch
 from tests.test_metrics_rl_dist import N_SEQ, SEED, SEQ_LEN, _accumulate, _metrics
-from twinkle_metrics import LossMetric, MetricSyncError
+from twinkle_metrics import LossMetric
 
 pytestmark = pytest.mark.xdist_group("dist")
 
@@ -66,11 +67,7 @@ def case_sync_error_from_wait():
     m = LossMetric(mesh, loss_reduction="sum" if dist.get_rank() == 5 else "mean")
     m.accumulate({"labels": torch.tensor([[1, 2]])}, {"loss": torch.tensor(1.0)})
     handle = m.calculate(async_op=True)
-    try:
-        handle.wait(timeout=120)
-    except MetricSyncError as e:
-        return str(e)
-    return None
+    return sync_error(lambda: handle.wait(timeout=120))
 
 
 def test_sync_error_surfaces_from_wait_on_every_rank(dist_pool):
@@ -94,11 +91,7 @@ def case_failed_async_sync_keeps_the_interval_and_raises_on_every_rank():
         if mesh.is_last_stage:
             m.accumulate({"labels": torch.tensor([[1, 2]])}, {"loss": torch.tensor(1.0 + mesh.dp_rank)})
         logger.log(m.calculate(async_op=True), 1)
-        try:
-            logger.close()
-            err = None
-        except MetricSyncError as e:
-            err = str(e)
+        err = sync_error(logger.close)
     m.nan_policy = "propagate"
     return err, m.calculate()
 

@@ -7,8 +7,9 @@ import torch.distributed as dist
 
 from launch.common import skip_deepspeed_shm_op
 from parallel import DeviceMesh, Layout
+from tests.dist import sync_error
 from tests.refmetric import TokenStats, make_batch, shard_for_rank
-from twinkle_metrics import Metric, MetricCollection, MetricSyncError, State
+from twinkle_metrics import Metric, MetricCollection, State
 from twinkle_metrics.testing import CollectiveCounter
 
 pytestmark = pytest.mark.xdist_group("dist")
@@ -198,11 +199,7 @@ def case_schema_mismatch():
     metrics = [TokenStats(mesh)]
     if dist.get_rank() == 3:  # a non-last-stage rank built one metric more
         metrics.append(TokenStats(mesh))
-    try:
-        MetricCollection(metrics).calculate()
-    except MetricSyncError as e:
-        return str(e)
-    return None
+    return sync_error(MetricCollection(metrics).calculate)
 
 
 def test_schema_mismatch_raises_on_every_rank(dist_pool):
@@ -346,11 +343,7 @@ def case_stage_scope_replicas_disagree():
     values = _placed_values(mesh.dp_rank, 0, mesh.pp_rank)
     values["s"] += mesh.tp_rank  # TP replicas of a stage must agree on a "stage" state
     metric.accumulate(None, values)
-    try:
-        metric.calculate()
-    except MetricSyncError as e:
-        return str(e)
-    return None
+    return sync_error(metric.calculate)
 
 
 def test_stage_scope_checks_tp_replicas(dist_pool):

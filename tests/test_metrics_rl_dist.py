@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import DeviceMesh
+from tests.dist import sync_error
 from tests.refmetric import cp_slice, dp_shards
 from tests.rlref import make_rl_batch, ragged, ref_entropy
 from twinkle_metrics import CISPOMetric, CompletionRewardMetric, DPOMetric, GRPOMetric, GSPOMetric, MetricCollection
@@ -229,16 +230,11 @@ def test_reward_names_seen_on_some_ranks_merge(dist_pool):
 def case_reward_names_fixed_on_one_rank():
     """Rank 0 fixes its reward names, the others take them as they come; rank 3 meets a name
     rank 0 could not create."""
-    from twinkle_metrics import MetricSyncError
     mesh = DeviceMesh.from_sizes(dp_size=8)
     rank = dist.get_rank()
     m = CompletionRewardMetric(mesh, reward_names=["acc"] if rank == 0 else None)
     m.accumulate(rewards={"acc": [1.0], **({"fmt": [0.5]} if rank == 3 else {})})
-    try:
-        m.calculate()
-    except MetricSyncError as e:
-        return str(e)
-    return None
+    return sync_error(m.calculate)
 
 
 def test_reward_names_fixed_on_some_ranks_open_on_others_raise_everywhere(dist_pool):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from parallel import DeviceMesh
+from tests.dist import sync_error
 from tests.refmetric import cp_slice, dp_shards
 from tests.rlref import make_rl_batch, ragged
 from twinkle_metrics import Accuracy, CompletionRewardMetric, GRPOMetric, MetricCollection
@@ -91,17 +92,12 @@ def _bounded_feed(m, rank, sources):
 def case_slices_over_the_bound():
     """Each rank within max_slices=2, the data group beyond it: every rank raises at
     calculate(), keeps its states, and with the bound raised every rank gets the exact result."""
-    from twinkle_metrics import MetricSyncError
     mesh = DeviceMesh.from_sizes(dp_size=8)
     m = Accuracy(mesh, slice_by="src", max_slices=2)
     mine = {0: ["a", "b"], 1: ["c"]}.get(mesh.dp_rank, [])
     if mine:
         _bounded_feed(m, mesh.dp_rank, mine)
-    try:
-        m.calculate()
-        first = None
-    except MetricSyncError as e:
-        first = str(e)
+    first = sync_error(m.calculate)
     if mine:
         _bounded_feed(m, mesh.dp_rank, mine[:1])  # slices this rank knows: still accepted
     m.max_slices = 3

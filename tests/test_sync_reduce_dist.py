@@ -20,8 +20,9 @@ from parallel import DeviceMesh
 from tests import test_faults_dist as faults
 from tests import test_foundation_dist as foundation
 from tests import test_metrics_rl_dist as rl
+from tests.dist import sync_error
 from tests.refmetric import TokenStats
-from twinkle_metrics import Metric, MetricCollection, MetricSyncError, State, sync
+from twinkle_metrics import Metric, MetricCollection, State, sync
 from twinkle_metrics.testing import CollectiveCounter, assert_results_close
 
 pytestmark = pytest.mark.xdist_group("dist")
@@ -213,11 +214,7 @@ def case_paths_differ():
     sync.REDUCE_ABOVE = 1 if dist.get_rank() == 0 else 1 << 30  # rank 0 alone would all-reduce
     try:
         m = TokenStats(DeviceMesh.from_sizes(tp_size=2, dp_size=4))  # new groups: a handshake first
-        try:
-            m.calculate()
-        except MetricSyncError as e:
-            return str(e)
-        return None
+        return sync_error(m.calculate)
     finally:
         sync.REDUCE_ABOVE = saved
 
