@@ -133,8 +133,7 @@ def scalar(metric: str, field: str, value, numel: int = 1):
         if value.numel() != numel:
             want = "a scalar" if numel == 1 else f"{numel} elements"
             raise ValueError(f"{metric}: {field} must be {want}, got a tensor of shape {list(value.shape)}")
-        if value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{metric}: {field} must be a real number, got dtype {value.dtype}")
+        real_values(metric, field, value)
         return value.reshape(-1)[0] if numel == 1 else value.reshape(-1)
     if numel != 1:
         raise ValueError(f"{metric}: {field} must have {numel} elements, got a single number")
@@ -182,6 +181,11 @@ def is_bad(x):
     if x is None:
         return False
     return nonfinite(x) if isinstance(x, torch.Tensor) else not math.isfinite(x)
+
+
+def as_count(flag):
+    """An ``is_bad`` flag (a host bool or a bool tensor) as a count to add: 0 or 1."""
+    return flag.to(torch.int64) if isinstance(flag, torch.Tensor) else int(flag)
 
 
 def pick(cond, a, b, dtype=torch.float64):

@@ -131,7 +131,7 @@ class Accuracy(Metric):
             mask = feat.get("completion_mask")
             if mask is not None:
                 # any real dtype: nonzero marks a counted token (mask.bool())
-                mask = mask if isinstance(mask, torch.Tensor) else host_array(_NAME, "completion_mask", mask)
+                mask = host_array(_NAME, "completion_mask", mask)
                 if mask.is_complex():
                     raise TypeError(f"{_NAME}: completion_mask must be bool, integer or float, got {mask.dtype}")
                 mask = mask.to(logits.device, non_blocking=True)

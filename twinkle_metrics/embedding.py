@@ -10,7 +10,7 @@ from parallel import comm_device
 from parallel.groups import all_gather_rows, group_rank, group_size
 
 from . import exchange
-from ._checks import f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
+from ._checks import as_count, f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .microbatch import as_feature_list, has_field, microbatches
@@ -133,8 +133,7 @@ class EmbeddingMetric(Metric):
                 bad = is_bad(loss)
                 out["loss_total"] = plus(out.get("loss_total"), pick(bad, 0.0, loss) if skip else loss)
                 out["loss_count"] = plus(out.get("loss_count"), pick(bad, 0, 1, torch.int64) if skip else 1)
-                out["loss_bad"] = plus(out.get("loss_bad"), bad.to(torch.int64) if isinstance(bad, torch.Tensor)
-                                       else int(bad))
+                out["loss_bad"] = plus(out.get("loss_bad"), as_count(bad))
             sizes = self._agree_sizes(emb)
         out.update(self._similarities(emb, labels, sizes))
         return out

@@ -7,7 +7,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from ._checks import f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
+from ._checks import as_count, f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
 from ._checks import nan_policy as check_nan_policy
 from .base import Metric
 from .microbatch import as_feature_list
@@ -126,7 +126,7 @@ class LossMetric(Metric):
                     value = torch.where(torch.isfinite(n), value, math.nan)
                 loss_total = plus(loss_total, torch.where(use, value, 0.0))
                 entries = plus(entries, use.to(torch.int64))
-            bad_total = plus(bad_total, bad.to(torch.int64) if isinstance(bad, torch.Tensor) else int(bad))
+            bad_total = plus(bad_total, as_count(bad))
         if entries is not None:
             out["loss_total"], out["entries"] = loss_total, entries
             out["nonfinite"] = bad_total

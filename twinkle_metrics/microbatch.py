@@ -23,16 +23,18 @@ def batch_size(metric: str, feature: Mapping[str, Any]) -> int:
         value = feature.get(key)
         if value is None:
             continue
-        if not isinstance(value, torch.Tensor):
-            value = host_array(metric, key, value)
+        value = host_array(metric, key, value)
         return 1 if value.dim() <= 1 else int(value.shape[0])
     raise ValueError(f"{metric}: an input feature has none of {list(_BATCH_KEYS)}; pass labels "
                      f"(or input_ids) so the batch size is known; got keys {sorted(feature)}")
 
 
 def host_array(metric: str, field: str, value) -> torch.Tensor:
-    """A host list (of lists) of numbers as a tensor, or a TypeError naming the field:
-    ragged rows (sequences of different lengths) and strings are not arrays."""
+    """A feature field as a tensor: a tensor as it is; a host list (of lists) of numbers
+    converted, or a TypeError naming the field: ragged rows (sequences of different
+    lengths) and strings are not arrays."""
+    if isinstance(value, torch.Tensor):
+        return value
     try:
         t = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as e:

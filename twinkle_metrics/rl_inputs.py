@@ -22,19 +22,13 @@ from .microbatch import has_field, host_array, join, microbatches
 def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tensor:
     """``[b, s]`` bool mask: ``completion_mask`` when given, else ``labels != ignore_index``."""
     if feat.get("completion_mask") is not None:
-        mask = _ne(_feature_tensor(metric, "completion_mask", feat["completion_mask"], device), 0)
+        mask = _ne(as_tensor(host_array(metric, "completion_mask", feat["completion_mask"]), device), 0)
     elif feat.get("labels") is not None:
-        mask = _ne(_feature_tensor(metric, "labels", feat["labels"], device), ignore_index)
+        mask = _ne(as_tensor(host_array(metric, "labels", feat["labels"]), device), ignore_index)
     else:
         raise ValueError(f"{metric}: an input feature has neither 'completion_mask' nor 'labels'; "
                          f"pass one so the valid tokens are known; got keys {sorted(feat)}")
     return mask.unsqueeze(0) if mask.dim() == 1 else mask
-
-
-def _feature_tensor(metric: str, field: str, value, device) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        value = host_array(metric, field, value)
-    return as_tensor(value, device)
 
 
 _INT_OF_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}
