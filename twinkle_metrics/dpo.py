@@ -263,7 +263,7 @@ class DPOMetric(Metric):
         slice); per-pair sums by one slice name per pair; an interleaved batch as any call."""
         field = self.slice_by
         if kwargs.get("chosen") is not None and kwargs.get("rejected") is not None:
-            rest = {k: v for k, v in kwargs.items() if k not in _SIDES and not slicing.is_reading(v)}
+            settings = {k: v for k, v in kwargs.items() if slicing.is_setting(v)}
             sides = []
             for side in ("chosen", "rejected"):
                 s_in, s_out = _pair(side, kwargs[side])
@@ -276,7 +276,7 @@ class DPOMetric(Metric):
                 raise ValueError(f"{_NAME}: slice_by={field!r}: the chosen sequences are in slices {c_names[:8]} "
                                  f"but the rejected ones in {r_names[:8]}; both sides of a pair must carry the "
                                  f"same {field}")
-            return [(name, None, None, {**rest, "chosen": c[:2], "rejected": r_parts[name][:2],
+            return [(name, None, None, {**settings, "chosen": c[:2], "rejected": r_parts[name][:2],
                                         "ref_chosen": c[2], "ref_rejected": r_parts[name][2]})
                     for name, c in c_parts.items()]
         if isinstance(outputs, dict) and outputs.get("chosen_logps") is not None:
@@ -287,7 +287,7 @@ class DPOMetric(Metric):
             if len(names) != n:
                 raise ValueError(f"{_NAME}: slice_by={field!r} with per-pair sums: got {len(names)} slice "
                                  f"names for {n} pairs; pass inputs={{{field!r}: [one per pair]}}")
-            settings = {k: v for k, v in kwargs.items() if isinstance(v, (str, bool))}
+            settings = {k: v for k, v in kwargs.items() if slicing.is_setting(v)}
             out = []
             for name in dict.fromkeys(names):
                 rows = torch.tensor([i for i, x in enumerate(names) if x == name])
@@ -393,7 +393,6 @@ def _describe(key: int) -> str:
 
 
 _PRESUMMED_KEYS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
-_SIDES = ("chosen", "rejected", "ref_chosen", "ref_rejected")
 
 
 def _spelling(key) -> str:

@@ -182,8 +182,8 @@ _DROP = object()
 
 def _select_kwarg(metric, key, value, rows, keep, global_rows, sizes):
     n, n_micro = sum(sizes), len(sizes)
-    if isinstance(value, (str, bool)):
-        return value  # a setting of the call: each slice is read the same way
+    if is_setting(value):
+        return value  # each slice is read the same way
     if isinstance(value, Mapping):
         return {k: v for k, v in ((k, _select_kwarg(metric, f"{key}[{k!r}]", v, rows, keep, global_rows, sizes))
                                   for k, v in value.items()) if v is not _DROP}
@@ -226,9 +226,15 @@ def _full(v) -> bool:
     return True
 
 
+def is_setting(value) -> bool:
+    """Whether a keyword value is a setting of the call (a string or a bool, such as
+    ``loss_reduction``), which goes to every slice as it is."""
+    return isinstance(value, (str, bool))
+
+
 def is_data(value) -> bool:
     """Whether a keyword value holds per-sequence data: neither a reading nor a setting."""
-    return not (is_reading(value) or isinstance(value, (str, bool)))
+    return not (is_reading(value) or is_setting(value))
 
 
 def _select_entry(metric, key, entry, rows, b):
