@@ -120,7 +120,7 @@ def main(argv=None):
     args = parse_args(argv)
     overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
     cfg = common.load_run_config(config_path(args.config), overrides,
-                      optional=common.OPTIONAL_KEYS + ("parallel.pp",))
+                                 optional=common.OPTIONAL_KEYS + ("parallel.pp",))
     env = read_env(args.local_rank)
     if not env.distributed:  # DeepSpeed wants a rendezvous even for one process
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -156,8 +156,9 @@ def main(argv=None):
     args = parse_args(argv)
     overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
     cfg = common.load_run_config(config_path(args.config), overrides,
-                      optional=common.OPTIONAL_KEYS + ("parallel.tp", "parallel.pp", "parallel.vpp",
-                                                       "train.warmup_steps", "train.min_lr", "train.weight_decay"))
+                                 optional=common.OPTIONAL_KEYS + ("parallel.tp", "parallel.pp", "parallel.vpp",
+                                                                  "train.warmup_steps", "train.min_lr",
+                                                                  "train.weight_decay"))
     env = read_env(args.local_rank)
     init_torch_distributed(env)
 
