@@ -161,7 +161,7 @@ def _megatron_grad_norm(grads, fns: Dict[str, Callable], notes: Dict[str, Any]) 
     import torch.distributed as dist
 
     from parallel.groups import free_port
-    from twinkle_metrics import megatron_cpu
+    from twinkle_metrics.integrations import megatron_cpu
 
     own_group = not dist.is_initialized()
     if own_group:

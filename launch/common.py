@@ -157,7 +157,7 @@ def finish_run(tag: str, steps: int, start: float, run_dir: str, sinks, enabled:
         return
     jsonl = os.path.join(run_dir, "metrics.jsonl")
     if "plot" in sinks and os.path.exists(jsonl) and os.path.getsize(jsonl) > 0:  # a 0-step run logs nothing
-        from twinkle_metrics.plot import plot
+        from twinkle_metrics.integrations.plot import plot
 
         print(f"[{tag}] plot: {plot(jsonl, title=title)}", flush=True)
     print(f"[{tag}] {steps} steps in {time.time() - start:.1f} s; run dir: {run_dir}", flush=True)
@@ -181,7 +181,7 @@ OPTIONAL_KEYS = ("logging.progress", "logging.interval", "logging.sinks", "loggi
 def load_run_config(path: str, overrides, optional=()) -> dict:
     """The run's config with ``--set`` overrides checked (``load_config(strict=True)``):
     a bad one ends the run with its message, before any process group exists."""
-    from twinkle_metrics.factory import load_config
+    from twinkle_metrics.integrations.factory import load_config
 
     try:
         cfg = load_config(path, overrides, strict=True, optional=optional)

@@ -16,7 +16,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel import DeviceMesh  # noqa: E402
-from twinkle_metrics import Metric, MetricCollection, State, fold, microbatches  # noqa: E402
+from twinkle_metrics import Metric, MetricCollection, State, microbatches
+from twinkle_metrics.core import fold
 
 
 class MaskedMean(Metric):

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from common import DebugDump, make_run_dir, print_rank0, read_env
 
 from parallel import DeviceMesh
-from twinkle_metrics.factory import build_metrics, config_path, load_config, split_feeds
-from twinkle_metrics.loggers import LoggerGroup, MonitorLogger, Progress, build_loggers
+from twinkle_metrics.integrations.factory import build_metrics, config_path, load_config, split_feeds
+from twinkle_metrics.integrations.loggers import LoggerGroup, MonitorLogger, Progress, build_loggers
 
 DEFAULT_CONFIG = "deepspeed_demo.json"
 warnings.filterwarnings("ignore", category=UserWarning)

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from common import DebugDump, init_torch_distributed, make_run_dir, print_rank0, read_env
 
 from parallel import DeviceMesh
-from twinkle_metrics.factory import build_metrics, config_path, split_feeds
-from twinkle_metrics.loggers import Progress, build_loggers
+from twinkle_metrics.integrations.factory import build_metrics, config_path, split_feeds
+from twinkle_metrics.integrations.loggers import Progress, build_loggers
 
 DEFAULT_CONFIG = "megatron_demo.json"
 # megatron-core warns at import about missing Apex / Transformer Engine (expected on CPU).
@@ -162,7 +162,7 @@ def main(argv=None):
     env = read_env(args.local_rank)
     init_torch_distributed(env)
 
-    from twinkle_metrics import megatron_cpu
+    from twinkle_metrics.integrations import megatron_cpu
 
     on_cpu = megatron_cpu.enable()  # no-op when CUDA is present
     from megatron.core import parallel_state as ps

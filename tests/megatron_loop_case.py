@@ -65,7 +65,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
 
-    from twinkle_metrics import megatron_cpu
+    from twinkle_metrics.integrations import megatron_cpu
 
     megatron_cpu.enable()  # before model_parallel_cuda_manual_seed
     from megatron.core import parallel_state as ps

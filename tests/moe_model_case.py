@@ -19,7 +19,7 @@ LAYERS, EXPERTS, TOPK, VOCAB, SEQ, BATCH = 2, 4, 2, 32, 8, 3
 
 def cpu_megatron():
     """megatron-core's MoE on CPU: the package's shim covers the router and moe_utils."""
-    from twinkle_metrics import megatron_cpu
+    from twinkle_metrics.integrations import megatron_cpu
 
     megatron_cpu.enable()
 

@@ -14,9 +14,9 @@ from twinkle_metrics import (
     MetricCollection,
     MetricSyncError,
     State,
-    pending,
 )
-from twinkle_metrics.loggers import Logger, LoggerGroup
+from twinkle_metrics.integrations.loggers import Logger, LoggerGroup
+from twinkle_metrics.sync import pending
 
 
 def _collection():
@@ -284,7 +284,7 @@ def test_intervals_given_back_late_land_once_and_resets_drop_them(monkeypatch):
     """A failed interval that comes back while a synchronous calculate runs stays for the
     next one; a queued calculate(reset=False) gets it too; reset() and loads drop intervals
     from before them, even those whose sync fails only afterwards."""
-    from twinkle_metrics import base
+    from twinkle_metrics.core import metric as base
 
     real = pending.sync_and_compute
     plan = []  # per background job: (gate to wait for, fail?)

@@ -81,7 +81,7 @@ def case_failed_async_sync_keeps_the_interval_and_raises_on_every_rank():
     metric, so the same interval is reported once the metric is fixed."""
     import tempfile
 
-    from twinkle_metrics.loggers import build_loggers
+    from twinkle_metrics.integrations.loggers import build_loggers
 
     mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2)
     rank = dist.get_rank()

@@ -216,7 +216,7 @@ def test_guard_catches_waits():
 
 
 def test_fold_helpers_merge_numbers_and_tensors():
-    from twinkle_metrics import fold
+    from twinkle_metrics.core import fold
 
     out = {}
     for v in (2.0, torch.tensor(5.0), 1):
@@ -416,7 +416,7 @@ def test_states_move_to_an_accelerator_in_one_copy_per_dtype():
     """``move_states`` (first accumulate on a GPU, ``reset()`` there, ``Metric.to``): the
     host states of each dtype travel as one block, each state a view of it with its own
     shape; the meta device stands in for the accelerator (no data, the same code path)."""
-    from twinkle_metrics.state import move_states, new_states
+    from twinkle_metrics.core.state import move_states, new_states
     m = GRPOMetric(top_k_kl=3)
     moved = move_states(m._states, "meta")
     assert list(moved) == list(m._states)

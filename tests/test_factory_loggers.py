@@ -12,8 +12,16 @@ import torch
 
 import twinkle_metrics
 from parallel import DeviceMesh
-from twinkle_metrics import Metric, MetricCollection, State, factory, loggers
-from twinkle_metrics.factory import apply_overrides, build_metrics, feed_of, load_config, register_metric, split_feeds
+from twinkle_metrics import Metric, MetricCollection, State
+from twinkle_metrics.integrations import factory, loggers
+from twinkle_metrics.integrations.factory import (
+    apply_overrides,
+    build_metrics,
+    feed_of,
+    load_config,
+    register_metric,
+    split_feeds,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -279,7 +287,7 @@ def test_progress_plain_fallback():
 
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from twinkle_metrics import plot
+    from twinkle_metrics.integrations import plot
 
     path = tmp_path / "metrics.jsonl"
     with loggers.JsonlLogger(str(path)) as logger:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from twinkle_metrics import Accuracy, LossMetric
-from twinkle_metrics import megatron as tm_megatron
+from twinkle_metrics.integrations import megatron as tm_megatron
 from twinkle_metrics.testing import forbid_device_waits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,12 @@ import torch
 
 from tests.moeref import losses, make_layer, piece, reference
 from twinkle_metrics import MetricCollection, MoERoutingMetric
-from twinkle_metrics.testing import DeviceWaitError, assert_results_close, forbid_device_waits, state_dict_differences
+from twinkle_metrics.testing import (
+    DeviceWaitError,
+    assert_results_close,
+    forbid_device_waits,
+    state_dict_differences,
+)
 
 L, E, K, T = 4, 6, 2, 40
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -26,7 +26,7 @@ def _megatron():
         sys.path.insert(0, LAUNCH)
     import train_megatron
 
-    from twinkle_metrics import megatron_cpu as cpu_compat
+    from twinkle_metrics.integrations import megatron_cpu as cpu_compat
 
     cpu_compat.enable()
     from megatron.core import parallel_state as ps

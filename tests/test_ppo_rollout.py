@@ -9,8 +9,13 @@ import torch
 
 from tests.rlref import make_ppo_batch, ragged, ref_ppo_value, ref_rollout
 from twinkle_metrics import GRPOMetric, MetricCollection, PPOValueMetric, RolloutMismatchMetric
-from twinkle_metrics.factory import build_metrics
-from twinkle_metrics.testing import assert_results_close, forbid_device_waits, merged_results, state_dict_differences
+from twinkle_metrics.integrations.factory import build_metrics
+from twinkle_metrics.testing import (
+    assert_results_close,
+    forbid_device_waits,
+    merged_results,
+    state_dict_differences,
+)
 
 REL = 1e-10
 

@@ -15,11 +15,10 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm_device
-
-from .._order import ordered_f32 as _ordered_f32
-from .._order import ordered_f64 as _ordered_f64
-from ..microbatch import join
-from . import _triton
+from twinkle_metrics.inputs.microbatch import join
+from twinkle_metrics.kernels import _triton
+from twinkle_metrics.sync.order import ordered_f32 as _ordered_f32
+from twinkle_metrics.sync.order import ordered_f64 as _ordered_f64
 
 _NAME = "vocab_parallel_argmax"
 _LOW32 = (1 << 32) - 1
@@ -140,17 +139,17 @@ def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_si
 
 
 def _argmax_kernel(x, labels=None):
-    from .triton_argmax import triton_argmax  # imports triton: CUDA only
+    from twinkle_metrics.kernels.triton_argmax import triton_argmax
     return triton_argmax(x, labels)
 
 
 def _joined_kernel_hits(pairs):
-    from .triton_argmax import triton_argmax_hits_joined
+    from twinkle_metrics.kernels.triton_argmax import triton_argmax_hits_joined
     return triton_argmax_hits_joined(pairs)
 
 
 def _keys_kernel(x, offset, vocab):
-    from .triton_argmax import triton_argmax_keys
+    from twinkle_metrics.kernels.triton_argmax import triton_argmax_keys
     return triton_argmax_keys(x, offset, vocab)
 
 

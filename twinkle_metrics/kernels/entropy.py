@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm_device
-
-from . import _triton
+from twinkle_metrics.kernels import _triton
 
 
 def work_dtype(z: torch.Tensor) -> torch.dtype:
@@ -113,7 +112,7 @@ def _use_triton(chunks: Sequence[torch.Tensor]) -> bool:
 
 def _triton_partials(chunks: Sequence[torch.Tensor], t: float) -> torch.Tensor:
     """Every chunk's ``(m, S, W)`` rows, written by one launch each into one buffer."""
-    from .triton_entropy import triton_token_partials
+    from twinkle_metrics.kernels.triton_entropy import triton_token_partials
     rows = [math.prod(c.shape[:-1]) for c in chunks]
     out = torch.empty(sum(rows), 3, dtype=torch.float64, device=chunks[0].device)
     start = 0

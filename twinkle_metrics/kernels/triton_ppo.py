@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rl import _counted, _strides
+from twinkle_metrics.kernels.triton_rl import _counted, _strides
 
 #: partial columns: sums, then (count, mean, M2) of the returns, of return - value, of the advantages
 SUMS = ("n_tok", "sum_value", "n_bad", "n_old", "clipped")

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rl import _counted, _k3_ratio, _store_sum, column_totals
+from twinkle_metrics.kernels.triton_rl import _counted, _k3_ratio, _store_sum, column_totals
 
 #: partial columns: per-sequence (sum of d, tokens) first, then sums, the NaN flag of the
 #: extremes, and the extremes (as maxima; d_min negated)

@@ -7,10 +7,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from parallel import group_rank
-
-from . import _compat
-from .base import Metric
-from .state import State
+from twinkle_metrics.core import compat as _compat
+from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core.state import State
 
 _NAME = "ModelNormMetric"
 _GRAD, _PARAM = "grad_sq/", "param_sq/"

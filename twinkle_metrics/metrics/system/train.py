@@ -9,10 +9,9 @@ from typing import Optional
 import torch
 
 from parallel.groups import global_rank, world_size
-
-from ._checks import fits_int64
-from .base import Metric
-from .state import State
+from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.checks import fits_int64
 
 _NAME = "TrainMetric"
 _COUNTS = ("global", "local")

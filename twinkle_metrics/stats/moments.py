@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .state import State, batched
+from twinkle_metrics.core.state import State, batched
 
 
 def chan(rows: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,11 @@ import torch
 
 from parallel import DeviceMesh, as_device_mesh, dist_ready, group_size
 from parallel.groups import group_ranks
-
-from . import pending, slicing
-from .exchange import join_failed
-from .state import State, _as_tensor, move_states, new_states
-from .sync import plain_states, sync_and_compute
+from twinkle_metrics.core import slicing
+from twinkle_metrics.core.state import State, _as_tensor, move_states, new_states
+from twinkle_metrics.sync import pending
+from twinkle_metrics.sync.agreement import join_failed
+from twinkle_metrics.sync.fused import plain_states, sync_and_compute
 
 #: Keyword arguments of ``accumulate`` that some metric's ``update`` names. A trainer
 #: passes one shared kwargs dict to every metric (Twinkle's convention), so a keyword

@@ -5,14 +5,14 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import fold
-from ._checks import nan_policy as check_nan_policy
-from .base import Metric
-from .kernels import _triton
-from .microbatch import has_field
-from .moments import chan, moments, moments_state
-from .rl_inputs import aligned_microbatches, joined_microbatches, nonfinite_tokens
-from .state import State
+from twinkle_metrics.core import fold
+from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.microbatch import has_field
+from twinkle_metrics.inputs.rl import aligned_microbatches, joined_microbatches, nonfinite_tokens
+from twinkle_metrics.kernels import _triton
+from twinkle_metrics.stats.moments import chan, moments, moments_state
 
 _SIDES = ("old_values", "returns", "advantages")
 
@@ -192,5 +192,5 @@ def _fits(v: torch.Tensor, m: torch.Tensor, side) -> bool:
 
 
 def _token_stats(items, **kwargs) -> Dict[str, torch.Tensor]:
-    from .kernels import triton_ppo  # imports triton: CUDA only
+    from twinkle_metrics.kernels import triton_ppo
     return triton_ppo.token_stats(items, **kwargs)

@@ -70,10 +70,9 @@ import torch.distributed as dist
 
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_ranks, group_size
-
-from ._checks import from_host, from_host_all
-from ._order import from_ordered_f64, ordered_f64
-from .slicing import held
+from twinkle_metrics.core.slicing import held
+from twinkle_metrics.inputs.checks import from_host, from_host_all
+from twinkle_metrics.sync.order import from_ordered_f64, ordered_f64
 
 _HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
 _H_PLAN, _H_NEED, _H_SOURCE, _H_PP = 0, 1, 2, 3

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._host import host_reads_active
+from twinkle_metrics.sync.host import host_reads_active
 
 
 class DeviceWaitError(RuntimeError):
@@ -208,7 +208,7 @@ def merged_results(shards: Sequence) -> Dict[str, Any]:
     """
     import copy
 
-    from .sync import plain_states
+    from twinkle_metrics.sync.fused import plain_states
 
     lead = shards[0]
     types = {type(m) for m in shards}

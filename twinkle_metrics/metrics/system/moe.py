@@ -10,11 +10,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ._checks import fits_int64
-from ._checks import nan_policy as check_nan_policy
-from .base import Metric
-from .kernels import _triton
-from .state import State
+from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.checks import fits_int64
+from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.kernels import _triton
 
 _NAME = "MoERoutingMetric"
 _FIELDS = ("routing_map", "expert_counts", "router_logits", "router_probs", "token_mask",
@@ -264,7 +264,7 @@ class MoERoutingMetric(Metric):
                 and (scores is None or scores.dtype in _triton.DTYPES + (torch.float64,)))
 
     def _fused(self, f: Dict[str, Any], layer: int) -> Dict[str, torch.Tensor]:
-        from .kernels import triton_moe  # imports triton: CUDA only
+        from twinkle_metrics.kernels import triton_moe
         return triton_moe.layer_rows(
             layers=self.num_layers, layer=layer, experts=self.num_experts, device=f["device"],
             routing_map=f.get("routing_map"), scores=f.get("router_logits", f.get("router_probs")),

@@ -34,9 +34,8 @@ import os
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Type
 
 from parallel import DeviceMesh
-
-from .base import Metric, constructor_keywords
-from .collection import MetricCollection
+from twinkle_metrics.core.collection import MetricCollection
+from twinkle_metrics.core.metric import Metric, constructor_keywords
 
 _REGISTRY: Dict[str, Type[Metric]] = {}
 _RESERVED_KWARGS = ("device_mesh", "process_group")

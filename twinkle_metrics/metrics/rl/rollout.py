@@ -7,13 +7,13 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from parallel import group_rank
-
-from . import exchange, fold
-from ._checks import nan_policy as check_nan_policy
-from .base import Metric
-from .kernels import _triton
-from .rl_inputs import aligned_microbatches, cp_sum, nonfinite_tokens
-from .state import State
+from twinkle_metrics.core import fold
+from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.rl import aligned_microbatches, cp_sum, nonfinite_tokens
+from twinkle_metrics.kernels import _triton
+from twinkle_metrics.sync import agreement as exchange
 
 _P = "rollout/"
 
@@ -208,7 +208,7 @@ class RolloutMismatchMetric(Metric):
         batches = [dict(lp=items[i]["x"], roll=items[i]["rollout_logps"][0], has=items[i]["m"]) for i in which]
 
         def launch():
-            from .kernels import triton_rollout  # imports triton: CUDA only
+            from twinkle_metrics.kernels import triton_rollout
             return triton_rollout.token_stats(batches, lo=_log(self.is_threshold_low),
                                               hi=math.log(self.is_threshold), skip=self.nan_policy == "skip")
 
@@ -300,7 +300,7 @@ class RolloutMismatchMetric(Metric):
 
 
 def _sequence_stats(parts: torch.Tensor) -> Dict[str, torch.Tensor]:
-    from .kernels import triton_rollout  # imports triton: CUDA only
+    from twinkle_metrics.kernels import triton_rollout
     return triton_rollout.sequence_stats(parts)
 
 

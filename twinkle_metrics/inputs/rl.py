@@ -14,9 +14,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from parallel import comm_device, group_size
-
-from ._checks import as_tensor, float_tensor, from_host, nonfinite, real_values
-from .microbatch import has_field, host_array, join, microbatches
+from twinkle_metrics.inputs.checks import as_tensor, float_tensor, from_host, nonfinite, real_values
+from twinkle_metrics.inputs.microbatch import has_field, host_array, join, microbatches
 
 
 def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tensor:

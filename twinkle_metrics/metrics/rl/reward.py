@@ -7,14 +7,14 @@ from typing import Any, Dict, Hashable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from ._checks import nan_policy as check_nan_policy
-from ._checks import nonfinite, real_values
-from .base import Metric
-from .histogram import Histogram, check_quantiles, quantile_keys
-from .moments import moments, moments_state
-from .rl_inputs import cp_lead
-from .slicing import SEP
-from .state import State
+from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core.slicing import SEP
+from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.checks import nonfinite, real_values
+from twinkle_metrics.inputs.rl import cp_lead
+from twinkle_metrics.stats.histogram import Histogram, check_quantiles, quantile_keys
+from twinkle_metrics.stats.moments import moments, moments_state
 
 _NAME = "CompletionRewardMetric"
 _PREFIX = "reward/"

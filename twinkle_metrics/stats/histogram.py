@@ -46,7 +46,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .state import State
+from twinkle_metrics.core.state import State
 
 #: most buckets a histogram may have (an int64 each in every sync buffer)
 MAX_BUCKETS = 100_000

@@ -40,9 +40,8 @@ import contextlib
 from typing import List, Optional, Sequence
 
 from parallel.groups import group_rank, group_size
-
-from ._host import host_max
-from .sync import MetricSyncError
+from twinkle_metrics.sync.fused import MetricSyncError
+from twinkle_metrics.sync.host import host_max
 
 _SLOTS = 3
 

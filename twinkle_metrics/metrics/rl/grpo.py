@@ -8,15 +8,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from parallel import group_rank, group_size
-
-from . import exchange, fold
-from ._checks import as_tensor, float_tensor, floating_tensor
-from ._checks import nan_policy as check_nan_policy
-from .base import Metric
-from .histogram import Histogram, check_quantiles, quantile_keys
-from .kernels import _triton, entropy
-from .microbatch import has_field, microbatches
-from .rl_inputs import (
+from twinkle_metrics.core import fold
+from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.checks import as_tensor, float_tensor, floating_tensor
+from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.microbatch import has_field, microbatches
+from twinkle_metrics.inputs.rl import (
     _float,
     common_length,
     cp_sum,
@@ -27,7 +25,9 @@ from .rl_inputs import (
     split_side_input,
     token_mask,
 )
-from .state import State
+from twinkle_metrics.kernels import _triton, entropy
+from twinkle_metrics.stats.histogram import Histogram, check_quantiles, quantile_keys
+from twinkle_metrics.sync import agreement as exchange
 
 # Columns of one top-k record row.
 _FIELDS = ("kl", "gsi", "pos", "token_id", "ratio", "logp_new", "logp_old")
@@ -473,7 +473,7 @@ class GRPOMetric(Metric):
         both = [mb.old is not None and mb.adv is not None for mb in mbs]
 
         def launch():
-            from .kernels import triton_rl  # imports triton: CUDA only
+            from twinkle_metrics.kernels import triton_rl
             keyed = bool(self.top_k_kl)
             return triton_rl.token_stats(
                 [dict(lp=mb.lp, m=mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent, seq0=mb.seq0,

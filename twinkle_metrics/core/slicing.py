@@ -32,8 +32,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ._checks import from_host
-from .microbatch import _BATCH_KEYS, _split, as_feature_list
+from twinkle_metrics.inputs.checks import from_host
+from twinkle_metrics.inputs.microbatch import _BATCH_KEYS, _split, as_feature_list
 
 SEP = "@"  # state name separator: "{state}@{slice}"
 
@@ -90,7 +90,7 @@ def _rows_in(feat: Dict[str, Any]):
 
 
 def _host_list(t: torch.Tensor) -> list:
-    from ._host import host_reads
+    from twinkle_metrics.sync.host import host_reads
 
     with host_reads():  # a CPU tensor of host-known ids: no device involved
         return t.tolist()

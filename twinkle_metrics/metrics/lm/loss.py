@@ -7,11 +7,11 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from ._checks import as_count, f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
-from ._checks import nan_policy as check_nan_policy
-from .base import Metric
-from .microbatch import as_feature_list
-from .state import State
+from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.checks import as_count, f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
+from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.microbatch import as_feature_list
 
 _NAME = "LossMetric"
 _REDUCTIONS = ("mean", "sum")

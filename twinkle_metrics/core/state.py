@@ -7,7 +7,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from ._checks import from_host_all
+from twinkle_metrics.inputs.checks import from_host_all
 
 Reduce = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 _OPS = ("sum", "max", "min")

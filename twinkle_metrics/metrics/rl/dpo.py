@@ -5,15 +5,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import exchange, slicing
-from ._checks import float_tensor, from_host
-from ._checks import nan_policy as check_nan_policy
-from .base import Metric
-from .histogram import Histogram, check_quantiles, quantile_keys
-from .kernels import _triton
-from .microbatch import as_feature_list, has_field, microbatches
-from .rl_inputs import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
-from .state import State
+from twinkle_metrics.core import slicing
+from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.checks import float_tensor, from_host
+from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.microbatch import as_feature_list, has_field, microbatches
+from twinkle_metrics.inputs.rl import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
+from twinkle_metrics.kernels import _triton
+from twinkle_metrics.stats.histogram import Histogram, check_quantiles, quantile_keys
+from twinkle_metrics.sync import agreement as exchange
 
 _NAME = "DPOMetric"
 #: per-pair reward margins, either sign
@@ -365,12 +366,12 @@ class DPOMetric(Metric):
 
 
 def _row_sums(cols: List[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    from .kernels import triton_rl  # imports triton: CUDA only
+    from twinkle_metrics.kernels import triton_rl
     return triton_rl.masked_row_sums(cols[0], mask, *cols[1:])
 
 
 def _pair_stats(x: torch.Tensor, beta: float, skip: bool) -> Dict[str, torch.Tensor]:
-    from .kernels import triton_rl  # imports triton: CUDA only
+    from twinkle_metrics.kernels import triton_rl
     return triton_rl.pair_stats(x, beta=beta, skip=skip)
 
 

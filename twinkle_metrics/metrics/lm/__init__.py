@@ -1,0 +1,1 @@
+"""Language-model metrics: loss, token accuracy, embedding quality."""

@@ -1,0 +1,1 @@
+"""RL and preference metrics: the GRPO family, DPO, rewards, the value head, rollout mismatch."""

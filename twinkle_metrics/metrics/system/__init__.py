@@ -1,0 +1,1 @@
+"""System metrics: training progress and throughput, parameter and gradient norms, MoE routing."""
