@@ -272,7 +272,7 @@ def config_path(name_or_path: str) -> str:
     ``configs/`` in a checkout), with or without ``.json``: ``config_path("megatron_demo")``."""
     if os.path.exists(name_or_path):
         return name_or_path
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # twinkle_metrics/
     places = [os.path.join(package, "configs"), os.path.join(os.path.dirname(package), "configs")]
     name = os.path.basename(name_or_path) if name_or_path.startswith("configs" + os.sep) else name_or_path
     for place in places:
