@@ -82,7 +82,7 @@ def test_collection_accumulate_is_all_or_nothing():
     with pytest.raises(ValueError, match="Accuracy: labels"):
         coll.accumulate({"labels": labels}, {"loss": 2.0, "logits": bad_logits}, step=7)
     assert not state_dict_differences(coll.state_dict(), before)
-    assert coll[2]._seen_step is None  # host bookkeeping waits for the commit too
+    assert coll[2]._last_host == {}  # host bookkeeping (the step an Origin follows) waits for the commit too
     coll.accumulate({"labels": labels}, {"loss": 2.0, "logits": torch.randn(2, 4, 5)}, step=7)
     assert coll.calculate()["loss"] == 2.0  # counted once
 

@@ -22,13 +22,20 @@ of the slice field):
   (settings such as ``loss_reduction``) go to every slice as they are; numbers and
   0-d tensors (per-call readings such as ``generate_time``) go to the whole call only.
 
+The base reaches this module through four calls: ``check_config`` (construction),
+``contributions`` (each ``accumulate``), ``state_spec`` (the per-slice copy of a state)
+and ``results`` (each ``calculate``); ``over_bound`` is the one check of ``max_slices``
+(in ``accumulate``, across ranks in the sync, and at ``load_state_dict``). A metric whose
+calls cannot be split the generic way registers its own split with ``@splitter(cls)``.
+
 Rows are picked with host-known indices (``index_select`` with an index built on the
 host and copied without waiting): nothing reads the device.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,6 +43,113 @@ from twinkle_metrics.inputs.checks import from_host
 from twinkle_metrics.inputs.microbatch import _BATCH_KEYS, _split, as_feature_list
 
 SEP = "@"  # state name separator: "{state}@{slice}"
+#: metric class -> its own split of a call into slices (``splitter``)
+_SPLITTERS: Dict[type, Callable] = {}
+
+
+def splitter(cls):
+    """Register ``fn(metric, inputs, outputs, kwargs) -> [(slice, inputs, outputs, kwargs)]
+    or None`` as how calls of ``cls`` (and its subclasses) split into slices, for call forms
+    the generic ``split`` cannot read (None: split the generic way)."""
+    def register(fn):
+        _SPLITTERS[cls] = fn
+        return fn
+    return register
+
+
+def check_config(metric, slice_by, max_slices: int) -> None:
+    """Raise on a ``slice_by`` / ``max_slices`` the metric cannot take."""
+    name = type(metric).__name__
+    if slice_by is not None:
+        if not isinstance(slice_by, str) or not slice_by:
+            raise TypeError(f"{name}: slice_by must be the name of a per-sequence input field "
+                            f"(e.g. 'data_source'), got {slice_by!r}")
+        if metric.unsliceable:
+            raise ValueError(f"{name}: slice_by is not supported: {metric.unsliceable}")
+    if isinstance(max_slices, bool) or not isinstance(max_slices, int) or max_slices < 1:
+        raise ValueError(f"{name}: max_slices must be an int >= 1, got {max_slices!r}")
+
+
+def over_bound(metric, slices, bound: int, where: str) -> Optional[str]:
+    """Why ``slices`` (names) are more than ``bound`` allows, said for ``where``
+    (``"accumulate"``, ``"sync"``, ``"load"``); None when within it. The one check of
+    ``max_slices``."""
+    slices = sorted(slices)
+    if len(slices) <= bound:
+        return None
+    name, field = type(metric).__name__, metric.slice_by
+    if where == "accumulate":
+        return (f"{name}: {len(slices)} slices of {field!r} ({slices[:20]}) exceed max_slices={bound}; "
+                "raise max_slices, or slice by a field with fewer values")
+    if where == "load":
+        return (f"{name}.load_state_dict: the state dicts hold {len(slices)} slices of {field!r} "
+                f"({slices[:20]}), more than max_slices={bound}; build the metric with a larger max_slices")
+    return (f"calculate(): {name} holds {len(slices)} slices of {field!r} over the data group "
+            f"({slices[:20]}), more than max_slices={bound}: each rank stayed within it, their slices "
+            "together do not; raise max_slices on every rank, or slice by a field with fewer values. "
+            "Nothing was merged or reset")
+
+
+def state_spec(metric, name: str):
+    """The declaration of ``"{state}@{slice}"``: a copy of the state's, or None (not a
+    sliced state's name, or a state kept for the whole call only)."""
+    base = name.rpartition(SEP)[0]
+    if base in metric.unsliced_states:
+        return None
+    spec = metric._specs.get(base) or metric.dynamic_state(base)
+    return None if spec is None else dataclasses.replace(spec)
+
+
+def contributions(metric, whole, inputs, outputs, kwargs) -> Dict[str, Any]:
+    """The whole call's contributions plus each slice's, under ``"{state}@{slice}"``."""
+    name = type(metric).__name__
+    out = dict(whole or {})
+    parts = _parts(metric, inputs, outputs, kwargs)
+    reads = [v for k, v in kwargs.items() if k in metric._update_reads]
+    if not parts and whole and inputs is None and (holds_data(outputs) or any(map(is_data, reads))):
+        raise ValueError(f"{name}: slice_by={metric.slice_by!r}, but this call has data and no inputs to read "
+                         f"the slices from; pass inputs (an InputFeature or a list of them) with "
+                         f"{metric.slice_by!r}, one entry per sequence")
+    known = set(held(metric._specs))
+    error = over_bound(metric, known | {s for s, *_ in parts}, metric.max_slices, "accumulate")
+    if error:
+        raise ValueError(error)
+    for value, s_inputs, s_outputs, s_kwargs in parts:
+        metric._agreed = []  # each update agrees anew over its groups (agreement.guard)
+        for key, v in (metric.update(s_inputs, s_outputs, **s_kwargs) or {}).items():
+            if key not in metric.unsliced_states:
+                out[f"{key}{SEP}{value}"] = v
+    return out
+
+
+def _parts(metric, inputs, outputs, kwargs) -> List[tuple]:
+    for klass in type(metric).__mro__:
+        own = _SPLITTERS.get(klass)
+        if own is not None:
+            parts = own(metric, inputs, outputs, kwargs)
+            if parts is not None:
+                return parts
+            break
+    return split(type(metric).__name__, metric.slice_by, inputs, outputs, kwargs)
+
+
+def results(metric, states: Dict[str, Any], defaults: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+    """``compute`` of the reduced states, with each slice's keys as ``"{key}/{slice}"``;
+    ``defaults()``: every unsliced state at its identity, as plain values."""
+    whole = {k: v for k, v in states.items() if SEP not in k}
+    out = dict(metric.compute(whole))
+    per_slice: Dict[str, Dict[str, Any]] = {}
+    for key, value in states.items():
+        if SEP in key:
+            base, _, s = key.rpartition(SEP)
+            per_slice.setdefault(s, {})[base] = value
+    if per_slice:  # states a slice does not carry (unsliced ones) at their identity
+        base_values = defaults()
+    for s in sorted(per_slice):
+        for key, value in metric.compute({**base_values, **per_slice[s]}).items():
+            if not key.startswith("_"):  # records with global indices stay whole-call only
+                out[f"{key}/{s}"] = value
+    return out
 
 
 def held(state_names) -> List[str]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -53,8 +53,21 @@ class State:
 
             ``"stage"`` and ``"model"`` need a ``"sum"``, ``"max"`` or ``"min"`` reduction.
         optional: a state added to a metric after checkpoints of it were written: a state
-            dict without it loads it as ``Metric._legacy_state`` says (its default, or what
-            the metric tells from the other saved states) instead of being refused.
+            dict without it loads it at its default (or as ``legacy`` says) instead of
+            being refused.
+        legacy: for an ``optional`` state, ``legacy(saved) -> value``: its value in a state
+            dict ``saved`` written before it existed, told from the other saved states
+            (``None``: the default).
+        offset_by, offset_column: rows whose column ``offset_column`` counts from the start
+            of the contribution's own interval (a sequence index, say): as a contribution
+            folds in, the value that state ``offset_by`` holds before it is added to that
+            column, so the rows of a later call (or of a later interval put under an earlier
+            one) come after the rows before them. ``update`` returns indices from its call's
+            start and never reads ``offset_by`` itself.
+        relative_to: the name of an ``Origin`` of the metric this value is measured from
+            (seconds since the interval's start, steps since its first step). When a failed
+            asynchronous interval goes back under the next one, the later interval's value
+            is moved onto the earlier interval's origin.
     """
 
     reduce: Reduce = "sum"
@@ -65,6 +78,10 @@ class State:
     per_rank: bool = False
     scope: str = "data"
     optional: bool = False
+    legacy: Optional[Callable[[Mapping[str, Any]], Any]] = field(default=None, compare=False)
+    offset_by: Optional[str] = None
+    offset_column: int = 0
+    relative_to: Optional[str] = None
     name: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -85,6 +102,12 @@ class State:
         if self.scope == "model" and self.per_rank:
             raise ValueError("State: scope='model' already exempts the state from TP agreement; "
                              "drop per_rank=True")
+        if self.legacy is not None and not self.optional:
+            raise ValueError("State: legacy= tells an optional state's value in older checkpoints; "
+                             "pass optional=True with it")
+        if self.offset_by is not None and not self.shape:
+            raise ValueError("State: offset_by= shifts a column of rows; give the state a shape "
+                             "(rows, columns)")
         self.shape = tuple(int(s) for s in self.shape)
 
     def __set_name__(self, owner, name):
@@ -132,6 +155,52 @@ class State:
         return rows.amax(0) if self.reduce == "max" else rows.amin(0)
 
 
+class Origin:
+    """A host value fixed for one interval, taken as the interval starts (at construction
+    and at every reset): what a metric measures its interval from.
+
+    ``update`` may read an origin (``self.<name>``): unlike a state it does not change
+    within an interval, so reading it keeps ``update`` pure. States measured from it
+    declare ``State(relative_to=name)``.
+
+    Args:
+        reading: a callable ``() -> value`` read as the interval starts (a clock).
+        follows: or the name of a state: the origin is then the last host number folded
+            into that state before the interval started (``default`` before any).
+        default: the value when ``follows`` has nothing yet.
+
+    Example::
+
+        class Timer(Metric):
+            start = Origin(time.perf_counter)
+            seconds = State("max", local="last", relative_to="start")
+            def update(self, inputs, outputs, **kw):
+                return {"seconds": time.perf_counter() - self.start}
+    """
+
+    def __init__(self, reading: Optional[Callable[[], Any]] = None, *, follows: Optional[str] = None,
+                 default: Any = 0):
+        if (reading is None) == (follows is None):
+            raise ValueError("Origin: pass a reading (a callable) or follows= (a state name), not both")
+        self.reading, self.follows, self.default = reading, follows, default
+        self.name = ""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        return obj._origins[self.name]
+
+    def start(self, last_host: Mapping[str, Any]) -> Any:
+        """The origin of an interval starting now, given the last host numbers folded into
+        each followed state."""
+        if self.reading is not None:
+            return self.reading()
+        return last_host.get(self.follows, self.default)
+
+
 def batched(fold: Callable) -> Callable:
     """Mark a local merge ``(old, new) -> merged`` as elementwise over a leading dim: given
     ``[k, *shape]`` stacks it returns the ``k`` merges stacked. ``accumulate`` then folds
@@ -166,7 +235,7 @@ def move_states(states: Dict[str, torch.Tensor], device) -> Dict[str, torch.Tens
     return {name: out[name] for name in states}
 
 
-def _as_tensor(value, like: torch.Tensor) -> torch.Tensor:
+def as_tensor(value, like: torch.Tensor) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.device != like.device:
             # Host to device: asynchronous. Device to host only happens for a state that

@@ -1,7 +1,9 @@
 """Cross-rank communication: the fused sync of ``calculate()`` and the waits around it.
 
-* ``fused``: the plan every rank agrees on and the one or two packed collectives
-  (all-reduce, or the reduce path for large data groups) that carry every state;
+* ``fused``: ``sync_and_compute``: the one or two packed collectives that carry every
+  state of every metric, and the TP x PP hand-off of one rank's results;
+* ``plan``: where each state sits in the packed buffer, how ranks agree on that, and how
+  every rank's rows merge by it; ``reduce``: the all-reduce path of large data groups;
 * ``agreement``: the fixed-size host exchange before a collective inside ``accumulate``;
 * ``host``: exchanges of host-known integers over a CPU group (no device wait);
 * ``pending``: asynchronous ``calculate()`` on a background thread;

@@ -59,25 +59,33 @@ both dtypes, 4 with self-merged states), plus the one over TP x PP.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_ranks, group_size
-from twinkle_metrics.core.slicing import held
 from twinkle_metrics.inputs.checks import from_host, from_host_all
-from twinkle_metrics.sync.order import from_ordered_f64, ordered_f64
-
-_HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
-_H_PLAN, _H_NEED, _H_SOURCE, _H_PP = 0, 1, 2, 3
-#: TP replicas agree when their states are this close (they compute from the same tokens)
-_TP_RTOL, _TP_ATOL = 1e-6, 1e-9
+from twinkle_metrics.sync.plan import (  # noqa: F401 - the plan's names, used here and by tests
+    _H_NEED,
+    _H_PLAN,
+    _H_PP,
+    _H_SOURCE,
+    _HEADER,
+    _KEYS_HEAD,
+    _REDUCED,
+    _TP_ATOL,
+    _TP_RTOL,
+    MetricSyncError,
+    _merge,
+    _merge_reads,
+    _negotiate,
+    _Plan,
+    _spec,
+)
+from twinkle_metrics.sync.reduce import _filled, _reduce_data, _reduce_pack, _reduce_unpack  # noqa: F401
 
 
 def _threshold(default: int) -> int:
@@ -94,126 +102,6 @@ def _threshold(default: int) -> int:
 #: unpack (``benchmarks/bench_sync_scaling.py``); set it alike on every rank
 REDUCE_ABOVE = _threshold(512)
 #: the reduce path's column kinds, in the order its collectives carry them
-_REDUCED = (("sum", False), ("sum", True), ("max", False), ("min", False), ("max", True), ("min", True))
-_KEYS_HEAD = 3  # the MAX keys start with the plan hash, minus the plan hash, the need flag
-_I64_MIN = -(1 << 63)
-
-
-class MetricSyncError(RuntimeError):
-    """Ranks hold different metrics or states, or disagree where they must agree;
-    raised on every rank."""
-
-
-# --------------------------------------------------------------------------- plans
-class _Plan:
-    """Where every state of every metric sits in the packed buffer."""
-
-    def __init__(self, metrics: Sequence, names: Sequence[Sequence[str]], configs: Sequence[str]):
-        self.entries: List[List[Tuple[str, Any, int]]] = []   # per metric: (name, spec, offset)
-        self.owner: List[Tuple[int, str]] = []                 # per column: (metric, state)
-        # states with a "sum"/"max"/"min" reduction that no metric's own merge() reads are
-        # merged column by column, all such columns of one (op, is int64) at once; the
-        # others by their metric's merge(), given every rank's rows of them
-        cols: Dict[Tuple[str, bool], List[int]] = {}
-        check: Dict[bool, List[int]] = {False: [], True: []}
-        placed: Dict[Tuple[str, str, bool], List[int]] = {}  # (scope, op, is int) -> columns
-        # per metric with such states: (metric, [(state, spec, column in the gathered
-        # rows, column in the buffer)]) for the gather path, and for the reduce path
-        # (which gathers those columns only)
-        self.custom: List[Tuple[int, List[Tuple[str, Any, int, int]]]] = []
-        self.gathered: List[Tuple[int, List[Tuple[str, Any, int, int]]]] = []
-        own: List[int] = []  # their columns
-        offset = 0
-        text = []
-        for i, (m, metric_names) in enumerate(zip(metrics, names)):
-            entries, custom, gathered = [], [], []
-            reads = _merge_reads(m, metric_names)
-            for name in metric_names:
-                spec = _spec(m, name)
-                entries.append((name, spec, offset))
-                text.append(f"{i}.{name}:{spec.signature}")
-                span = range(offset, offset + spec.numel)
-                self.owner += [(i, name)] * spec.numel
-                is_int = spec.dtype == torch.int64
-                if not spec.per_rank and spec.scope != "model":
-                    check[is_int].extend(span)
-                if spec.scope != "data":
-                    placed.setdefault((spec.scope, spec.reduce, is_int), []).extend(span)
-                if name in reads:
-                    custom.append((name, spec, _HEADER + offset, _HEADER + offset))
-                    gathered.append((name, spec, len(own), _HEADER + offset))
-                    own.extend(span)
-                else:
-                    cols.setdefault((spec.reduce, is_int), []).extend(span)
-                offset += spec.numel
-            if custom:
-                self.custom.append((i, custom))
-                self.gathered.append((i, gathered))
-            self.entries.append(entries)
-        self.length = offset
-        self._reduced = [cols.get(k, []) for k in _REDUCED] + [own]
-        #: what the reduce path's collectives carry: float sums, int sums, extremes, gathered
-        self.reduce_sizes = (len(self._reduced[0]), len(self._reduced[1]),
-                             sum(len(c) for c in self._reduced[2:6]), len(own))
-        self._cols = {k: v for k, v in cols.items() if v}
-        self._check = check
-        self.placed = {k: torch.tensor(v, dtype=torch.long) + _HEADER for k, v in placed.items()}
-        self._by_device: Dict[str, tuple] = {}
-        digest = hashlib.blake2b("|".join(list(configs) + text).encode(), digest_size=6).digest()
-        self.hash = float(int.from_bytes(digest, "little"))  # 48 bits: exact in float64
-
-    def columns(self, device) -> Dict[Tuple[str, bool], torch.Tensor]:
-        """Buffer columns (header included) of the states merged column by column, by
-        (reduction, is int64); cached per device."""
-        key = str(device)
-        if key not in self._by_device:
-            self._by_device[key] = {k: torch.tensor(v, dtype=torch.long, device=device) + _HEADER
-                                    for k, v in self._cols.items()}
-        return self._by_device[key]
-
-    def reduce_columns(self, device) -> List[torch.Tensor]:
-        """Buffer columns (header included) of each kind in ``_REDUCED``, then of the
-        gathered states, for the reduce path; cached per device."""
-        key = ("reduce", str(device))
-        if key not in self._by_device:
-            self._by_device[key] = [torch.tensor(v, dtype=torch.long, device=device) + _HEADER
-                                    for v in self._reduced]
-        return self._by_device[key]
-
-    def check_columns(self, is_int: bool) -> torch.Tensor:
-        return torch.tensor(self._check[is_int], dtype=torch.long) + _HEADER
-
-    def covers(self, metrics: Sequence) -> bool:
-        """Whether every state the metrics hold has a place in this plan (states the
-        plan has and a metric lacks are created first, when the metric can)."""
-        for m, entries in zip(metrics, self.entries):
-            planned = {name for name, _, _ in entries}
-            if not set(m._specs) <= planned:
-                return False
-            missing = [n for n in planned if n not in m._specs]
-            if missing:
-                if any(m._new_state_spec(n) is None for n in missing):
-                    return False
-                m._adopt(sorted(missing))
-        return True
-
-
-def _spec(metric, name: str):
-    spec = metric._specs.get(name)
-    return spec if spec is not None else metric._new_state_spec(name)
-
-
-def _merge_reads(metric, names: Sequence[str]) -> set:
-    """States merged by the metric's ``merge`` over every rank's rows (the reduce path
-    gathers them): those with a callable reduction, and those an overridden ``merge``
-    reads (all of them unless the metric names them in ``_merge_reads``)."""
-    out = {n for n in names if not isinstance(_spec(metric, n).reduce, str)}
-    if type(metric)._own_merge:
-        reads = metric._merge_reads()
-        out |= set(names) if reads is None else set(reads) & set(names)
-    return out
-
-
 class _Channel:
     """What the ranks agreed on for one pair of groups: plans and the buffer width."""
 
@@ -297,12 +185,12 @@ def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
     for _ in range(2):
         plan = ch.plans.get(configs)
         if plan is None and not ch.plans:  # nothing agreed on these groups yet, on any rank
-            plan = _negotiate(metrics, configs, ch, data_group, share_group)
+            plan = _negotiate(metrics, configs, ch, data_group, share_group, _path(data_group))
         need = plan is None or not plan.covers(metrics)
         host = _data_phase(metrics, plan, need, ch, data_group, share_group, mesh)
         if host is not None:
             return host
-        _negotiate(metrics, configs, ch, data_group, share_group)
+        _negotiate(metrics, configs, ch, data_group, share_group, _path(data_group))
     raise MetricSyncError("calculate(): ranks still disagree on the metrics' states after a "
                           "negotiation; a state was added during calculate()")
 
@@ -409,126 +297,19 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def _merge(plan: _Plan, metrics, rows: torch.Tensor) -> torch.Tensor:
-    """Merge ``[ranks, header + width]`` rows into one row, state by state."""
-    vec = rows[0].clone()
-    if rows.shape[0] == 1:
-        return vec
-    for (op, is_int), cols in plan.columns(rows.device).items():
-        sel = rows.index_select(1, cols)
-        if is_int:
-            sel = sel.view(torch.int64)
-        red = sel.sum(0) if op == "sum" else (sel.amax(0) if op == "max" else sel.amin(0))
-        vec[cols] = red.view(torch.float64) if is_int else red
-    _merge_own(plan.custom, metrics, rows, vec)
-    return vec
-
-
-def _merge_own(custom, metrics, rows: torch.Tensor, vec: torch.Tensor) -> None:
-    """Merge states with each metric's own ``merge()`` into ``vec``; ``custom`` lists
-    (metric, [(state, spec, column in ``rows``, column in ``vec``)])."""
-    for i, entries in custom:
-        per_state = {}
-        for name, spec, src, _ in entries:
-            r = rows[:, src:src + spec.numel]
-            if spec.dtype == torch.int64:
-                r = r.view(torch.int64)
-            per_state[name] = r.reshape(rows.shape[0], *spec.shape)
-        out = metrics[i].merge(per_state)
-        for name, spec, _, dst in entries:
-            v = out[name].to(spec.dtype).reshape(-1).contiguous()
-            vec[dst:dst + spec.numel] = v.view(torch.float64) if spec.dtype == torch.int64 else v
 
 
 # ------------------------------------------------------------------------ reduce path
+def _path(data_group) -> str:
+    return "reduce" if _reduces(data_group) else "gather"
+
+
 def _reduces(data_group) -> bool:
     """Whether the data phase all-reduces (a data group of more than ``REDUCE_ABOVE``
     ranks) instead of gathering every rank's row."""
     return data_group is not None and group_size(data_group) > REDUCE_ABOVE
 
 
-def _reduce_data(plan: Optional[_Plan], metrics, buf: torch.Tensor, sizes: Tuple[int, int, int, int],
-                 group) -> torch.Tensor:
-    """The merged row ``_merge`` would make of the group's gathered rows, from all-reduces.
-
-    What a rank receives no longer grows with the group: a ring all-reduce moves about
-    twice its input, where a gather brings every rank's row and merges them here.
-    Collectives over ``group``, in this order, their sizes ``sizes`` (the channel's, the
-    same on every rank whatever plan it holds, so a rank without a plan still matches):
-
-    1. int64 MAX: the header's plan hash, minus the hash (every rank holds the same plan
-       iff the two maxima agree), the need flag; then an order-preserving key of every
-       max column and of every min column negated (``_order``: NaN above +inf, so it
-       propagates as ``amax`` does), float64 and int64 (int minima as ``~x``) alike;
-    2. float64 SUM of the float sum columns (skipped when there are none);
-    3. int64 SUM of the int sum columns, exact (skipped when there are none);
-    4. all_gather of the states merged by a metric's own ``merge`` or a callable
-       reduction, merged here as the gather path does (skipped when there are none).
-
-    ``plan`` is ``None`` when this rank packed no states (it needs a new plan): it
-    then contributes identities, and the need flag sends every rank to negotiate.
-    """
-    top, sums_f, sums_i, own = _reduce_pack(plan, buf, sizes)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    for t in (sums_f, sums_i):
-        if t is not None:
-            dist.all_reduce(t, group=group)
-    rows = all_gather_rows(own, group) if own is not None else None
-    return _reduce_unpack(plan, metrics, buf, top, sums_f, sums_i, rows)
-
-
-def _reduce_pack(plan: Optional[_Plan], buf: torch.Tensor, sizes: Tuple[int, int, int, int]):
-    """What the reduce path sends, from the packed buffer: the MAX keys, the float and
-    int sums, the gathered columns (``None`` where the channel has none of a kind)."""
-    n_sf, n_si, n_ord, n_g = sizes
-    dev = buf.device
-    cols = plan.reduce_columns(dev) if plan is not None else None
-    ints = buf.view(torch.int64)
-    head = buf[_H_PLAN:_H_NEED + 1].to(torch.int64)  # the hash has 48 bits: exact
-    keys = [head[:1], -head[:1], head[1:]]
-    if cols is not None:
-        # signed zeros: a minimum of +0.0 comes back +0.0 after the two negations
-        keys += [ordered_f64(buf[cols[2]], True), ordered_f64(-buf[cols[3]], True), ints[cols[4]], ~ints[cols[5]]]
-    top = _filled(keys, _KEYS_HEAD + n_ord, _I64_MIN, torch.int64, dev)
-    sums_f = _filled([buf[cols[0]]] if cols else [], n_sf, 0, torch.float64, dev) if n_sf else None
-    sums_i = _filled([ints[cols[1]]] if cols else [], n_si, 0, torch.int64, dev) if n_si else None
-    own = _filled([buf[cols[6]]] if cols else [], n_g, 0, torch.float64, dev) if n_g else None
-    return top, sums_f, sums_i, own
-
-
-def _reduce_unpack(plan: Optional[_Plan], metrics, buf: torch.Tensor, top: torch.Tensor,
-                   sums_f: Optional[torch.Tensor], sums_i: Optional[torch.Tensor],
-                   rows: Optional[torch.Tensor]) -> torch.Tensor:
-    """The merged row (header and states, as ``_merge`` lays it out) from the reduced
-    tensors and the gathered ``rows`` of the self-merged states."""
-    vec = torch.zeros_like(buf)
-    vec[_H_PLAN] = top[0].to(torch.float64)
-    vec[_H_NEED] = ((top[2] != 0) | (top[0] != -top[1])).to(torch.float64)
-    if plan is None:
-        return vec
-    cols = plan.reduce_columns(buf.device)
-    if sums_f is not None:
-        vec[cols[0]] = sums_f[:cols[0].numel()]
-    if sums_i is not None:
-        vec[cols[1]] = sums_i[:cols[1].numel()].view(torch.float64)
-    a, b, c, d = (k.numel() for k in cols[2:6])
-    ext = top[_KEYS_HEAD:]
-    vec[cols[2]] = from_ordered_f64(ext[:a])
-    vec[cols[3]] = -from_ordered_f64(ext[a:a + b])
-    vec[cols[4]] = ext[a + b:a + b + c].view(torch.float64)
-    vec[cols[5]] = (~ext[a + b + c:a + b + c + d]).view(torch.float64)
-    if rows is not None:
-        _merge_own(plan.gathered, metrics, rows, vec)
-    return vec
-
-
-def _filled(parts: List[torch.Tensor], n: int, fill, dtype, device) -> torch.Tensor:
-    """``parts`` one after the other, then ``fill`` up to ``n`` (the channel's size)."""
-    out = torch.full((n,), fill, dtype=dtype, device=device)
-    if parts:
-        flat = torch.cat(parts)
-        out[:flat.numel()] = flat
-    return out
 
 
 def _merge_placed(plan: _Plan, host: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -575,8 +356,7 @@ def _check_tp_agreement(plan: _Plan, metrics, host: torch.Tensor, share_group) -
             m = metrics[i]
             view = ints if m._specs[name].dtype == torch.int64 else host
             a, b = view[first, col].item(), view[r, col].item()
-            hint = getattr(m, "tp_mismatch_hint", None)
-            hint = hint() if callable(hint) else hint
+            hint = m.tp_mismatch_hint
             raise MetricSyncError(
                 f"calculate(): ranks {ranks[first]} and {ranks[r]} are TP replicas of one pipeline "
                 f"stage but disagree on {type(m).__name__}.{name} ({a} vs {b}); TP replicas see the "
@@ -619,113 +399,3 @@ def _unflatten(values: List[Any], shape: Tuple[int, ...]):
 
 
 # ----------------------------------------------------------------------- negotiation
-def _negotiate(metrics, configs: Tuple[str, ...], ch: _Channel, data_group, share_group) -> _Plan:
-    """Agree with every rank on the plan of ``metrics``; collective over both groups.
-
-    Each rank describes its metrics (fingerprints) and states (name, signature,
-    whether it was created on the fly); the descriptions are united over the data
-    group, then the unions over TP x PP, which makes them global. Every rank then
-    decides on the same union: raise everywhere, or adopt the same plan.
-    """
-    me = group_ranks(None)[0]
-    desc = {"ranks": [me], "configs": {json.dumps(list(configs)): [me]},
-            "paths": {"reduce" if _reduces(data_group) else "gather": [me]}, "states": {},
-            # each sliced metric's max_slices (ranks may differ; the smallest bounds them all)
-            "bounds": {str(i): {str(m.max_slices): [me]} for i, m in enumerate(metrics)
-                       if m.slice_by is not None}}
-    for i, m in enumerate(metrics):
-        for name, spec in m._specs.items():
-            dynamic = m._new_state_spec(name) is not None
-            desc["states"][f"{i}/{name}"] = {"sig": {spec.signature: [me]}, "dyn": dynamic}
-    summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(desc).encode(), data_group)])
-    if share_group is not None:
-        summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(summary).encode(),
-                                                                    share_group)])
-    everyone = sorted(summary["ranks"])
-    if len(summary["paths"]) > 1:
-        sides = "; ".join(f"ranks {_ranges(rs)}: {p}" for p, rs in sorted(summary["paths"].items()))
-        raise MetricSyncError(f"calculate(): ranks would sync their data groups differently ({sides}); "
-                              "set TWINKLE_METRICS_REDUCE_ABOVE alike on every rank")
-    if len(summary["configs"]) > 1:
-        sides = []
-        for text, ranks in summary["configs"].items():
-            sides.append(f"ranks {_ranges(ranks)} hold [{', '.join(json.loads(text))}]")
-        raise MetricSyncError("calculate(): ranks hold different metrics or arguments ("
-                              + "; ".join(sides)[:1500] + "); build the same metrics, in the same "
-                              "order, with the same arguments on every rank")
-    names: List[List[str]] = [[] for _ in metrics]
-    for key in sorted(summary["states"], key=lambda k: (int(k.split("/", 1)[0]), k.split("/", 1)[1])):
-        entry = summary["states"][key]
-        i, name = int(key.split("/", 1)[0]), key.split("/", 1)[1]
-        holders = sorted({r for rs in entry["sig"].values() for r in rs})
-        if len(entry["sig"]) > 1:
-            sides = "; ".join(f"ranks {_ranges(rs)}: {sig}" for sig, rs in entry["sig"].items())
-            raise MetricSyncError(f"calculate(): ranks declare state {type(metrics[i]).__name__}.{name} "
-                                  f"differently ({sides}); every rank must declare it alike")
-        if len(holders) < len(everyone) and not entry["dyn"]:
-            raise MetricSyncError(
-                f"calculate(): state {type(metrics[i]).__name__}.{name} exists on ranks "
-                f"{_ranges(holders)} only, and the metric cannot create it on the others; add it on "
-                "every rank (add_state in the constructor), or implement dynamic_state()")
-        names[i].append(name)
-    for i, bounds in summary["bounds"].items():
-        m, bound = metrics[int(i)], min(int(b) for b in bounds)
-        slices = held(names[int(i)])
-        if len(slices) > bound:
-            raise MetricSyncError(
-                f"calculate(): {type(m).__name__} holds {len(slices)} slices of {m.slice_by!r} over the data "
-                f"group ({slices[:20]}), more than max_slices={bound}: each rank stayed within it, their "
-                "slices together do not; raise max_slices on every rank, or slice by a field with fewer "
-                "values. Nothing was merged or reset")
-    for m, metric_names in zip(metrics, names):
-        m._adopt([n for n in metric_names if n not in m._specs])
-    plan = _Plan(metrics, names, configs)
-    ch.plans[configs] = plan
-    ch.width = max(ch.width, plan.length)
-    ch.reduce_sizes = tuple(max(a, b) for a, b in zip(ch.reduce_sizes, plan.reduce_sizes))
-    return plan
-
-
-def _unite(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"ranks": [], "configs": {}, "paths": {}, "states": {}, "bounds": {}}
-    for p in parts:
-        out["ranks"] = sorted(set(out["ranks"]) | set(p["ranks"]))
-        for field in ("configs", "paths"):
-            for text, ranks in p[field].items():
-                out[field][text] = sorted(set(out[field].get(text, [])) | set(ranks))
-        for i, bounds in p["bounds"].items():
-            mine = out["bounds"].setdefault(i, {})
-            for bound, ranks in bounds.items():
-                mine[bound] = sorted(set(mine.get(bound, [])) | set(ranks))
-        for key, entry in p["states"].items():
-            mine = out["states"].setdefault(key, {"sig": {}, "dyn": False})
-            mine["dyn"] = mine["dyn"] or entry["dyn"]
-            for sig, ranks in entry["sig"].items():
-                mine["sig"][sig] = sorted(set(mine["sig"].get(sig, [])) | set(ranks))
-    return out
-
-
-def _all_gather_bytes(data: bytes, group) -> List[bytes]:
-    """Every rank's ``data`` over ``group``: two collectives (lengths, then bytes)."""
-    if group is None:
-        return [data]
-    device = comm_device(group)
-    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = all_gather_rows(n, group).flatten().tolist()
-    width = max(sizes)
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-    rows = all_gather_rows(buf.to(device), group).cpu()
-    return [bytes(rows[i, :s].tolist()) for i, s in enumerate(sizes)]
-
-
-def _ranges(ranks: Sequence[int]) -> str:
-    ranks = sorted(ranks)
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return "[" + ", ".join(out) + "]"

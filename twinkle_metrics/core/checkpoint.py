@@ -1,0 +1,83 @@
+"""Checkpoints: a metric's local states and fingerprint out, and back in, all or nothing.
+
+``load_state_dict`` takes one state dict or a list of them (several ranks of an earlier
+run, merged with each state's own reduction, as ``calculate()`` would merge those ranks:
+resuming at a smaller data-parallel size). States created on the fly come back through
+the metric's declarations (families, slices); optional states missing from an older
+checkpoint load as their declaration's ``legacy`` says, or at their default.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Dict
+
+import torch
+
+from twinkle_metrics.core import slicing
+
+#: key of the schema fingerprint in a metric's ``state_dict()``
+FINGERPRINT_KEY = "__fingerprint__"
+
+
+def legacy_value(spec, saved: Mapping) -> torch.Tensor:
+    """The value of optional state ``spec`` for a state dict ``saved`` before it existed."""
+    if spec.legacy is not None:
+        value = spec.legacy(saved)
+        if value is not None:
+            return torch.as_tensor(value).to(device="cpu", dtype=spec.dtype).reshape(spec.shape).clone()
+    return spec.new("cpu")
+
+
+def stage_load(self, state_dict) -> tuple:
+    """Validate and convert ``state_dict``; change nothing. Returns (new dynamic
+    names, {name: tensor})."""
+    name = type(self).__name__
+    dicts = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
+    if not dicts or not all(isinstance(d, Mapping) for d in dicts):
+        raise TypeError(f"{name}.load_state_dict: expected a state dict or a non-empty list of "
+                        f"them, got {type(state_dict).__name__}")
+    mine = self.fingerprint()
+    for i, d in enumerate(dicts):
+        theirs = d.get(FINGERPRINT_KEY)
+        if theirs is not None and theirs != mine:
+            where = f"state dict {i}" if len(dicts) > 1 else "the state dict"
+            raise ValueError(f"{name}.load_state_dict: {where} was saved by {theirs} but this "
+                             f"metric is {mine}; build the metric with the same class and "
+                             "arguments as the run that saved it")
+    names = set().union(*(set(d) - {FINGERPRINT_KEY} for d in dicts))
+    specs = dict(self._specs)
+    new = []
+    for key in sorted(names - set(specs)):
+        spec = self.state_spec(key)
+        if spec is not None:
+            specs[key] = spec
+            new.append(key)
+    extra = sorted(names - set(specs))
+    if self.slice_by is not None:
+        error = slicing.over_bound(self, slicing.held(specs), self.max_slices, "load")
+        if error:
+            raise ValueError(error)
+    missing = sorted({k for d in dicts for k, spec in specs.items()
+                      if k not in d and not spec.optional and self.state_spec(k) is None})
+    if missing or extra:
+        raise ValueError(f"{name}.load_state_dict: missing states {missing}, unexpected {extra}; "
+                         "load a state dict saved by the same metric")
+    rows: Dict[str, torch.Tensor] = {}
+    for key, spec in specs.items():
+        values = []
+        for d in dicts:
+            if key not in d:  # created on the fly elsewhere (default), or optional
+                values.append(legacy_value(spec, d) if spec.optional else spec.new("cpu"))
+                continue
+            value = torch.as_tensor(d[key]).detach()
+            if tuple(value.shape) != spec.shape:
+                raise ValueError(f"{name}.load_state_dict: state {key!r} has shape "
+                                 f"{list(value.shape)}, expected {list(spec.shape)}")
+            values.append(value.to(device="cpu", dtype=spec.dtype))
+        rows[key] = torch.stack(values)
+    if len(dicts) == 1:
+        merged = {k: r[0] for k, r in rows.items()}
+    else:
+        merged = self.merge(rows)
+    loaded = {k: merged[k].to(device=self._device, dtype=specs[k].dtype).clone() for k in specs}
+    return new, loaded

@@ -1,0 +1,172 @@
+"""Folding one call's contributions into a metric's states: validate everything first
+(``plan``), then change the states in a step that cannot fail (``Staged.apply``).
+
+So a call that raises on bad input, or a ``MetricCollection`` call in which another
+metric raised, changes no state. The same fold puts a failed asynchronous interval back
+under the next one (``Metric.fold_under``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping
+
+import torch
+
+from twinkle_metrics.core.state import as_tensor as _as_tensor
+from twinkle_metrics.core.state import move_states, new_states
+
+
+def plan(metric, contributions: Mapping[str, Any]) -> "Staged":
+    """Validate and stage ``{state: contribution}``; nothing changes until ``apply()``.
+
+    Stage first (names, devices, dtypes, shapes, results of callable folds), so
+    that nothing in ``apply`` can raise; then one multi-tensor op per reduction
+    (``torch._foreach_add_/_maximum_/_minimum_``, one for tensors and one for
+    Python numbers) instead of one op per state: ~5x less host time for the RL
+    metrics' ~20 states, and one multi-tensor kernel on CUDA.
+    """
+    specs, states = metric._specs, metric._states
+    new_specs = {}
+    for name in contributions.keys() - specs.keys():
+        spec = metric.state_spec(name)
+        if spec is None:
+            raise KeyError(f"{type(metric).__name__}.update returned unknown state {name!r}")
+        new_specs[name] = spec
+    device = metric._device
+    move = None
+    if device.type == "cpu":
+        # States follow the first accelerator tensor they see, and never go back to the
+        # CPU on their own: CPU contributions are copied to them (host to device) instead.
+        move = next((v.device for v in contributions.values()
+                     if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
+        if move is not None:
+            device = move
+    install = None  # the states apply() swaps in: moved copies and new states
+    if move is not None or new_specs:
+        install = move_states(states, move) if move is not None else dict(states)
+        install.update(new_states(new_specs, device))
+        states = install
+        specs = {**specs, **new_specs}
+    groups: Dict[Any, tuple] = {}  # (op, tensors or numbers) -> (states, values)
+    copies = []  # (state, new value: a tensor, or a Python number to fill) for "last" and callable merges
+    stacks: Dict[tuple, list] = {}  # (batched fold, dtype, shape) -> [(name, state, value)]
+    for name, value in contributions.items():
+        state, spec = states[name], specs[name]
+        if type(value) is torch.Tensor and value.requires_grad:
+            value = value.detach()
+        if spec.offset_by is not None:  # rows counted from their interval's start
+            value = _offset(value, spec, states[spec.offset_by], state)
+        op = spec.local or spec.reduce
+        if op in FOREACH:
+            if (type(value) is torch.Tensor and value.dtype is state.dtype
+                    and value.shape == state.shape and value.device == device):
+                group = groups.setdefault((op, 0), ([], []))  # the common case, checked cheaply
+                group[0].append(name)
+                group[1].append(value)
+                continue
+            number = _plain_number(value, state.dtype)
+            if number is not None:  # a scalar argument: no fill kernel, no copy
+                group = groups.setdefault((op, 1), ([], []))
+                group[0].append(name)
+                group[1].append(number)
+                continue
+        if op == "last":
+            number = _plain_number(value, state.dtype)
+            if number is not None:  # filled in place: no tensor made for it, no copy
+                copies.append((name, number))
+                continue
+        value = _as_tensor(value, state)
+        if not _broadcasts_to(value.shape, state.shape):
+            raise ValueError(f"{type(metric).__name__}: contribution to state {name!r} has shape "
+                             f"{list(value.shape)}, expected {list(state.shape)}")
+        if callable(op) and getattr(op, "batched", False):  # merged below, with its kind
+            stacks.setdefault((op, state.dtype, tuple(state.shape)), []).append(
+                (name, state, value.expand(state.shape)))
+        elif callable(op):
+            copies.append((name, fold_value(metric, name, op, state, value)))
+        elif op == "last":
+            copies.append((name, value))
+        else:
+            group = groups.setdefault((op, 0), ([], []))
+            group[0].append(name)
+            group[1].append(value)
+    for (op, _, _), entries in stacks.items():  # one merge for every state sharing a batched fold
+        names, olds, news = zip(*entries)
+        if len(names) == 1:
+            copies.append((names[0], fold_value(metric, names[0], op, olds[0], news[0])))
+            continue
+        merged = fold_value(metric, ", ".join(names), op, torch.stack(olds), torch.stack(news))
+        copies.extend(zip(names, merged.unbind()))
+    return Staged(metric, contributions, groups, copies, install, device, new_specs)
+
+def fold_value(metric, name: str, op, state: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``op(state, value)``, a local merge, checked to keep the state's shape (pure: it
+    runs before any state changes)."""
+    value = _as_tensor(op(state, value), state).detach()
+    if not _broadcasts_to(value.shape, state.shape):
+        raise ValueError(f"{type(metric).__name__}: local merge of state {name!r} returned "
+                         f"shape {list(value.shape)}, expected {list(state.shape)}")
+    return value
+
+
+
+class Staged:
+    """One validated call of a metric, ready to fold in; ``apply`` cannot fail."""
+
+    __slots__ = ("metric", "contributions", "groups", "copies", "install", "device", "new_specs")
+
+    def __init__(self, metric, contributions, groups, copies, install, device, new_specs):
+        self.metric, self.contributions = metric, contributions
+        self.groups, self.copies = groups, copies
+        self.install, self.device, self.new_specs = install, device, new_specs
+
+    def apply(self) -> None:
+        m = self.metric
+        if self.install is not None:  # states follow the first accelerator tensor; new states
+            for name, spec in self.new_specs.items():
+                spec.name = name
+                m._specs[name] = spec
+            m._states, m._device = self.install, self.device
+        states = m._states
+        with torch.no_grad():
+            for (op, _), (names, values) in self.groups.items():
+                FOREACH[op]([states[n] for n in names], values)
+            for name, value in self.copies:
+                if isinstance(value, torch.Tensor):
+                    states[name].copy_(value)
+                else:
+                    states[name].fill_(value)
+
+
+
+FOREACH = {"sum": torch._foreach_add_, "max": torch._foreach_maximum_, "min": torch._foreach_minimum_}
+_INT64 = (-2 ** 63, 2 ** 63)
+
+
+def _plain_number(value, dtype):
+    """``value`` as a Python scalar a foreach op takes for a state of ``dtype``, else None.
+
+    Only conversions that cannot fail later qualify: ints in int64 range for int64
+    states (floats go through ``_as_tensor``, as before), any finite-size int or float
+    for float64 states.
+    """
+    if type(value) is bool or not isinstance(value, (int, float)):
+        return None
+    if dtype == torch.int64:
+        return int(value) if isinstance(value, int) and _INT64[0] <= value < _INT64[1] else None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def _broadcasts_to(shape, target) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
+
+def _offset(value, spec, counter: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """``value`` with ``counter`` (the state ``spec.offset_by`` before this fold) added to
+    column ``spec.offset_column`` of its rows (empty rows hold -inf and stay empty)."""
+    rows = _as_tensor(value, state).clone()
+    rows[..., spec.offset_column] += counter.to(rows.device, rows.dtype, non_blocking=True)
+    return rows

@@ -1,0 +1,280 @@
+"""The plan of a sync: where every state of every metric sits in the packed buffer, how
+the ranks agree on it, and how every rank's rows merge by it.
+
+Ranks negotiate a plan (``_negotiate``, one gather of small descriptions over the data
+group and one over TP x PP) the first time a set of metrics syncs, and whenever a rank
+holds states the plan lacks; afterwards the plan's hash rides in the buffer's header,
+so the steady state needs no negotiation.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from parallel import comm_device
+from parallel.groups import all_gather_rows, group_ranks
+
+_HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
+_H_PLAN, _H_NEED, _H_SOURCE, _H_PP = 0, 1, 2, 3
+#: TP replicas agree when their states are this close (they compute from the same tokens)
+_TP_RTOL, _TP_ATOL = 1e-6, 1e-9
+
+
+_REDUCED = (("sum", False), ("sum", True), ("max", False), ("min", False), ("max", True), ("min", True))
+_KEYS_HEAD = 3  # the MAX keys start with the plan hash, minus the plan hash, the need flag
+_I64_MIN = -(1 << 63)
+
+
+class MetricSyncError(RuntimeError):
+    """Ranks hold different metrics or states, or disagree where they must agree;
+    raised on every rank."""
+
+
+class _Plan:
+    """Where every state of every metric sits in the packed buffer."""
+
+    def __init__(self, metrics: Sequence, names: Sequence[Sequence[str]], configs: Sequence[str]):
+        self.entries: List[List[Tuple[str, Any, int]]] = []   # per metric: (name, spec, offset)
+        self.owner: List[Tuple[int, str]] = []                 # per column: (metric, state)
+        # states with a "sum"/"max"/"min" reduction that no metric's own merge() reads are
+        # merged column by column, all such columns of one (op, is int64) at once; the
+        # others by their metric's merge(), given every rank's rows of them
+        cols: Dict[Tuple[str, bool], List[int]] = {}
+        check: Dict[bool, List[int]] = {False: [], True: []}
+        placed: Dict[Tuple[str, str, bool], List[int]] = {}  # (scope, op, is int) -> columns
+        # per metric with such states: (metric, [(state, spec, column in the gathered
+        # rows, column in the buffer)]) for the gather path, and for the reduce path
+        # (which gathers those columns only)
+        self.custom: List[Tuple[int, List[Tuple[str, Any, int, int]]]] = []
+        self.gathered: List[Tuple[int, List[Tuple[str, Any, int, int]]]] = []
+        own: List[int] = []  # their columns
+        offset = 0
+        text = []
+        for i, (m, metric_names) in enumerate(zip(metrics, names)):
+            entries, custom, gathered = [], [], []
+            reads = _merge_reads(m, metric_names)
+            for name in metric_names:
+                spec = _spec(m, name)
+                entries.append((name, spec, offset))
+                text.append(f"{i}.{name}:{spec.signature}")
+                span = range(offset, offset + spec.numel)
+                self.owner += [(i, name)] * spec.numel
+                is_int = spec.dtype == torch.int64
+                if not spec.per_rank and spec.scope != "model":
+                    check[is_int].extend(span)
+                if spec.scope != "data":
+                    placed.setdefault((spec.scope, spec.reduce, is_int), []).extend(span)
+                if name in reads:
+                    custom.append((name, spec, _HEADER + offset, _HEADER + offset))
+                    gathered.append((name, spec, len(own), _HEADER + offset))
+                    own.extend(span)
+                else:
+                    cols.setdefault((spec.reduce, is_int), []).extend(span)
+                offset += spec.numel
+            if custom:
+                self.custom.append((i, custom))
+                self.gathered.append((i, gathered))
+            self.entries.append(entries)
+        self.length = offset
+        self._reduced = [cols.get(k, []) for k in _REDUCED] + [own]
+        #: what the reduce path's collectives carry: float sums, int sums, extremes, gathered
+        self.reduce_sizes = (len(self._reduced[0]), len(self._reduced[1]),
+                             sum(len(c) for c in self._reduced[2:6]), len(own))
+        self._cols = {k: v for k, v in cols.items() if v}
+        self._check = check
+        self.placed = {k: torch.tensor(v, dtype=torch.long) + _HEADER for k, v in placed.items()}
+        self._by_device: Dict[str, tuple] = {}
+        digest = hashlib.blake2b("|".join(list(configs) + text).encode(), digest_size=6).digest()
+        self.hash = float(int.from_bytes(digest, "little"))  # 48 bits: exact in float64
+
+    def columns(self, device) -> Dict[Tuple[str, bool], torch.Tensor]:
+        """Buffer columns (header included) of the states merged column by column, by
+        (reduction, is int64); cached per device."""
+        key = str(device)
+        if key not in self._by_device:
+            self._by_device[key] = {k: torch.tensor(v, dtype=torch.long, device=device) + _HEADER
+                                    for k, v in self._cols.items()}
+        return self._by_device[key]
+
+    def reduce_columns(self, device) -> List[torch.Tensor]:
+        """Buffer columns (header included) of each kind in ``_REDUCED``, then of the
+        gathered states, for the reduce path; cached per device."""
+        key = ("reduce", str(device))
+        if key not in self._by_device:
+            self._by_device[key] = [torch.tensor(v, dtype=torch.long, device=device) + _HEADER
+                                    for v in self._reduced]
+        return self._by_device[key]
+
+    def check_columns(self, is_int: bool) -> torch.Tensor:
+        return torch.tensor(self._check[is_int], dtype=torch.long) + _HEADER
+
+    def covers(self, metrics: Sequence) -> bool:
+        """Whether every state the metrics hold has a place in this plan (states the
+        plan has and a metric lacks are created first, when the metric can)."""
+        for m, entries in zip(metrics, self.entries):
+            planned = {name for name, _, _ in entries}
+            if not set(m._specs) <= planned:
+                return False
+            missing = [n for n in planned if n not in m._specs]
+            if missing:
+                if any(m.state_spec(n) is None for n in missing):
+                    return False
+                m._adopt(sorted(missing))
+        return True
+
+
+def _spec(metric, name: str):
+    spec = metric._specs.get(name)
+    return spec if spec is not None else metric.state_spec(name)
+
+
+def _merge_reads(metric, names: Sequence[str]) -> set:
+    """States merged by the metric's ``merge`` over every rank's rows (the reduce path
+    gathers them): those with a callable reduction, and those an overridden ``merge``
+    reads (all of them unless the metric names them in ``merge_reads``)."""
+    out = {n for n in names if not isinstance(_spec(metric, n).reduce, str)}
+    if type(metric)._own_merge:
+        reads = metric.merge_reads
+        out |= set(names) if reads is None else set(reads) & set(names)
+    return out
+
+
+def _merge(plan: _Plan, metrics, rows: torch.Tensor) -> torch.Tensor:
+    """Merge ``[ranks, header + width]`` rows into one row, state by state."""
+    vec = rows[0].clone()
+    if rows.shape[0] == 1:
+        return vec
+    for (op, is_int), cols in plan.columns(rows.device).items():
+        sel = rows.index_select(1, cols)
+        if is_int:
+            sel = sel.view(torch.int64)
+        red = sel.sum(0) if op == "sum" else (sel.amax(0) if op == "max" else sel.amin(0))
+        vec[cols] = red.view(torch.float64) if is_int else red
+    _merge_own(plan.custom, metrics, rows, vec)
+    return vec
+
+
+def _merge_own(custom, metrics, rows: torch.Tensor, vec: torch.Tensor) -> None:
+    """Merge states with each metric's own ``merge()`` into ``vec``; ``custom`` lists
+    (metric, [(state, spec, column in ``rows``, column in ``vec``)])."""
+    for i, entries in custom:
+        per_state = {}
+        for name, spec, src, _ in entries:
+            r = rows[:, src:src + spec.numel]
+            if spec.dtype == torch.int64:
+                r = r.view(torch.int64)
+            per_state[name] = r.reshape(rows.shape[0], *spec.shape)
+        out = metrics[i].merge(per_state)
+        for name, spec, _, dst in entries:
+            v = out[name].to(spec.dtype).reshape(-1).contiguous()
+            vec[dst:dst + spec.numel] = v.view(torch.float64) if spec.dtype == torch.int64 else v
+
+
+def _negotiate(metrics, configs: Tuple[str, ...], ch, data_group, share_group, path: str) -> _Plan:
+    """Agree with every rank on the plan of ``metrics``; collective over both groups.
+
+    Each rank describes its metrics (fingerprints) and states (name, signature,
+    whether it was created on the fly); the descriptions are united over the data
+    group, then the unions over TP x PP, which makes them global. Every rank then
+    decides on the same union: raise everywhere, or adopt the same plan.
+    """
+    me = group_ranks(None)[0]
+    desc = {"ranks": [me], "configs": {json.dumps(list(configs)): [me]},
+            "paths": {path: [me]}, "states": {},
+            # each sliced metric's max_slices (ranks may differ; the smallest bounds them all)
+            "bounds": {str(i): {str(m.max_slices): [me]} for i, m in enumerate(metrics)
+                       if m.slice_by is not None}}
+    for i, m in enumerate(metrics):
+        for name, spec in m._specs.items():
+            dynamic = m.state_spec(name) is not None
+            desc["states"][f"{i}/{name}"] = {"sig": {spec.signature: [me]}, "dyn": dynamic}
+    summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(desc).encode(), data_group)])
+    if share_group is not None:
+        summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(summary).encode(),
+                                                                    share_group)])
+    everyone = sorted(summary["ranks"])
+    if len(summary["paths"]) > 1:
+        sides = "; ".join(f"ranks {_ranges(rs)}: {p}" for p, rs in sorted(summary["paths"].items()))
+        raise MetricSyncError(f"calculate(): ranks would sync their data groups differently ({sides}); "
+                              "set TWINKLE_METRICS_REDUCE_ABOVE alike on every rank")
+    if len(summary["configs"]) > 1:
+        sides = []
+        for text, ranks in summary["configs"].items():
+            sides.append(f"ranks {_ranges(ranks)} hold [{', '.join(json.loads(text))}]")
+        raise MetricSyncError("calculate(): ranks hold different metrics or arguments ("
+                              + "; ".join(sides)[:1500] + "); build the same metrics, in the same "
+                              "order, with the same arguments on every rank")
+    names: List[List[str]] = [[] for _ in metrics]
+    for key in sorted(summary["states"], key=lambda k: (int(k.split("/", 1)[0]), k.split("/", 1)[1])):
+        entry = summary["states"][key]
+        i, name = int(key.split("/", 1)[0]), key.split("/", 1)[1]
+        holders = sorted({r for rs in entry["sig"].values() for r in rs})
+        if len(entry["sig"]) > 1:
+            sides = "; ".join(f"ranks {_ranges(rs)}: {sig}" for sig, rs in entry["sig"].items())
+            raise MetricSyncError(f"calculate(): ranks declare state {type(metrics[i]).__name__}.{name} "
+                                  f"differently ({sides}); every rank must declare it alike")
+        if len(holders) < len(everyone) and not entry["dyn"]:
+            raise MetricSyncError(
+                f"calculate(): state {type(metrics[i]).__name__}.{name} exists on ranks "
+                f"{_ranges(holders)} only, and the metric cannot create it on the others; add it on "
+                "every rank (add_state in the constructor), or declare its family (add_state_family)")
+        names[i].append(name)
+    for i, bounds in summary["bounds"].items():
+        error = metrics[int(i)]._over_slice_bound(names[int(i)], min(int(b) for b in bounds))
+        if error:
+            raise MetricSyncError(error)
+    for m, metric_names in zip(metrics, names):
+        m._adopt([n for n in metric_names if n not in m._specs])
+    plan = _Plan(metrics, names, configs)
+    ch.plans[configs] = plan
+    ch.width = max(ch.width, plan.length)
+    ch.reduce_sizes = tuple(max(a, b) for a, b in zip(ch.reduce_sizes, plan.reduce_sizes))
+    return plan
+
+
+def _unite(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"ranks": [], "configs": {}, "paths": {}, "states": {}, "bounds": {}}
+    for p in parts:
+        out["ranks"] = sorted(set(out["ranks"]) | set(p["ranks"]))
+        for field in ("configs", "paths"):
+            for text, ranks in p[field].items():
+                out[field][text] = sorted(set(out[field].get(text, [])) | set(ranks))
+        for i, bounds in p["bounds"].items():
+            mine = out["bounds"].setdefault(i, {})
+            for bound, ranks in bounds.items():
+                mine[bound] = sorted(set(mine.get(bound, [])) | set(ranks))
+        for key, entry in p["states"].items():
+            mine = out["states"].setdefault(key, {"sig": {}, "dyn": False})
+            mine["dyn"] = mine["dyn"] or entry["dyn"]
+            for sig, ranks in entry["sig"].items():
+                mine["sig"][sig] = sorted(set(mine["sig"].get(sig, [])) | set(ranks))
+    return out
+
+
+def _all_gather_bytes(data: bytes, group) -> List[bytes]:
+    """Every rank's ``data`` over ``group``: two collectives (lengths, then bytes)."""
+    if group is None:
+        return [data]
+    device = comm_device(group)
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = all_gather_rows(n, group).flatten().tolist()
+    width = max(sizes)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    rows = all_gather_rows(buf.to(device), group).cpu()
+    return [bytes(rows[i, :s].tolist()) for i, s in enumerate(sizes)]
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return "[" + ", ".join(out) + "]"
