@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from twinkle_metrics.inputs.checks import from_host
-from twinkle_metrics.inputs.microbatch import _BATCH_KEYS, _split, as_feature_list
+from twinkle_metrics.inputs.microbatch import BATCH_KEYS, as_feature_list, split_by_sizes
 
 SEP = "@"  # state name separator: "{state}@{slice}"
 #: metric class -> its own split of a call into slices (``splitter``)
@@ -196,7 +196,7 @@ def slice_values(metric: str, field: str, feats: List[Dict[str, Any]]) -> List[L
 
 def _rows_in(feat: Dict[str, Any]):
     """The feature's number of sequences, or None when it holds no per-token field."""
-    for key in _BATCH_KEYS:
+    for key in BATCH_KEYS:
         value = feat.get(key)
         if isinstance(value, torch.Tensor) and key != "position_ids":  # position ids may be shared
             return 1 if value.dim() <= 1 else int(value.shape[0])
@@ -258,7 +258,7 @@ def _output_parts(metric, outputs, feats, sizes):
     for key, value in outputs.items():
         if value is None:
             continue
-        for part, piece in zip(parts, _split(metric, key, value, sizes)):
+        for part, piece in zip(parts, split_by_sizes(metric, key, value, sizes)):
             part[key] = piece
     return parts
 

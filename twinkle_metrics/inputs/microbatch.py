@@ -14,18 +14,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 Pair = Tuple[Dict[str, Any], Dict[str, Any]]
-_BATCH_KEYS = ("labels", "input_ids", "completion_mask", "attention_mask", "position_ids")
+BATCH_KEYS = ("labels", "input_ids", "completion_mask", "attention_mask", "position_ids")
 
 
 def batch_size(metric: str, feature: Mapping[str, Any]) -> int:
     """Number of sequences in one ``InputFeature`` (1-D fields are one sequence)."""
-    for key in _BATCH_KEYS:
+    for key in BATCH_KEYS:
         value = feature.get(key)
         if value is None:
             continue
         value = host_array(metric, key, value)
         return 1 if value.dim() <= 1 else int(value.shape[0])
-    raise ValueError(f"{metric}: an input feature has none of {list(_BATCH_KEYS)}; pass labels "
+    raise ValueError(f"{metric}: an input feature has none of {list(BATCH_KEYS)}; pass labels "
                      f"(or input_ids) so the batch size is known; got keys {sorted(feature)}")
 
 
@@ -123,13 +123,13 @@ def microbatches(metric: str, inputs, outputs, fields: Sequence[str]) -> List[Pa
         value = outputs.get(key)
         if value is None:
             continue
-        for (_, out), part in zip(pairs, _split(metric, key, value, sizes)):
+        for (_, out), part in zip(pairs, split_by_sizes(metric, key, value, sizes)):
             if part is not None:
                 out[key] = part
     return pairs
 
 
-def _split(metric: str, key: str, value, sizes: List[int]) -> List[Optional[Any]]:
+def split_by_sizes(metric: str, key: str, value, sizes: List[int]) -> List[Optional[Any]]:
     n = len(sizes)
     if isinstance(value, (list, tuple)):
         if n == 1 and len(value) != 1 and all(not isinstance(v, torch.Tensor) for v in value):

@@ -92,7 +92,7 @@ def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
     device = mask.device
     real_values(metric, field, value)
     if isinstance(value, torch.Tensor):
-        value = value.to(device=device, dtype=dtype or _float(value.dtype), non_blocking=True)
+        value = value.to(device=device, dtype=dtype or float_dtype(value.dtype), non_blocking=True)
         if value.dim() == 1:
             if per_sequence and value.shape[0] == b:
                 return value[:, None], mask
@@ -137,7 +137,7 @@ def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
                          [r.shape[0] for r in rows], mask)
 
 
-def _float(dtype: torch.dtype) -> torch.dtype:
+def float_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype per-token work runs in: floating, at least float32 (integers: float64)."""
     if not dtype.is_floating_point:
         return torch.float64
@@ -149,7 +149,7 @@ def _common(tensors: Sequence[torch.Tensor], dtype=None) -> torch.dtype:
         return dtype
     out = torch.float32
     for t in tensors:
-        out = torch.promote_types(out, _float(t.dtype))
+        out = torch.promote_types(out, float_dtype(t.dtype))
     return out
 
 
@@ -290,7 +290,7 @@ def aligned_microbatches(metric: str, inputs, outputs, field: str, ignore_index:
         mask = token_mask(metric, feat, ignore_index, x.device)
         full_len = mask.shape[1]
         x, mask = common_length(metric, f"outputs[{field!r}]", x, mask)
-        items.append({"feat": feat, "x": x.to(_float(x.dtype)), "m": mask, "full_len": full_len})
+        items.append({"feat": feat, "x": x.to(float_dtype(x.dtype)), "m": mask, "full_len": full_len})
     sizes = [item["m"].shape[0] for item in items]
     for name, (value, per_sequence) in sides.items():
         parts = split_side_input(metric, name, value, sizes)

@@ -64,13 +64,10 @@ class Accuracy(Metric):
         super().__init__(device_mesh, process_group, **kwargs)
         self.vocab_parallel = bool(vocab_parallel)
         self.ignore_index = ignore_index
-
-    def exchange_groups(self):
-        """The TP group when the argmax is vocab-parallel (agreed on in every ``update``)."""
-        if not self.vocab_parallel:
-            return []
-        mesh = self.resolve_mesh()
-        return [mesh.tp_group] if mesh.tp_size > 1 else []
+        # the vocab-parallel argmax runs over TP: agreed on in every update
+        self.agree_over = ("tp",) if self.vocab_parallel else ()
+        if not self.vocab_parallel:  # why TP replicas' counts could differ
+            self.tp_mismatch_hint = "logits look vocab-sharded over the TP group: pass vocab_parallel=True"
 
     def update(self, inputs, outputs, **kwargs):
         with exchange.guard(self):
@@ -150,12 +147,6 @@ class Accuracy(Metric):
         # Always enter the TP collective (even with nothing), so TP ranks stay in step.
         preds = vocab_parallel_argmax([w[0] for w in work], mesh.tp_group, mesh.tp_rank, mesh.tp_size)
         return join([pred == labels for pred, (_, labels, _) in zip(preds, work)]) if work else None
-
-    def tp_mismatch_hint(self):
-        """Why TP replicas may disagree on the counts (used by ``calculate()``'s check)."""
-        if not self.vocab_parallel:
-            return "logits look vocab-sharded over the TP group: pass vocab_parallel=True"
-        return None
 
     def compute(self, s):
         if not s["total"]:

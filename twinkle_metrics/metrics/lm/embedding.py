@@ -92,6 +92,8 @@ class EmbeddingMetric(Metric):
     """
 
     unsliceable = "its in-batch statistics compare every sequence with the whole data-group batch"
+    agree_over = ("data",)  # the row-count agreement and the in-batch gather run over it
+    fingerprint_exclude = ("size_group",)  # a group to exchange sizes over, not a setting
 
     pos_sum = State("sum")
     pos_min = State("min")
@@ -114,11 +116,6 @@ class EmbeddingMetric(Metric):
         self.size_group = size_group
         self.eps = eps
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
-
-    def exchange_groups(self):
-        """The data group (the row-count agreement and the in-batch gather run over it)."""
-        group = self.data_group()
-        return [group] if group_size(group) > 1 else []
 
     def update(self, inputs, outputs, *, grad_norm=None, **kwargs):
         with exchange.guard(self):

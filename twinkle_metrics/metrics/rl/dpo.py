@@ -12,7 +12,7 @@ from twinkle_metrics.inputs.checks import float_tensor, from_host
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.microbatch import as_feature_list, has_field, microbatches
 from twinkle_metrics.inputs.rl import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
-from twinkle_metrics.kernels import _triton
+from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.stats.histogram import Histogram, check_quantiles, quantile_keys
 from twinkle_metrics.sync import agreement as exchange
 
@@ -90,6 +90,8 @@ class DPOMetric(Metric):
          'rewards/chosen': 0.1, 'rewards/rejected': -0.1, 'rewards/margins': 0.2, 'rewards/accuracies': 1.0}
     """
 
+    agree_over = ("cp",)  # sequence sums are completed over CP, agreed on in every update
+
     pairs = State("sum", torch.int64)
     chosen = State("sum")
     rejected = State("sum")
@@ -112,11 +114,6 @@ class DPOMetric(Metric):
         self.quantiles = check_quantiles(_NAME, quantiles)
         if self.quantiles:
             self.add_state("hist_margin", MARGIN_HISTOGRAM.state())
-
-    def exchange_groups(self):
-        """The CP group, over which sequence sums are completed (agreed on in every ``update``)."""
-        group = self.sequence_group()
-        return [] if group is None else [group]
 
     def update(self, inputs=None, outputs=None, *, ref_outputs=None, chosen=None, rejected=None,
                ref_chosen=None, ref_rejected=None, **kwargs) -> Dict[str, Any]:
@@ -259,44 +256,6 @@ class DPOMetric(Metric):
                     torch.stack([cols["rejected_logps"], cols["ref_rejected_logps"]], 1))
         return cols["chosen_logps"][:, None], cols["rejected_logps"][:, None]
 
-    def _slice_parts(self, inputs, outputs, kwargs) -> List[tuple]:
-        """Separate chosen/rejected batches split side by side (pair i's two sides in one
-        slice); per-pair sums by one slice name per pair; an interleaved batch as any call."""
-        field = self.slice_by
-        if kwargs.get("chosen") is not None and kwargs.get("rejected") is not None:
-            settings = {k: v for k, v in kwargs.items() if slicing.is_setting(v)}
-            sides = []
-            for side in ("chosen", "rejected"):
-                s_in, s_out = _pair(side, kwargs[side])
-                names = sum(slicing.slice_values(_NAME, field, as_feature_list(_NAME, s_in)), [])
-                ref = f"ref_{side}"
-                parts = slicing.split(_NAME, field, s_in, s_out, {ref: kwargs.get(ref)})
-                sides.append((names, {name: (i, o, kw.get(ref)) for name, i, o, kw in parts}))
-            (c_names, c_parts), (r_names, r_parts) = sides
-            if c_names != r_names:
-                raise ValueError(f"{_NAME}: slice_by={field!r}: the chosen sequences are in slices {c_names[:8]} "
-                                 f"but the rejected ones in {r_names[:8]}; both sides of a pair must carry the "
-                                 f"same {field}")
-            return [(name, None, None, {**settings, "chosen": c[:2], "rejected": r_parts[name][:2],
-                                        "ref_chosen": c[2], "ref_rejected": r_parts[name][2]})
-                    for name, c in c_parts.items()]
-        if isinstance(outputs, dict) and outputs.get("chosen_logps") is not None:
-            feats = as_feature_list(_NAME, inputs)
-            names = sum(slicing.slice_values(_NAME, field, feats), [])
-            cols = _presummed_columns(outputs)
-            n = cols["chosen_logps"].shape[0]
-            if len(names) != n:
-                raise ValueError(f"{_NAME}: slice_by={field!r} with per-pair sums: got {len(names)} slice "
-                                 f"names for {n} pairs; pass inputs={{{field!r}: [one per pair]}}")
-            settings = {k: v for k, v in kwargs.items() if slicing.is_setting(v)}
-            out = []
-            for name in dict.fromkeys(names):
-                rows = torch.tensor([i for i, x in enumerate(names) if x == name])
-                idx = from_host(rows, cols["chosen_logps"].device)
-                out.append((name, None, {k: v.index_select(0, idx) for k, v in cols.items()}, settings))
-            return out
-        return super()._slice_parts(inputs, outputs, kwargs)
-
     def _stats(self, x: torch.Tensor) -> Dict[str, Any]:
         """Contributions of ``x`` = [pairs, (chosen, [ref_chosen], rejected, [ref_rejected])]."""
         if _triton.device_ok(x) and x.dtype == torch.float64:
@@ -366,12 +325,12 @@ class DPOMetric(Metric):
 
 
 def _row_sums(cols: List[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    from twinkle_metrics.kernels import triton_rl
+    from twinkle_metrics.kernels import dpo_triton as triton_rl
     return triton_rl.masked_row_sums(cols[0], mask, *cols[1:])
 
 
 def _pair_stats(x: torch.Tensor, beta: float, skip: bool) -> Dict[str, torch.Tensor]:
-    from twinkle_metrics.kernels import triton_rl
+    from twinkle_metrics.kernels import dpo_triton as triton_rl
     return triton_rl.pair_stats(x, beta=beta, skip=skip)
 
 
@@ -462,3 +421,43 @@ def _pair(name: str, value):
         raise TypeError(f"{_NAME}: {name}= must be an (inputs, outputs) pair, got "
                         f"{type(value).__name__}")
     return value[0], value[1]
+
+
+@slicing.splitter(DPOMetric)
+def _dpo_slices(metric, inputs, outputs, kwargs) -> Optional[List[tuple]]:
+    """Separate chosen/rejected batches split side by side (pair i's two sides in one
+    slice); per-pair sums by one slice name per pair; an interleaved batch as any call."""
+    field = metric.slice_by
+    if kwargs.get("chosen") is not None and kwargs.get("rejected") is not None:
+        settings = {k: v for k, v in kwargs.items() if slicing.is_setting(v)}
+        sides = []
+        for side in ("chosen", "rejected"):
+            s_in, s_out = _pair(side, kwargs[side])
+            names = sum(slicing.slice_values(_NAME, field, as_feature_list(_NAME, s_in)), [])
+            ref = f"ref_{side}"
+            parts = slicing.split(_NAME, field, s_in, s_out, {ref: kwargs.get(ref)})
+            sides.append((names, {name: (i, o, kw.get(ref)) for name, i, o, kw in parts}))
+        (c_names, c_parts), (r_names, r_parts) = sides
+        if c_names != r_names:
+            raise ValueError(f"{_NAME}: slice_by={field!r}: the chosen sequences are in slices {c_names[:8]} "
+                             f"but the rejected ones in {r_names[:8]}; both sides of a pair must carry the "
+                             f"same {field}")
+        return [(name, None, None, {**settings, "chosen": c[:2], "rejected": r_parts[name][:2],
+                                    "ref_chosen": c[2], "ref_rejected": r_parts[name][2]})
+                for name, c in c_parts.items()]
+    if isinstance(outputs, dict) and outputs.get("chosen_logps") is not None:
+        feats = as_feature_list(_NAME, inputs)
+        names = sum(slicing.slice_values(_NAME, field, feats), [])
+        cols = _presummed_columns(outputs)
+        n = cols["chosen_logps"].shape[0]
+        if len(names) != n:
+            raise ValueError(f"{_NAME}: slice_by={field!r} with per-pair sums: got {len(names)} slice "
+                             f"names for {n} pairs; pass inputs={{{field!r}: [one per pair]}}")
+        settings = {k: v for k, v in kwargs.items() if slicing.is_setting(v)}
+        out = []
+        for name in dict.fromkeys(names):
+            rows = torch.tensor([i for i, x in enumerate(names) if x == name])
+            idx = from_host(rows, cols["chosen_logps"].device)
+            out.append((name, None, {k: v.index_select(0, idx) for k, v in cols.items()}, settings))
+        return out
+    return None  # an interleaved batch: split as any call

@@ -11,7 +11,7 @@ from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.microbatch import has_field
 from twinkle_metrics.inputs.rl import aligned_microbatches, joined_microbatches, nonfinite_tokens
-from twinkle_metrics.kernels import _triton
+from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.stats.moments import chan, moments, moments_state
 
 _SIDES = ("old_values", "returns", "advantages")
@@ -192,5 +192,5 @@ def _fits(v: torch.Tensor, m: torch.Tensor, side) -> bool:
 
 
 def _token_stats(items, **kwargs) -> Dict[str, torch.Tensor]:
-    from twinkle_metrics.kernels import triton_ppo
+    from twinkle_metrics.kernels import ppo_triton as triton_ppo
     return triton_ppo.token_stats(items, **kwargs)

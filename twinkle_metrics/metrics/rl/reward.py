@@ -106,6 +106,10 @@ class CompletionRewardMetric(Metric):
          'train/completion_length_min': 10.0, 'train/completion_length_max': 30.0}
     """
 
+    # fixed names or names as they come decide which states are created on the fly: ranks
+    # must agree on it, while a checkpoint loads across the two (its states are checked)
+    fingerprint_sync_only = ("reward_names",)
+
     len_count = State("sum", torch.int64)
     len_sum = State("sum", torch.float64)
     len_min = State("min", torch.float64)
@@ -137,6 +141,10 @@ class CompletionRewardMetric(Metric):
         self.num_generations = num_generations
         self.zero_std_reward = zero_std_reward
         self._dynamic = reward_names is None
+        if self._dynamic:  # a reward name's (count, mean, M2) state, and its histogram, as names come
+            self.add_state_family(_PREFIX, moments_state())
+            if self.quantiles:
+                self.add_state_family(_HIST, REWARD_HISTOGRAM.state())
         self._ensure_names(sorted(set(reward_names or ())))
 
     # ----------------------------------------------------------------- states
@@ -147,23 +155,6 @@ class CompletionRewardMetric(Metric):
                 self.add_state(_PREFIX + name, moments_state())
             if self.quantiles and _HIST + name not in self._specs:
                 self.add_state(_HIST + name, REWARD_HISTOGRAM.state())
-
-    def dynamic_state(self, name: str):
-        """A reward name's (count, mean, M2) state, and its histogram with
-        ``quantiles``, created when a name is first seen (here or, at ``calculate()``,
-        on another rank)."""
-        if not self._dynamic:
-            return None
-        if name.startswith(_PREFIX) and len(name) > len(_PREFIX):
-            return moments_state()
-        if self.quantiles and name.startswith(_HIST) and len(name) > len(_HIST):
-            return REWARD_HISTOGRAM.state()
-        return None
-
-    def _creates(self) -> str:
-        # open names (created as they come) or a fixed list: ranks must agree, or a name seen
-        # on an open rank could not be created on a fixed one
-        return "reward names as they come" if self._dynamic else "no reward names beyond reward_names"
 
     @property
     def reward_names(self):

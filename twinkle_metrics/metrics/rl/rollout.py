@@ -12,7 +12,7 @@ from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.rl import aligned_microbatches, cp_sum, nonfinite_tokens
-from twinkle_metrics.kernels import _triton
+from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.sync import agreement as exchange
 
 _P = "rollout/"
@@ -120,6 +120,8 @@ class RolloutMismatchMetric(Metric):
         m.calculate()  # {'rollout/mismatch_kl': ..., 'rollout/seq_ess': ..., ...}
     """
 
+    agree_over = ("cp",)  # sequence sums are completed over CP
+
     n_tok = State("sum", torch.int64)
     sum_abs = State("sum")
     abs_max = State("max")
@@ -156,11 +158,6 @@ class RolloutMismatchMetric(Metric):
         self.is_threshold = high
         self.is_threshold_low = low
         self.ignore_index = ignore_index
-
-    def exchange_groups(self):
-        """The CP group, over which sequence sums are completed (when it has > 1 rank)."""
-        group = self._sequence_group()
-        return [] if group is None else [group]
 
     def _sequence_group(self):
         return self.sequence_group()
@@ -208,7 +205,7 @@ class RolloutMismatchMetric(Metric):
         batches = [dict(lp=items[i]["x"], roll=items[i]["rollout_logps"][0], has=items[i]["m"]) for i in which]
 
         def launch():
-            from twinkle_metrics.kernels import triton_rollout
+            from twinkle_metrics.kernels import rollout_triton as triton_rollout
             return triton_rollout.token_stats(batches, lo=_log(self.is_threshold_low),
                                               hi=math.log(self.is_threshold), skip=self.nan_policy == "skip")
 
@@ -300,7 +297,7 @@ class RolloutMismatchMetric(Metric):
 
 
 def _sequence_stats(parts: torch.Tensor) -> Dict[str, torch.Tensor]:
-    from twinkle_metrics.kernels import triton_rollout
+    from twinkle_metrics.kernels import rollout_triton as triton_rollout
     return triton_rollout.sequence_stats(parts)
 
 

@@ -106,6 +106,7 @@ class ModelNormMetric(Metric):
     """
 
     unsliceable = "it reads the model, not the batch"
+    fingerprint_exclude = ("model",)  # what it reads, not what a state means
 
     grad_sq = _placed()
     param_sq = _placed()
@@ -137,13 +138,10 @@ class ModelNormMetric(Metric):
         self.distributed_optimizer = distributed_optimizer
         self.count_zeros = bool(count_zeros)
         self._plans: Dict[Tuple[int, ...], "_Plan"] = {}
-
-    def dynamic_state(self, name: str) -> Optional[State]:
-        """A group's squared-norm state: per-layer groups differ between pipeline stages,
-        so a stage creates the others' at ``calculate()``, holding 0."""
-        if name.startswith((_GRAD, _PARAM)) and len(name) > len(_GRAD):
-            return _placed()
-        return None
+        # a group's squared-norm states: per-layer groups differ between pipeline stages,
+        # so a stage creates the others' at calculate(), holding 0
+        self.add_state_family(_GRAD, _placed())
+        self.add_state_family(_PARAM, _placed())
 
     # ----------------------------------------------------------------- update
     def update(self, inputs=None, outputs=None, *, model=None):

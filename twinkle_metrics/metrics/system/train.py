@@ -10,7 +10,7 @@ import torch
 
 from parallel.groups import global_rank, world_size
 from twinkle_metrics.core.metric import Metric
-from twinkle_metrics.core.state import State
+from twinkle_metrics.core.state import Origin, State
 from twinkle_metrics.inputs.checks import fits_int64
 
 _NAME = "TrainMetric"
@@ -78,13 +78,17 @@ class TrainMetric(Metric):
 
     unsliceable = "its readings are per rank and per step, not per sequence"
 
+    # Where each interval starts: this rank's clock, and the last step counted before it.
+    interval_start = Origin(lambda: time.perf_counter())
+    interval_first_step = Origin(follows="step", default=0)
+
     lr_groups = State("max", torch.int64, local="last")
     step = State("max", torch.int64, local="last")
     grad_accum = State("max", torch.int64, local="last")
-    interval_steps = State("max", torch.int64, local="last")
+    interval_steps = State("max", torch.int64, local="last", relative_to="interval_first_step")
     # Clock and memory readings differ between ranks, TP replicas included.
     elapsed = State("max", local="last", per_rank=True)
-    interval_time = State("max", local="last", per_rank=True)
+    interval_time = State("max", local="last", per_rank=True, relative_to="interval_start")
     peak_flops = State("max", local="last")
     peak_memory = State("max", local="max", per_rank=True)
     # This rank's own seconds per step, merged over every rank (TP x PP too), and
@@ -99,7 +103,6 @@ class TrainMetric(Metric):
         if counts not in _COUNTS:
             raise ValueError(f"{_NAME}: counts must be one of {_COUNTS}, got {counts!r}")
         self._start = time.perf_counter()
-        self._seen_step: Optional[int] = None
         super().__init__(device_mesh, process_group, **kwargs)
         if int(max_param_groups) < 1:
             raise ValueError(f"{_NAME}: max_param_groups must be >= 1, got {max_param_groups}")
@@ -114,17 +117,10 @@ class TrainMetric(Metric):
         self.default_peak_flops = peak_flops
         self.num_devices = num_devices
 
-    def reset(self) -> "TrainMetric":
-        super().reset()
-        # Host bookkeeping of the interval that starts now (like Twinkle's reset).
-        self._interval_start = time.perf_counter()
-        self._interval_first_step = getattr(self, "_seen_step", None) or 0
-        return self
-
     def update(self, inputs, outputs, *, lr=None, step=None, gradient_accumulation_steps=None,
                tokens=None, samples=None, flops_per_token=None, peak_flops=None, **kwargs):
         now = time.perf_counter()
-        out = {"elapsed": now - self._start, "interval_time": now - self._interval_start}
+        out = {"elapsed": now - self._start, "interval_time": now - self.interval_start}
         lrs = [] if lr is None else list(lr) if isinstance(lr, (list, tuple)) else [lr]
         if lrs:  # [] (no optimizer, e.g. during evaluation) reports no lr, as in Twinkle
             cap = self._specs["lr"].shape[0]
@@ -143,7 +139,7 @@ class TrainMetric(Metric):
         if step is not None:
             step = _integer("step", step)
             out["step"] = step
-            out["interval_steps"] = steps = step - self._interval_first_step
+            out["interval_steps"] = steps = step - self.interval_first_step
             if steps > 0:
                 out.update(_straggler(out["interval_time"] / steps))
         for name, value in (("tokens", tokens), ("samples", samples)):
@@ -159,25 +155,6 @@ class TrainMetric(Metric):
             # An allocator counter on the host: no device wait.
             out["peak_memory"] = torch.cuda.max_memory_allocated() / 2**30
         return out
-
-    def _rebase(self, later, earlier):
-        # this interval's clock and step count ran from its own start: from earlier's now
-        out = dict(later)
-        if "interval_time" in out:
-            out["interval_time"] = out["interval_time"] + (self._interval_start - earlier._interval_start)
-        if "interval_steps" in out:
-            out["interval_steps"] = out["interval_steps"] + (self._interval_first_step - earlier._interval_first_step)
-        return out
-
-    def _after_fold_under(self, earlier):
-        self._interval_start = earlier._interval_start
-        self._interval_first_step = earlier._interval_first_step
-
-    def _after_commit(self, contributions):
-        # Host bookkeeping only once the call is folded in (a failed call, or one a
-        # MetricCollection rejects because another metric failed, changes nothing).
-        if "step" in contributions:
-            self._seen_step = contributions["step"]
 
     def compute(self, s):
         out = {}

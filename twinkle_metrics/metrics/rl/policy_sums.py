@@ -1,0 +1,468 @@
+"""The per-token sums of the GRPO family's ``update``: what one call contributes.
+
+``PolicySums`` holds the computations ``GRPOMetric.update`` composes (inputs aligned per
+microbatch, token, advantage, reference and ratio sums, clip counts, top-k records, and
+the fused-kernel path), so that ``grpo.py`` reads as the metric: its states, ``update``,
+``merge`` and ``compute``. They read the call's inputs and the metric's configuration only.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from parallel import group_rank
+from twinkle_metrics.core import fold
+from twinkle_metrics.inputs.checks import as_tensor, float_tensor, floating_tensor
+from twinkle_metrics.inputs.microbatch import has_field, microbatches
+from twinkle_metrics.inputs.rl import (
+    common_length,
+    cp_sum,
+    float_dtype,
+    keep_bits,
+    masked,
+    nonfinite_tokens,
+    per_token,
+    split_side_input,
+    token_mask,
+)
+from twinkle_metrics.kernels import dispatch as _triton
+from twinkle_metrics.kernels import entropy
+from twinkle_metrics.metrics.rl.policy_records import TopKRecords, _topk_rows
+from twinkle_metrics.stats.histogram import Histogram
+
+#: per-token ratio exp(d), k3 KL (often ~1e-9 on policy) and entropy (<= log vocab)
+RATIO_HISTOGRAM = Histogram(1e-6, 1e6, signed=False)
+KL_HISTOGRAM = Histogram(1e-15, 1e6, signed=False)
+ENTROPY_HISTOGRAM = Histogram(1e-12, 1e3, signed=False)
+
+
+class PolicySums(TopKRecords):
+    """The GRPO family's per-call computations (mixed into ``GRPOMetric``)."""
+
+    def _prepare(self, name, inputs, outputs, old_logps, advantages, ref_logps, ref_outputs):
+        """This call's inputs, validated and aligned per microbatch; communicates nothing.
+
+        ``{'items': [per microbatch: feat, o, lp, m, full_len, ent, em, adv, has_adv, ref,
+        has_ref, old, has_old], 'sizes': sequences per microbatch, 'n_seq_parts': GSPO's
+        sequences to complete over CP}``.
+        """
+        if ref_outputs is not None:
+            if ref_logps is not None:
+                raise ValueError(f"{name}: got both ref_logps= and ref_outputs=; pass one")
+            if not isinstance(ref_outputs, Mapping) or ref_outputs.get("logps") is None:
+                got = sorted(map(str, ref_outputs)) if isinstance(ref_outputs, Mapping) else \
+                    type(ref_outputs).__name__
+                raise ValueError(f"{name}: ref_outputs must be a dict with 'logps' (the reference model's "
+                                 f"per-token log-probs), got {got}; or pass ref_logps= directly")
+            ref_logps = ref_outputs["logps"]
+        empty = {"items": [], "sizes": [], "n_seq_parts": 0}
+        if outputs is None:
+            return empty
+        if inputs is None and has_field(outputs, "logps"):
+            raise ValueError(f"{name}: outputs['logps'] given but inputs is None; per-token log-probs need "
+                             "the token mask: pass the InputFeature (or list of them) with labels or "
+                             "completion_mask")
+        pairs = microbatches(name, inputs, outputs, ("logps", "entropies", "logits"))
+        if not pairs:
+            return empty
+        for i, (_, o) in enumerate(pairs):
+            if "logps" not in o:
+                raise ValueError(f"{name}: outputs of microbatch {i} have no 'logps'; pass per-token "
+                                 f"log-probs [batch, seq] (got fields {sorted(o)})")
+        lps, masks, full_lens = [], [], []
+        for feat, o in pairs:
+            lp = float_tensor(name, "outputs['logps']", o["logps"])
+            lp = lp.unsqueeze(0) if lp.dim() == 1 else lp
+            mask = token_mask(name, feat, self.ignore_index, lp.device)
+            full_lens.append(mask.shape[1])
+            lp, mask = common_length(name, "outputs['logps']", lp, mask)
+            lps.append(lp.to(float_dtype(lp.dtype)))
+            masks.append(mask)
+        sizes = [m.shape[0] for m in masks]
+        olds = split_side_input(name, "old_logps", old_logps, sizes)
+        advs = split_side_input(name, "advantages", advantages, sizes)
+        refs = split_side_input(name, "ref_logps", ref_logps, sizes)
+
+        items, n_parts = [], 0
+        for i, ((feat, o), lp, m) in enumerate(zip(pairs, lps, masks)):
+            ent = em = None  # entropies and the tokens that have one
+            if "entropies" in o:
+                ent = float_tensor(name, "outputs['entropies']", o["entropies"], lp.device)
+                ent = ent.unsqueeze(0) if ent.dim() == 1 else ent
+                if ent.dim() == 2 and ent.shape == m.shape:
+                    em = m
+                else:
+                    ent, em = common_length(name, "outputs['entropies']", ent, m)
+                ent = _floating(ent)
+            elif self.entropy_from_logits and o.get("logits") is not None:
+                logits = floating_tensor(name, "logits", o["logits"])
+                if logits.dim() < 2 or logits.shape[-1] == 0:
+                    raise ValueError(f"{name}: outputs['logits'] must be [..., vocab] with a vocab of at least "
+                                     f"one entry for entropy_from_logits, got shape {list(logits.shape)}")
+            adv = has_adv = ref = has_ref = old = has_old = None
+            if m.numel():
+                if advs[i] is not None:
+                    adv, has_adv = per_token(name, "advantages", advs[i], m, full_lens[i], per_sequence=True)
+                if refs[i] is not None:
+                    ref, has_ref = per_token(name, "ref_logps", refs[i], m, full_lens[i])
+                if olds[i] is not None:
+                    old, has_old = per_token(name, "old_logps", olds[i], m, full_lens[i])
+                if self.sequence_level_clip and old is not None and adv is not None:
+                    n_parts += m.shape[0]
+            items.append(dict(feat=feat, o=o, lp=lp, m=m, ent=ent, em=em, adv=adv, has_adv=has_adv,
+                              ref=ref, has_ref=has_ref, old=old, has_old=has_old))
+        return {"items": items, "sizes": sizes, "n_seq_parts": n_parts}
+
+    def _sums(self, batch, logit_ents):
+        """(contributions, GSPO's per-sequence parts or None) of a prepared call; masked
+        arithmetic only, nothing raises. ``logit_ents``: entropies computed from logits,
+        by microbatch."""
+        # Per-token values stay in the input dtype (float32 usually) where that is exact:
+        # masking (a bitwise select, so NaN/-inf padding at masked positions, common for prompt
+        # tokens, is dropped rather than multiplied into the sums) and sums (accumulated in
+        # float64). Log-ratios and k3 = expm1(d) - d are float64: d = logp - old_logp is
+        # exact there, and k3 ~ d^2/2 needs d's low bits.
+        acc: Dict[str, Any] = {}
+        seq_parts: List[torch.Tensor] = []
+        candidates: List[torch.Tensor] = []
+        mbs = [_Microbatch(item, logit_ents.get(i)) for i, item in enumerate(batch["items"])]
+        starts = [0]  # each microbatch's first sequence in the call
+        for mb in mbs:
+            starts.append(starts[-1] + mb.m.shape[0])
+        for mb, start in zip(mbs, starts):
+            mb.seq0 = start
+        fused, records = self._fused_sums(acc, [mb for mb in mbs if self._fuses(mb)])
+        if records is not None:  # every fused microbatch's candidates at once
+            candidates.append(self._fused_candidates(records))
+        for mb in mbs:
+            seq_start = mb.seq0
+            if mb in fused:  # the one-kernel path: GSPO's rows, in microbatch order
+                if fused[mb] is not None:
+                    seq_parts.append(fused[mb])
+                continue
+            self._count_nonfinite(acc, mb)
+            self._token_sums(acc, mb)
+            if mb.m.numel():
+                if mb.adv is not None:
+                    self._advantage_sums(acc, mb)
+                if mb.ref is not None:
+                    self._ref_sums(acc, mb)
+                if mb.old is not None:
+                    self._ratio_sums(acc, mb, seq_parts)
+                    if self.top_k_kl:
+                        k3 = mb.ratio_m1 - mb.d
+                        key = torch.where(mb.has_old & (k3 > 0), k3, -math.inf)
+                        candidates.append(self._candidates(mb, key, seq_start))
+            if self.quantiles:
+                self._quantile_counts(acc, mb)
+
+        if self.top_k_kl:
+            mesh = self.resolve_mesh()
+            # a process_group without CP stands for the data group: its rank orders the sequences
+            by_mesh = self.process_group is None or self.sequence_group() is not None
+            cp_rank = mesh.cp_rank if by_mesh else 0
+            dp_rank = mesh.dp_rank if by_mesh else group_rank(self.process_group)
+            acc["n_seq"] = sum(batch["sizes"])
+            acc["dp_index"] = dp_rank
+            acc["cp_index"] = cp_rank
+            if len(candidates) == 1 and candidates[0].shape[0] == self.top_k_kl:
+                acc["topk"] = candidates[0]  # torch.topk's rows, largest first: the top k already
+            elif candidates:
+                acc["topk"] = _topk_rows(torch.cat(candidates), self.top_k_kl)
+        parts = torch.cat(seq_parts) if self.sequence_level_clip and seq_parts else None
+        return acc, parts
+
+    def _fuses(self, mb: "_Microbatch") -> bool:
+        """Whether this microbatch takes the one-kernel path (``kernels.triton_rl``): on CUDA
+        with the kernels enabled, no histograms, and every side input covering exactly the
+        counted tokens (aligned ``[b, s]``, or ``[b, 1]`` advantages)."""
+        m = mb.m
+        if self.quantiles or not m.numel() or not _triton.device_ok(mb.lp):
+            return False
+        b, s = m.shape
+        if mb.lp.shape != m.shape:
+            return False
+        for x, has, widths in ((mb.old, mb.has_old, (s,)), (mb.ref, mb.has_ref, (s,)), (mb.ent, mb.em, (s,)),
+                               (mb.adv, mb.has_adv, (1, s))):
+            if x is not None and (has is not m or x.dim() != 2 or x.shape[0] != b or x.shape[1] not in widths
+                                  or x.device != m.device):
+                return False
+        return True
+
+    def _fused_sums(self, acc, mbs: List["_Microbatch"]) -> Tuple[Dict["_Microbatch", Any], Any]:
+        """Every per-token contribution of ``mbs`` from one kernel each
+        (``kernels.triton_rl``), folded into ``acc`` once: the same states and values as
+        the steps below. Returns ``({microbatch: GSPO rows or None}, the top-k record
+        buffer or None)``."""
+        if not mbs:
+            return {}, None
+        lo, hi = self._log_bounds
+        skip = self.nan_policy == "skip"
+        both = [mb.old is not None and mb.adv is not None for mb in mbs]
+
+        def launch():
+            from twinkle_metrics.kernels import rl_triton as triton_rl
+            keyed = bool(self.top_k_kl)
+            return triton_rl.token_stats(
+                [dict(lp=mb.lp, m=mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent, seq0=mb.seq0,
+                      tok=self._feature_view(mb, "labels") if keyed else None,
+                      pos=self._feature_view(mb, "position_ids") if keyed else None) for mb in mbs],
+                lo=lo, hi=hi, token_clip=not self.sequence_level_clip, by_sign=self.clip_by_advantage_sign,
+                skip=skip, want_key=bool(self.top_k_kl), want_rows=self.sequence_level_clip and any(both))
+
+        result = _triton.attempt("RL token statistics", launch)
+        if result is None:
+            return {}, None  # every microbatch takes the torch path
+        totals, records, rows = result
+        # Every state the kernel writes, by its declared reduction; a column whose input no
+        # microbatch gave holds the reduction's identity (0, -inf, +inf) and changes nothing.
+        for name, value in totals.items():
+            fold.by(acc, name, value, self._specs[name].reduce)
+        return {mb: (r if ok else None) for mb, r, ok in zip(mbs, rows, both)}, records
+
+    def _count_nonfinite(self, acc, mb: "_Microbatch") -> None:
+        """Count the tokens that count and hold a NaN/inf in any input (padding at masked
+        positions is not counted: every term is gated by the tokens the value belongs
+        to); under ``nan_policy='skip'`` drop them from every mask and zero their values."""
+        m = mb.m
+        present = [(x, has) for x, has in ((mb.adv, mb.has_adv), (mb.ref, mb.has_ref), (mb.old, mb.has_old),
+                                           (mb.ent, mb.em)) if x is not None]
+        bad = nonfinite_tokens(mb.lp, m, present)
+        fold.add(acc, "n_bad", bad.sum())
+        if self.nan_policy == "skip":  # no NaN * 0 below
+            ok = ~bad
+            mb.m = m & ok
+
+            def drop(has):
+                return has if has is None else mb.m if has is m else has & ok[:, :has.shape[1]]
+
+            mb.has_adv, mb.has_ref, mb.has_old, mb.em = drop(mb.has_adv), drop(mb.has_ref), drop(mb.has_old), \
+                drop(mb.em)
+            mb.lp, mb.adv, mb.ref, mb.old, mb.ent = (x if x is None else x.nan_to_num(0.0, 0.0, 0.0)
+                                                     for x in (mb.lp, mb.adv, mb.ref, mb.old, mb.ent))
+
+    def _token_sums(self, acc, mb: "_Microbatch") -> None:
+        """Token count, sum of new log-probs, entropy."""
+        m = mb.m
+        mb.n_tok = m.sum()
+        mb.lpm = mb.keep(mb.lp, m)
+        fold.add(acc, "n_tok", mb.n_tok)
+        fold.add(acc, "sum_new", mb.lpm.sum(dtype=torch.float64))
+        if mb.ent is not None:
+            if mb.em is m:
+                fold.add(acc, "n_ent", mb.n_tok)
+                fold.add(acc, "sum_ent", mb.keep(mb.ent, m).sum(dtype=torch.float64))
+            else:
+                fold.add(acc, "n_ent", mb.em.sum())
+                fold.add(acc, "sum_ent", torch.where(mb.em, mb.ent, 0.0).sum(dtype=torch.float64))
+
+    def _advantage_sums(self, acc, mb: "_Microbatch") -> None:
+        """Advantage count, sum, extremes: per token, or one value per sequence."""
+        adv, has_adv = mb.adv, mb.has_adv
+        fold.add(acc, "n_adv", mb.n_tok if has_adv is mb.m else has_adv.sum())
+        if adv.shape[1] == 1 and mb.m.shape[1] != 1:  # one value per sequence: per-row counts
+            rows = has_adv.sum(1, dtype=torch.float64)
+            # where: the value of a row without tokens (maybe NaN) must not count
+            fold.add(acc, "sum_adv", torch.where(rows > 0, adv[:, 0].to(torch.float64) * rows, 0.0).sum())
+            lo, hi = _extremes(adv[:, 0], rows > 0)
+        else:
+            mb.adv = adv = mb.keep(adv, has_adv)  # aligned values may be NaN where masked
+            fold.add(acc, "sum_adv", adv.sum(dtype=torch.float64))
+            lo, hi = _extremes(adv, has_adv)
+        fold.minimum(acc, "adv_min", lo)
+        fold.maximum(acc, "adv_max", hi)
+
+    def _ref_sums(self, acc, mb: "_Microbatch") -> None:
+        """k3 KL to the reference policy: sum of expm1(ref - logp) - (ref - logp)."""
+        if mb.has_ref is mb.m:
+            n_ref = mb.n_tok
+            mb.lp64 = lpr = mb.lpm.to(torch.float64)
+        else:
+            n_ref = mb.has_ref.sum()
+            lpr = mb.keep(mb.lp, mb.has_ref).to(torch.float64)
+        dr = mb.keep(mb.ref, mb.has_ref).to(torch.float64)
+        dr.sub_(lpr)  # 0 outside has_ref
+        sum_dr = dr.sum()
+        fold.add(acc, "n_ref", n_ref)
+        fold.add(acc, "sum_ref_kl", dr.expm1_().sum() - sum_dr)
+
+    def _ratio_sums(self, acc, mb: "_Microbatch", seq_parts: List[torch.Tensor]) -> None:
+        """Log-ratio d = logp - old_logp: its sums and extremes, clip counts (or GSPO's
+        per-sequence parts), ratio and k3 KL sums."""
+        m, adv, has_adv, has_old = mb.m, mb.adv, mb.has_adv, mb.has_old
+        if has_old is m:
+            n_old = mb.n_tok
+            lpo = mb.lp64 if mb.lp64 is not None else mb.lpm.to(torch.float64)
+        else:
+            n_old = has_old.sum()
+            lpo = mb.keep(mb.lp, has_old).to(torch.float64)
+        oldm = mb.keep(mb.old, has_old)
+        d = lpo.clone() if lpo is mb.lp64 else lpo
+        d.sub_(oldm)  # exact in float64; 0 outside has_old
+        sum_d = d.sum()
+        fold.add(acc, "n_old", n_old)
+        fold.add(acc, "sum_old", oldm.sum(dtype=torch.float64))
+        fold.add(acc, "sum_diff", sum_d)
+        # exp is monotone and k3 convex with its minimum at d = 0: the extremes of
+        # d give ratio_min/max and kl_max (in compute), with no [b, s] r or k3.
+        lo, hi = _extremes(d, has_old)
+        fold.minimum(acc, "logr_min", lo)
+        fold.maximum(acc, "logr_max", hi)
+        if adv is not None:
+            gate = has_old if has_adv is m else has_old & has_adv
+            if self.nan_policy != "skip":
+                # Under 'propagate' a NaN/inf d or A must not vanish in a comparison
+                # (NaN < x is False): 0, or NaN when a gated token holds one.
+                # (d + A is NaN/inf iff either is; * 0 turns inf into NaN)
+                fold.add(acc, "clip_nan", torch.where(gate, d + adv, 0.0).sum() * 0.0)
+            if self.sequence_level_clip:
+                g = gate.to(torch.float64)
+                seq_parts.append(torch.stack([(d * g).sum(1), g.sum(1),
+                                              torch.where(gate, adv.to(torch.float64), 0.0).sum(1)], 1))
+            else:
+                extra = None if self._zero_unclipped else has_old
+                if has_adv is not m:
+                    extra = has_adv if extra is None else extra & has_adv
+                low, high = self._clip_counts(d, adv, extra)
+                fold.add(acc, "clip_n", n_old if gate is has_old else gate.sum())
+                fold.add(acc, "clip_low", low)
+                fold.add(acc, "clip_high", high)
+        # r - 1, in place unless the top-k records or the histograms still need d
+        em = torch.expm1(d) if self.top_k_kl or self.quantiles else d.expm1_()
+        sum_em = em.sum()
+        fold.add(acc, "sum_kl", sum_em - sum_d)  # sum of k3 = (r - 1) - d
+        fold.add(acc, "sum_ratio", sum_em + n_old)
+        mb.d, mb.ratio_m1 = d, em
+
+    def _quantile_counts(self, acc, mb: "_Microbatch") -> None:
+        """Histogram counts of the per-token ratio r = 1 + (r - 1) and k3 = (r - 1) - d over
+        the tokens with an old log-prob (after ``_ratio_sums``), and of the entropy."""
+        if mb.ratio_m1 is not None:
+            fold.add(acc, "hist_ratio", RATIO_HISTOGRAM.counts(mb.ratio_m1 + 1.0, mb.has_old))
+            fold.add(acc, "hist_kl", KL_HISTOGRAM.counts(mb.ratio_m1 - mb.d, mb.has_old))
+        if mb.ent is not None:
+            fold.add(acc, "hist_entropy", ENTROPY_HISTOGRAM.counts(mb.ent, mb.em))
+
+    #: clip counts gated by the advantage sign (GRPO/PPO); CISPO clips the weight itself
+    clip_by_advantage_sign = True
+
+    def _clip_counts(self, d, adv, gate=None):
+        """Counts of clipped-low and clipped-high units from log-ratios d (r = e^d):
+        r < 1 - epsilon (and A < 0), r > 1 + epsilon_high (and A > 0).
+
+        ``d`` is 0 outside the units with an old log-prob and a scattered A is 0
+        outside the units that have one, so with epsilons >= 0 no gate is needed;
+        ``gate`` is applied when one is.
+        """
+        lo, hi = self._log_bounds
+        low, high = d < lo, d > hi
+        if gate is not None:
+            low, high = low & gate, high & gate
+        if not self.clip_by_advantage_sign:
+            return low.sum(), high.sum()
+        if adv.dim() == 2 and adv.shape[1] == 1 and d.shape[1] != 1:
+            # one advantage per sequence: count per row, then weight rows by the sign
+            return (low.sum(1) * (adv[:, 0] < 0)).sum(), (high.sum(1) * (adv[:, 0] > 0)).sum()
+        return (low & (adv < 0)).sum(), (high & (adv > 0)).sum()
+
+    @property
+    def _log_bounds(self):
+        """(log(1 - epsilon), log(1 + epsilon_high)): r < 1 - eps <=> d < log(1 - eps)."""
+        lo = math.log(1 - self.epsilon) if self.epsilon < 1 else -math.inf
+        hi = math.log1p(self.epsilon_high) if self.epsilon_high > -1 else -math.inf
+        return lo, hi
+
+    @property
+    def _zero_unclipped(self) -> bool:
+        """d = 0 (r = 1) is never clipped, so tokens with d = 0 need no gate (epsilons >= 0)."""
+        lo, hi = self._log_bounds
+        return lo <= 0 <= hi
+
+    def _sequence_clip(self, parts: torch.Tensor) -> Dict[str, Any]:
+        """GSPO: gates on exp(mean d) per sequence, from whole-sequence sums over CP."""
+        group = self.sequence_group()
+        parts = cp_sum(parts, group)
+        if group is not None and group_rank(group) != 0:
+            return {}  # every CP rank now holds the same totals; count each sequence once
+        n = parts[:, 1]
+        valid = n > 0
+        safe = torch.where(valid, n, 1.0)
+        logr = parts[:, 0] / safe
+        adv = parts[:, 2] / safe
+        low, high = self._clip_counts(logr, adv, valid)
+        return {"clip_n": valid.sum(), "clip_low": low, "clip_high": high}
+
+
+    def _entropy_chunks(self, name, jobs):
+        """(row chunks of every job's logits, job shapes): validated, no collective."""
+        blocks, shapes = [], []
+        for i, logits, m in jobs:
+            z = as_tensor(logits, m.device)
+            if z.dim() == 2:
+                z = z.unsqueeze(0)
+            if z.dim() != 3 or z.shape[0] != m.shape[0] or z.shape[1] < m.shape[1]:
+                raise ValueError(f"{name}: outputs['logits'] of microbatch {i} has shape "
+                                 f"{list(z.shape)}; expected [{m.shape[0]}, >= {m.shape[1]}, vocab] "
+                                 "aligned with the log-probs")
+            blocks.append(entropy.row_blocks(z[:, :m.shape[1]]))
+            shapes.append(m.shape)
+        chunks = [c for job in blocks for block in job
+                  for c in torch.split(block, entropy.rows_per_chunk(
+                      block, sum(b.shape[0] for b in job), self.entropy_chunk_bytes, self.entropy_chunk_size))]
+        return chunks, shapes
+
+
+class _Microbatch:
+    """One prepared microbatch's tensors while ``_sums`` works through it: the inputs
+    (masks may be narrowed by the NaN policy) and values shared between its steps."""
+
+    def __init__(self, item: Dict[str, Any], logit_ent: Optional[torch.Tensor]):
+        self.feat, self.lp, self.m = item["feat"], item["lp"], item["m"]
+        self.ent, self.em = (item["ent"], item["em"]) if logit_ent is None else (logit_ent, item["m"])
+        self.adv, self.has_adv = item["adv"], item["has_adv"]
+        self.ref, self.has_ref = item["ref"], item["has_ref"]
+        self.old, self.has_old = item["old"], item["has_old"]
+        self.n_tok = self.lpm = self.lp64 = self.d = self.ratio_m1 = None
+        self.seq0 = 0  # the index of its first sequence in the call
+        self._bits: Dict[tuple, torch.Tensor] = {}
+
+    def keep(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``x`` with masked-out positions +0.0; one bit mask per (mask, element width)."""
+        key = (id(mask), x.element_size())
+        if key not in self._bits:
+            self._bits[key] = keep_bits(mask, x.dtype)
+        return masked(x, self._bits[key])
+
+
+def _floating(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_floating_point() else x.to(torch.float64)
+
+
+def _extremes(x: torch.Tensor, has: torch.Tensor):
+    """(min, max) of x over ``has`` (+inf, -inf when empty), without a host read."""
+    x = x.to(torch.float64)
+    buf = torch.where(has, x, math.inf)
+    lo = buf.amin()
+    return lo, torch.where(has, x, x.new_full((), -math.inf), out=buf).amax()  # one buffer for both
+
+
+def _exp(d: float) -> float:
+    try:
+        return math.exp(d)
+    except OverflowError:
+        return math.inf
+
+
+def _k3(d: float) -> float:
+    """k3 = r - log r - 1 with r = e^d, as expm1(d) - d (accurate for small d)."""
+    try:
+        return math.expm1(d) - d if d != math.inf else math.inf
+    except OverflowError:
+        return math.inf
+
+
+def _nan_first(v: float):
+    return (v != v, v)  # max() picks a NaN if there is one
