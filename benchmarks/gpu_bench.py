@@ -73,7 +73,7 @@ def _event():
 @contextlib.contextmanager
 def torch_path():
     """Route the metrics to the torch implementations (as on a machine without triton)."""
-    from twinkle_metrics.kernels import _triton
+    from twinkle_metrics.kernels import dispatch as _triton
     saved = _triton.device_ok
     _triton.device_ok = lambda x: False
     try:
@@ -165,7 +165,7 @@ def rl_updates(triton_ok):
     """The RL updates at [64, 4096] (GRPO with top-k records, DPO, Rollout, PPO value) and one
     MoE layer's observe: torch path vs kernel path (ms, ratios)."""
     from twinkle_metrics import DPOMetric, GRPOMetric, MoERoutingMetric, PPOValueMetric, RolloutMismatchMetric
-    from twinkle_metrics.kernels import _triton
+    from twinkle_metrics.kernels import dispatch as _triton
     labels, lp, old, ref, adv = rl_batch()
     router = moe_layer_batch()
 
@@ -227,7 +227,7 @@ def main():
               "(run it on a machine with a CUDA GPU)", file=sys.stderr)
         return 0
     from twinkle_metrics import Accuracy, GRPOMetric
-    from twinkle_metrics.kernels import _triton
+    from twinkle_metrics.kernels import dispatch as _triton
 
     t0 = time.time()
     torch.manual_seed(0)
@@ -275,8 +275,8 @@ def main():
            "ratio_to_read_ceiling": {k: t / ceiling for k, t in ms.items()},
            "read_gbps": logits.numel() * logits.element_size() / ceiling / 1e6}
     if triton_ok:
-        from twinkle_metrics.kernels.triton_argmax import triton_argmax
-        from twinkle_metrics.kernels.triton_entropy import triton_token_partials
+        from twinkle_metrics.kernels.argmax_triton import triton_argmax
+        from twinkle_metrics.kernels.entropy_triton import triton_token_partials
         with torch_path():
             want_h = grpo(logits).calculate()
             want_acc = acc().calculate()

@@ -223,7 +223,7 @@ def async_check(dev, busy_ms=(0.0, 25.0, 100.0), after_ms: float = 50.0, repeats
 
 
 def _on_path(enabled, fn, z):
-    from twinkle_metrics.kernels import _triton
+    from twinkle_metrics.kernels import dispatch as _triton
     saved, _triton.ENABLED = _triton.ENABLED, enabled
     try:
         return fn(z)
@@ -246,7 +246,7 @@ def memory_check(dev, shape=(2, 512, 152064)):
             {"labels": labels[:, :z.shape[1]]}, {"logps": logps[:, :z.shape[1]], "logits": z}),
         "entropy_naive": lambda z: -(torch.softmax(z.float(), -1) * torch.log_softmax(z.float(), -1)).sum(-1),
     }
-    from twinkle_metrics.kernels import _triton
+    from twinkle_metrics.kernels import dispatch as _triton
     if _triton.available():  # the same calls on the kernel path
         for name in ("accuracy_ours", "entropy_ours"):
             cases[name + "_triton"] = (lambda fn: lambda z: _on_path(True, fn, z))(cases[name])

@@ -46,8 +46,8 @@ WARM = 1 if DRY else 5
 
 
 def kernel_sweep(logits, labels):
-    from twinkle_metrics.kernels.triton_argmax import triton_argmax
-    from twinkle_metrics.kernels.triton_entropy import triton_token_partials
+    from twinkle_metrics.kernels.argmax_triton import triton_argmax
+    from twinkle_metrics.kernels.entropy_triton import triton_token_partials
     rows = logits.reshape(-1, logits.shape[-1])
     lab = labels.reshape(-1)
     fns = {"read_ceiling_amax": lambda: rows.amax(-1)}
@@ -111,7 +111,7 @@ def main():
         print("gpu_tune: CUDA is not available on this machine; nothing was measured", file=sys.stderr)
         return 0
     from twinkle_metrics import Accuracy, DPOMetric, GRPOMetric, MoERoutingMetric, PPOValueMetric, RolloutMismatchMetric
-    from twinkle_metrics.kernels import _triton
+    from twinkle_metrics.kernels import dispatch as _triton
     _triton.ENABLED = True
     if DRY:  # GPU_BENCH_DRY=1 TRITON_INTERPRET=1: the CPU stands in, kernels interpreted
         _triton.device_ok = lambda x: True

@@ -27,7 +27,11 @@ import torch  # noqa: E402
 
 from benchmarks.common import moe_layer_call  # noqa: E402
 from twinkle_metrics import DPOMetric, GRPOMetric, PPOValueMetric, RolloutMismatchMetric  # noqa: E402
-from twinkle_metrics.kernels import _triton, triton_moe, triton_ppo, triton_rl, triton_rollout  # noqa: E402
+from twinkle_metrics.kernels import dispatch as _triton  # noqa: E402
+from twinkle_metrics.kernels import moe_triton as triton_moe  # noqa: E402
+from twinkle_metrics.kernels import ppo_triton as triton_ppo  # noqa: E402
+from twinkle_metrics.kernels import rollout_triton as triton_rollout  # noqa: E402
+from twinkle_metrics.kernels import triton_rl  # noqa: E402 - rl_triton, dpo_triton, triton_common under one name
 
 CALLS = int(os.environ.get("HOST_TIME_CALLS", "400"))
 

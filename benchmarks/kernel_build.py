@@ -144,14 +144,12 @@ def variants():
     """(label, kernel, argument types, constexprs, warps): the variants the metrics launch
     (their default tile widths and warps), in each input dtype they accept, both NaN
     policies, every flag that changes the code."""
-    from twinkle_metrics.kernels import (
-        triton_argmax,
-        triton_entropy,
-        triton_moe,
-        triton_ppo,
-        triton_rl,
-        triton_rollout,
-    )
+    from twinkle_metrics.kernels import argmax_triton as triton_argmax
+    from twinkle_metrics.kernels import entropy_triton as triton_entropy
+    from twinkle_metrics.kernels import moe_triton as triton_moe
+    from twinkle_metrics.kernels import ppo_triton as triton_ppo
+    from twinkle_metrics.kernels import rollout_triton as triton_rollout
+    from twinkle_metrics.kernels import triton_rl  # rl_triton, dpo_triton and triton_common under one name
     out = []
     strides = {n: "i32" for n in ("s", "rec_stride", "seq0", "lp_s0", "lp_s1", "m_s0", "m_s1", "old_s0", "old_s1",
                                   "adv_s0", "adv_s1", "ref_s0", "ref_s1", "ent_s0", "ent_s1", "tok_s0", "tok_s1",

@@ -41,15 +41,13 @@ from twinkle_metrics import (  # noqa: E402
     PPOValueMetric,
     RolloutMismatchMetric,
 )
-from twinkle_metrics.kernels import (  # noqa: E402
-    _triton,
-    triton_argmax,
-    triton_entropy,
-    triton_moe,
-    triton_ppo,
-    triton_rl,
-    triton_rollout,
-)
+from twinkle_metrics.kernels import argmax_triton as triton_argmax  # noqa: E402
+from twinkle_metrics.kernels import dispatch as _triton  # noqa: E402
+from twinkle_metrics.kernels import entropy_triton as triton_entropy  # noqa: E402
+from twinkle_metrics.kernels import moe_triton as triton_moe  # noqa: E402
+from twinkle_metrics.kernels import ppo_triton as triton_ppo  # noqa: E402
+from twinkle_metrics.kernels import rollout_triton as triton_rollout  # noqa: E402
+from twinkle_metrics.kernels import triton_rl  # noqa: E402 - rl_triton, dpo_triton, triton_common under one name
 
 _ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided"}
 

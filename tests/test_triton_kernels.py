@@ -37,14 +37,16 @@ def test_kernels_under_the_interpreter():
 
 
 if INTERPRETED:
-    from twinkle_metrics.kernels import triton_argmax as TA
-    from twinkle_metrics.kernels import triton_entropy as TE
-    from twinkle_metrics.kernels import triton_rl as TR
-    from twinkle_metrics.kernels import triton_rollout as TRO
+    from twinkle_metrics.kernels import argmax_triton as TA
+    from twinkle_metrics.kernels import dpo_triton as TD
+    from twinkle_metrics.kernels import entropy_triton as TE
+    from twinkle_metrics.kernels import rl_triton as TR
+    from twinkle_metrics.kernels import rollout_triton as TRO
 
 from tests.rlref import make_rl_batch, ragged  # noqa: E402
 from twinkle_metrics import Accuracy, CISPOMetric, DPOMetric, GRPOMetric, GSPOMetric, RolloutMismatchMetric  # noqa: E402
-from twinkle_metrics.kernels import _triton, argmax, entropy  # noqa: E402
+from twinkle_metrics.kernels import argmax, entropy  # noqa: E402
+from twinkle_metrics.kernels import dispatch as _triton  # noqa: E402
 
 
 @pytest.fixture
@@ -456,8 +458,8 @@ def test_dpo_through_triton_row_sums_matches_torch(fused, monkeypatch, nan_polic
     lp[0, 0] = float("nan")                                  # padding (seq 0 is all padding): ignored
     lp[3, (lab[3] != -100).nonzero()[0, 0]] = float("inf")  # a counted token: pair 1 non-finite
     calls = []
-    real = TR.masked_row_sums
-    monkeypatch.setattr(TR, "masked_row_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = TD.masked_row_sums
+    monkeypatch.setattr(TD, "masked_row_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
     lp_strided = lp.t().contiguous().t()
     for args, kw in [(({"labels": lab}, {"logps": lp_strided}), dict(ref_outputs={"logps": ref})),
                      (({"labels": lab}, {"logps": lp.float()}), {}),
@@ -487,8 +489,8 @@ def test_dpo_pair_statistics_kernel_matches_torch(fused, monkeypatch, nan_policy
     rr[11] = float("-inf")
     wide = torch.stack([c, r, c, r], 1)[:, ::2]  # a [n, 2] view with a column stride of 2
     calls = []
-    real = TR.pair_stats
-    monkeypatch.setattr(TR, "pair_stats", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    real = TD.pair_stats
+    monkeypatch.setattr(TD, "pair_stats", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     forms = [dict(chosen_logps=c, rejected_logps=r, ref_chosen_logps=rc, ref_rejected_logps=rr),
              dict(chosen_logps=wide[:, 0], rejected_logps=wide[:, 1]),
              dict(chosen_logps=c[:0], rejected_logps=r[:0], ref_chosen_logps=rc[:0], ref_rejected_logps=rr[:0])]
@@ -520,7 +522,7 @@ def test_dpo_pair_statistics_kernel_matches_torch(fused, monkeypatch, nan_policy
 
 def _moe_states_both_paths(monkeypatch, make, calls):
     """(kernel path states, torch path states) after ``calls(metric)``."""
-    from twinkle_metrics.kernels import triton_moe
+    from twinkle_metrics.kernels import moe_triton as triton_moe
     launched = []
     real = triton_moe.layer_rows
     monkeypatch.setattr(triton_moe, "layer_rows", lambda **k: launched.append(1) or real(**k))
@@ -555,7 +557,7 @@ def test_moe_routing_kernels_match_torch(monkeypatch, nan_policy, experts):
     (int and tensor): the same states as the torch path, over several calls and layers,
     tokens spread over many programs, every logits dtype."""
     from twinkle_metrics import MoERoutingMetric
-    from twinkle_metrics.kernels import triton_moe
+    from twinkle_metrics.kernels import moe_triton as triton_moe
     monkeypatch.setattr(triton_moe, "TILE", 256)  # several programs even for small batches,
     monkeypatch.setattr(triton_moe, "ROWS_TILE", 16)  # and their partial rows read over several steps
     g = torch.Generator().manual_seed(experts)
@@ -599,7 +601,7 @@ def test_moe_routing_kernel_takes_the_hooks_fields(monkeypatch):
     """What ``register_router_hooks`` passes (bool routing map, float32 logits, a padding
     mask, 0-d losses, a dropped count as a 0-d tensor): two launches, same states."""
     from twinkle_metrics import MoERoutingMetric
-    from twinkle_metrics.kernels import triton_moe
+    from twinkle_metrics.kernels import moe_triton as triton_moe
     launches = []
     for name in ("_tokens_kernel", "_rows_kernel"):
         monkeypatch.setattr(triton_moe, name, _launch_allowing_host_reads(getattr(triton_moe, name), launches))
@@ -648,7 +650,7 @@ def _ppo_calls(seed):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_ppo_value_kernels_match_torch(monkeypatch, nan_policy, seed):
     from twinkle_metrics import PPOValueMetric
-    from twinkle_metrics.kernels import triton_ppo
+    from twinkle_metrics.kernels import ppo_triton as triton_ppo
     launched = []
     real = triton_ppo.token_stats
     monkeypatch.setattr(triton_ppo, "token_stats", lambda *a, **k: launched.append(1) or real(*a, **k))
@@ -732,10 +734,10 @@ def test_row_sums_kernel_long_rows_and_views():
     b = torch.randn(300, 3, generator=g).t()          # float32, transposed view
     m = torch.rand(3, 300, generator=g) < 0.5
     a[~m] = float("nan")                               # never read
-    got = TR.masked_row_sums(a, m, b, block=64)        # 5 blocks per row
+    got = TD.masked_row_sums(a, m, b, block=64)        # 5 blocks per row
     want = torch.stack([torch.where(m, a, 0.0).sum(1), torch.where(m, b.double(), 0.0).sum(1)], 1)
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(TR.masked_row_sums(a, m), want[:, :1], rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(TD.masked_row_sums(a, m), want[:, :1], rtol=1e-13, atol=1e-13)
 
 
 @kernel_test
@@ -1026,9 +1028,10 @@ def test_float_bounds_reach_the_kernels_as_float64_constants():
     with float64 log-ratios, must be constexpr to keep their float64 value."""
     import inspect
 
-    from twinkle_metrics.kernels import triton_ppo, triton_rollout
+    from twinkle_metrics.kernels import ppo_triton as triton_ppo
+    from twinkle_metrics.kernels import rollout_triton as triton_rollout
     for kernel, names in ((TR._rl_kernel, ("LO", "HI")), (triton_rollout._rollout_kernel, ("LO", "HI")),
-                          (TR._pair_kernel, ("BETA",)), (triton_ppo._tokens_kernel, ("EPS",))):
+                          (TD._pair_kernel, ("BETA",)), (triton_ppo._tokens_kernel, ("EPS",))):
         params = inspect.signature(kernel.fn).parameters
         assert all("constexpr" in str(params[name].annotation) for name in names), kernel.fn.__name__
 
@@ -1039,8 +1042,8 @@ def test_rl_and_dpo_one_kernel_paths_never_wait_for_the_device(fused, monkeypatc
     from twinkle_metrics.testing import forbid_device_waits
     launches = []
     monkeypatch.setattr(TR, "_rl_kernel", _launch_allowing_host_reads(TR._rl_kernel, launches))
-    monkeypatch.setattr(TR, "_row_sums_kernel", _launch_allowing_host_reads(TR._row_sums_kernel, launches))
-    monkeypatch.setattr(TR, "_pair_kernel", _launch_allowing_host_reads(TR._pair_kernel, launches))
+    monkeypatch.setattr(TD, "_row_sums_kernel", _launch_allowing_host_reads(TD._row_sums_kernel, launches))
+    monkeypatch.setattr(TD, "_pair_kernel", _launch_allowing_host_reads(TD._pair_kernel, launches))
     b = make_rl_batch(3, n_seq=6, seq_len=40)
     lab, lp, old, ref, adv = b["labels"], b["logps"], b["old"], b["ref"], b["adv"]
     feats, outs = [{"labels": lab[:2]}, {"labels": lab[2:]}], [{"logps": lp[:2]}, {"logps": lp[2:]}]
@@ -1136,11 +1139,12 @@ _CPU_CHECK = r"""
 import math, torch
 from tests.rlref import make_rl_batch
 from twinkle_metrics import Accuracy, DPOMetric, GRPOMetric, RolloutMismatchMetric
-from twinkle_metrics.kernels import _triton, triton_argmax, triton_entropy, triton_rl, triton_rollout
+from twinkle_metrics.kernels import argmax_triton, dpo_triton, entropy_triton, rl_triton, rollout_triton
+from twinkle_metrics.kernels import dispatch as _triton
 assert _triton.device_ok(torch.zeros(1)), "CPU tensors should take the kernels"
 used = []
-for mod, name in ((triton_rl, "token_stats"), (triton_rl, "masked_row_sums"), (triton_rollout, "token_stats"),
-                  (triton_entropy, "triton_token_partials"), (triton_argmax, "triton_argmax_hits_joined")):
+for mod, name in ((rl_triton, "token_stats"), (dpo_triton, "masked_row_sums"), (rollout_triton, "token_stats"),
+                  (entropy_triton, "triton_token_partials"), (argmax_triton, "triton_argmax_hits_joined")):
     def counted(*a, _real=getattr(mod, name), _tag=mod.__name__ + "." + name, **k):
         used.append(_tag)
         return _real(*a, **k)
@@ -1180,7 +1184,7 @@ def test_the_switches(env, enabled, interpreted):
     its torch-path references on the torch path."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = {k: v for k, v in os.environ.items() if k not in ("TWINKLE_METRICS_TRITON", "TRITON_INTERPRET")}
-    r = subprocess.run([sys.executable, "-c", "from twinkle_metrics.kernels import _triton as t; "
+    r = subprocess.run([sys.executable, "-c", "from twinkle_metrics.kernels import dispatch as t; "
                         "print(t.ENABLED, t.INTERPRETED)"], cwd=root, env=dict(base, **env),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -1198,7 +1202,7 @@ def test_the_public_switch_runs_the_kernels_on_cpu_under_the_interpreter():
                        timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.strip() == str(sorted({
-        "twinkle_metrics.kernels.triton_rl.token_stats", "twinkle_metrics.kernels.triton_rl.masked_row_sums",
-        "twinkle_metrics.kernels.triton_rollout.token_stats",
-        "twinkle_metrics.kernels.triton_entropy.triton_token_partials",
-        "twinkle_metrics.kernels.triton_argmax.triton_argmax_hits_joined"})), r.stdout
+        "twinkle_metrics.kernels.rl_triton.token_stats", "twinkle_metrics.kernels.dpo_triton.masked_row_sums",
+        "twinkle_metrics.kernels.rollout_triton.token_stats",
+        "twinkle_metrics.kernels.entropy_triton.triton_token_partials",
+        "twinkle_metrics.kernels.argmax_triton.triton_argmax_hits_joined"})), r.stdout

@@ -3,7 +3,7 @@
 The argmax of each shard is packed with its value into one int64 key whose MAX
 over the shards is the global argmax, so one ``all_reduce`` per ``accumulate``
 finds it with no gather of the logits. This torch implementation is the path
-everywhere but on CUDA with Triton installed, where ``triton_argmax`` reads the
+everywhere but on CUDA with Triton installed, where ``argmax_triton`` reads the
 logits once and emits the index, the label hit or the packed key directly;
 float64 logits always stay here.
 """
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from parallel import comm_device
 from twinkle_metrics.inputs.microbatch import join
-from twinkle_metrics.kernels import _triton
+from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.sync.order import ordered_f32 as _ordered_f32
 from twinkle_metrics.sync.order import ordered_f64 as _ordered_f64
 
@@ -139,17 +139,17 @@ def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_si
 
 
 def _argmax_kernel(x, labels=None):
-    from twinkle_metrics.kernels.triton_argmax import triton_argmax
+    from twinkle_metrics.kernels.argmax_triton import triton_argmax
     return triton_argmax(x, labels)
 
 
 def _joined_kernel_hits(pairs):
-    from twinkle_metrics.kernels.triton_argmax import triton_argmax_hits_joined
+    from twinkle_metrics.kernels.argmax_triton import triton_argmax_hits_joined
     return triton_argmax_hits_joined(pairs)
 
 
 def _keys_kernel(x, offset, vocab):
-    from twinkle_metrics.kernels.triton_argmax import triton_argmax_keys
+    from twinkle_metrics.kernels.argmax_triton import triton_argmax_keys
     return triton_argmax_keys(x, offset, vocab)
 
 

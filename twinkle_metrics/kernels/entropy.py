@@ -4,7 +4,7 @@
 each chunk of rows yields the partials ``(S, sum e*y)``, which add over vocab
 shards once every shard subtracted the same (global) row max. This torch
 implementation (working memory: two buffers of one chunk) is the path everywhere
-but on CUDA with Triton installed, where ``triton_entropy`` reads each row once
+but on CUDA with Triton installed, where ``entropy_triton`` reads each row once
 with no working buffer (``_use_triton``); float64 logits always stay here.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm_device
-from twinkle_metrics.kernels import _triton
+from twinkle_metrics.kernels import dispatch as _triton
 
 
 def work_dtype(z: torch.Tensor) -> torch.dtype:
@@ -112,7 +112,7 @@ def _use_triton(chunks: Sequence[torch.Tensor]) -> bool:
 
 def _triton_partials(chunks: Sequence[torch.Tensor], t: float) -> torch.Tensor:
     """Every chunk's ``(m, S, W)`` rows, written by one launch each into one buffer."""
-    from twinkle_metrics.kernels.triton_entropy import triton_token_partials
+    from twinkle_metrics.kernels.entropy_triton import triton_token_partials
     rows = [math.prod(c.shape[:-1]) for c in chunks]
     out = torch.empty(sum(rows), 3, dtype=torch.float64, device=chunks[0].device)
     start = 0

@@ -23,7 +23,7 @@ The numbers are the torch path's, with the same rules:
   ``constexpr`` (a runtime float argument is float32 on the GPU and would move the
   bound).
 
-Used on CUDA unless ``TWINKLE_METRICS_TRITON=0`` (see ``_triton``); tested on CPU under
+Used on CUDA unless ``TWINKLE_METRICS_TRITON=0`` (see ``dispatch``); tested on CPU under
 Triton's interpreter against the torch path, and compiled for sm_80/sm_90 in CI
 (``benchmarks/kernel_build.py``).
 """
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from twinkle_metrics.kernels.triton_rl import _counted, _strides
+from twinkle_metrics.kernels.triton_common import arg_strides, counted
 
 #: partial columns: sums, then (count, mean, M2) of the returns, of return - value, of the advantages
 SUMS = ("n_tok", "sum_value", "n_bad", "n_old", "clipped")
@@ -55,7 +55,7 @@ def _side(ptr, has_ptr, row, cols, inside, m, s0, s1, h_s0, h_s1, MODE: tl.const
         has = (tl.load(has_ptr + row * h_s0 + cols * h_s1, mask=inside, other=0) != 0) & m
     else:
         has = m
-    return _counted(ptr + row * s0 + cols * s1, inside, has), has
+    return counted(ptr + row * s0 + cols * s1, inside, has), has
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def _tokens_kernel(v_ptr, m_ptr, old_ptr, oh_ptr, ret_ptr, rh_ptr, adv_ptr, ah_p
     cols = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     inside = cols < s
     m = (tl.load(m_ptr + row * m_s0 + cols * m_s1, mask=inside, other=0) != 0) & inside
-    v = _counted(v_ptr + row * v_s0 + cols * v_s1, inside, m)
+    v = counted(v_ptr + row * v_s0 + cols * v_s1, inside, m)
     probe = v * 0.0  # NaN where a value the token has is NaN/inf
     old = v
     ret = v
@@ -212,7 +212,7 @@ def _side_args(side: Optional[Tuple[torch.Tensor, torch.Tensor]], v: torch.Tenso
     if side is None:
         return v, 0, 0, mm, 0, 0, ABSENT
     x, has = side
-    x, x0, x1 = _strides(x, m)
+    x, x0, x1 = arg_strides(x, m)
     if has is m:
         return x, x0, x1, mm, 0, 0, ON_MASK
     has = has.view(torch.uint8) if has.dtype == torch.bool else has

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from twinkle_metrics.kernels._triton import rows_view
+from twinkle_metrics.kernels.triton_common import rows_view
 
 _OUT_INDEX, _OUT_HIT, _OUT_KEY = 0, 1, 2
 # The vocab tile and warps per row: on one H200, [16384, 152064] bf16 rows took 0.99x the read

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from twinkle_metrics.kernels._triton import rows_view
+from twinkle_metrics.kernels.triton_common import rows_view
 
 
 @triton.jit

@@ -26,7 +26,7 @@ The numbers are the torch path's (``moe._entropy`` and ``MoERoutingMetric._one``
   ``nonfinite`` and, under ``'skip'``, left out of the entropy;
 - a loss is non-finite when NaN/inf; under ``'skip'`` it is left out (no call counted).
 
-Used on CUDA unless ``TWINKLE_METRICS_TRITON=0`` (see ``_triton``); tested on CPU under
+Used on CUDA unless ``TWINKLE_METRICS_TRITON=0`` (see ``dispatch``); tested on CPU under
 Triton's interpreter against the torch path, and compiled for sm_80/sm_90 in CI
 (``benchmarks/kernel_build.py``).
 """

@@ -12,10 +12,10 @@ per call).
 The numbers are the torch path's, with the same rules:
 
 - only tokens that count and have a rollout log-prob enter a value (rows are loaded
-  whole and the rest replaced by 0 in a select, ``triton_rl._counted``: NaN/-inf padding
+  whole and the rest replaced by 0 in a select, ``triton_common.counted``: NaN/-inf padding
   elsewhere is ignored);
 - d = logp_train - logp_rollout in float64 (exact for 16/32-bit inputs); w - 1 =
-  expm1(d) and the k3 term expm1(-d) + d come from ``triton_rl._k3_ratio``, which
+  expm1(d) and the k3 term expm1(-d) + d come from ``triton_common.k3_ratio``, which
   keeps full relative precision without ``libdevice``;
 - a token is non-finite when either log-prob is NaN/inf: counted in ``n_bad``; under
   ``'skip'`` it leaves every column, under ``'propagate'`` its values flow: the
@@ -29,12 +29,12 @@ The numbers are the torch path's, with the same rules:
   two columns, summed over its blocks for ``_sequence_sums``.
 
 ``token_stats`` takes all of a call's microbatches: one launch each into one buffer,
-every row with the same number of blocks, then one program (``triton_rl._totals_kernel``)
+every row with the same number of blocks, then one program (``triton_common.column_totals``)
 finishes them: the column sums and maxima, the counts, and each row's (sum of d, tokens). So the
 count does not grow with the microbatches. ``sequence_stats`` makes the sequence
 statistics of those rows (completed over CP first) in one more launch.
 
-Used on CUDA unless ``TWINKLE_METRICS_TRITON=0`` (see ``_triton``); tested on CPU under
+Used on CUDA unless ``TWINKLE_METRICS_TRITON=0`` (see ``dispatch``); tested on CPU under
 Triton's interpreter against the torch path, and compiled for sm_80/sm_90 in CI
 (``benchmarks/kernel_build.py``).
 """
@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from twinkle_metrics.kernels.triton_rl import _counted, _k3_ratio, _store_sum, column_totals
+from twinkle_metrics.kernels.triton_common import column_totals, counted, k3_ratio, store_sum
 
 #: partial columns: per-sequence (sum of d, tokens) first, then sums, the NaN flag of the
 #: extremes, and the extremes (as maxima; d_min negated)
@@ -76,8 +76,8 @@ def _rollout_kernel(lp_ptr, roll_ptr, has_ptr, part_ptr, s, lp_s0, lp_s1, roll_s
     inside = cols < s
     m = (tl.load(has_ptr + row * has_s0 + cols * has_s1, mask=inside, other=0) != 0) & inside
     # Only counted tokens with a rollout log-prob enter: padding elsewhere never does.
-    lp = _counted(lp_ptr + row * lp_s0 + cols * lp_s1, inside, m)
-    roll = _counted(roll_ptr + row * roll_s0 + cols * roll_s1, inside, m)
+    lp = counted(lp_ptr + row * lp_s0 + cols * lp_s1, inside, m)
+    roll = counted(roll_ptr + row * roll_s0 + cols * roll_s1, inside, m)
     probe = lp * 0.0 + roll * 0.0  # NaN where either log-prob is NaN/inf
     bad = m & (probe != probe)
     if SKIP:  # the token leaves every column
@@ -85,9 +85,9 @@ def _rollout_kernel(lp_ptr, roll_ptr, has_ptr, part_ptr, s, lp_s0, lp_s1, roll_s
         lp = tl.where(m, lp, 0.0)
         roll = tl.where(m, roll, 0.0)
     d = lp - roll  # 0 off ``m``
-    k3, w = _k3_ratio(d)
-    em = tl.where(tl.abs(d) < 0.5, k3 + d, w - 1.0)  # expm1(d), as _k3_ratio forms it
-    kr, _ = _k3_ratio(-d)  # expm1(-d) + d: k3 of r = -d, the rollout-side log-ratio
+    k3, w = k3_ratio(d)
+    em = tl.where(tl.abs(d) < 0.5, k3 + d, w - 1.0)  # expm1(d), as k3_ratio forms it
+    kr, _ = k3_ratio(-d)  # expm1(-d) + d: k3 of r = -d, the rollout-side log-ratio
     em = tl.where(m, em, 0.0)
     kr = tl.where(m, kr, 0.0)
     # 0, or NaN when a counted d is NaN/inf: the torch path's (d * 0).sum(); a compare alone would drop it
@@ -97,18 +97,18 @@ def _rollout_kernel(lp_ptr, roll_ptr, has_ptr, part_ptr, s, lp_s0, lp_s1, roll_s
     neg_inf = zero - float("inf")
     out = part_ptr + (row * tl.num_programs(1) + blk) * N_COLS
     # column order: SUMS, the NaN flag, EXTREMES (as maxima)
-    _store_sum(out, _SUM_D, d)
-    _store_sum(out, _N_TOK, tl.where(m, 1.0, 0.0).to(tl.float64))
-    _store_sum(out, _N_BAD, tl.where(bad, 1.0, 0.0).to(tl.float64))
+    store_sum(out, _SUM_D, d)
+    store_sum(out, _N_TOK, tl.where(m, 1.0, 0.0).to(tl.float64))
+    store_sum(out, _N_BAD, tl.where(bad, 1.0, 0.0).to(tl.float64))
     tl.store(out + _N_HIGH, tl.sum(tl.where(m & (d > HI), 1.0, 0.0).to(tl.float64), 0) + poison)
     tl.store(out + _N_LOW, tl.sum(tl.where(m & (d < LO), 1.0, 0.0).to(tl.float64), 0) + poison)
-    _store_sum(out, _SUM_ABS, tl.abs(d))
-    _store_sum(out, _SUM_EM, em)
-    _store_sum(out, _SUM_EM2, em * em)
-    _store_sum(out, _SUM_K3, kr)
-    _store_sum(out, _SUM_LP_TRAIN, lp)
-    _store_sum(out, _SUM_LP_ROLLOUT, roll)
-    _store_sum(out, _NAN_FLAG, tl.where(m & (d != d), zero + float("nan"), zero))
+    store_sum(out, _SUM_ABS, tl.abs(d))
+    store_sum(out, _SUM_EM, em)
+    store_sum(out, _SUM_EM2, em * em)
+    store_sum(out, _SUM_K3, kr)
+    store_sum(out, _SUM_LP_TRAIN, lp)
+    store_sum(out, _SUM_LP_ROLLOUT, roll)
+    store_sum(out, _NAN_FLAG, tl.where(m & (d != d), zero + float("nan"), zero))
     tl.store(out + _ABS_MAX, tl.max(tl.where(ok, tl.abs(d), neg_inf), 0))
     tl.store(out + _D_MAX, tl.max(tl.where(ok, d, neg_inf), 0))
     tl.store(out + _NEG_D_MIN, tl.max(tl.where(ok, -d, neg_inf), 0))
