@@ -4,7 +4,9 @@ Ranks that sync one metric, and a checkpoint loaded into it, must agree on what 
 states mean. That is decided by the constructor's arguments, so the fingerprint is
 taken from the arguments the constructor was *called* with (bound to its signature,
 defaults applied, through every ``__init__`` of the class chain), whatever attribute
-the metric keeps them in. Every value enters it by value:
+the metric keeps them in (where it keeps one under the argument's own name, that
+attribute's current value counts, so a metric reconfigured after construction is
+fingerprinted as it is). Every value enters it by value:
 
 * numbers, strings, bools, ``None``, and lists, tuples, sets and dicts of them (an int
   given for an argument annotated ``float`` is that float);
@@ -87,14 +89,33 @@ def settle_arguments(metric, unknown) -> None:
     cls = type(metric)
     skip = set(NEVER) | set(unknown) | excluded(cls)
     out: Dict[str, str] = {}
-    floats = metric.__dict__.get("_float_arguments", ())
     for name, value in metric.__dict__.get("_arguments", {}).items():
         if name in skip or (name == "slice_by" and value is None):  # unsliced: as before slicing existed
             continue
-        if name in floats and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        out[name] = canonical(value, f"{cls.__name__}: argument {name!r}")
+        out[name] = _text(metric, name, value)
     metric._arguments = out
+
+
+def _text(metric, name: str, value) -> str:
+    if name in metric.__dict__.get("_float_arguments", ()) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    return canonical(value, f"{type(metric).__name__}: argument {name!r}")
+
+
+def current(metric) -> Dict[str, str]:
+    """The recorded arguments' text, each taken from the instance attribute of the same
+    name where the metric keeps one (so a metric reconfigured after construction, say
+    ``m.nan_policy = "skip"``, is fingerprinted as it now is), else as it was given."""
+    out = {}
+    attributes = metric.__dict__
+    for name, text in metric._arguments.items():
+        if name in attributes and name != "slice_by":
+            try:
+                text = _text(metric, name, attributes[name])
+            except TypeError:
+                pass  # kept as something else than what was given: the argument stands
+        out[name] = text
+    return out
 
 
 def excluded(cls) -> Set[str]:
@@ -107,7 +128,7 @@ def fingerprint(metric, checkpoint: bool = False) -> str:
     out ``fingerprint_sync_only`` (what ranks must agree on, a checkpoint need not)."""
     cls = type(metric)
     skip = {n for klass in cls.__mro__ for n in vars(klass).get("fingerprint_sync_only", ())} if checkpoint else ()
-    parts = [f"{k}={v}" for k, v in metric._arguments.items() if k not in skip]
+    parts = [f"{k}={v}" for k, v in current(metric).items() if k not in skip]
     return f"{public_path(cls)}({', '.join(parts)})"
 
 
