@@ -65,7 +65,7 @@ if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
 from twinkle_metrics.core import fold  # noqa: E402
 from twinkle_metrics.core.collection import MetricCollection  # noqa: E402
 from twinkle_metrics.core.metric import Metric, UnknownArgumentWarning  # noqa: E402
-from twinkle_metrics.core.state import State  # noqa: E402
+from twinkle_metrics.core.state import Origin, State  # noqa: E402
 from twinkle_metrics.inputs.data_format import InputFeature, ModelOutput  # noqa: E402
 from twinkle_metrics.inputs.microbatch import microbatches  # noqa: E402
 from twinkle_metrics.kernels.argmax import vocab_parallel_argmax  # noqa: E402
@@ -83,7 +83,7 @@ from twinkle_metrics.metrics.system.train import TrainMetric  # noqa: E402
 from twinkle_metrics.sync.fused import MetricSyncError  # noqa: E402
 from twinkle_metrics.sync.pending import CalculateHandle  # noqa: E402
 
-__all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "InputFeature", "ModelOutput", "microbatches",
+__all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
            "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "ModelNormMetric", "MoERoutingMetric",
