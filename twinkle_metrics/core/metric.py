@@ -29,7 +29,7 @@ collectives (see ``twinkle_metrics.sync``).
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Union
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -119,6 +119,10 @@ class Metric:
     merge_reads: Optional[Sequence[str]] = None
     #: why TP replicas may disagree on a state, told when ``calculate()`` finds they do
     tp_mismatch_hint: Optional[str] = None
+    #: how the sync fingerprint says what the metric creates on the fly: (with state
+    #: families, without any), e.g. ("reward names as they come", "no reward names beyond
+    #: reward_names"); None: the arguments say it all
+    creates: ClassVar[Optional[Tuple[str, str]]] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -258,7 +262,10 @@ class Metric:
     def sync_fingerprint(self) -> str:
         """What ranks must agree on to sync: the fingerprint with ``fingerprint_sync_only``
         (checked by every ``calculate()``: ranks that differ raise ``MetricSyncError``)."""
-        return config.fingerprint(self)
+        text = config.fingerprint(self)
+        if self.creates is not None:
+            text += f" creating {self.creates[0] if self._families else self.creates[1]}"
+        return text
 
     def exchange_groups(self) -> List[Any]:
         """The groups of ``agree_over`` with more than one rank, in that order."""
