@@ -20,7 +20,7 @@ A few declared attributes complete it, each a plain value, never a method to ove
 ``agree_over`` (mesh axes ``update`` communicates over, agreed on first), ``merge_reads``
 (the states an own ``merge`` reads), ``tp_mismatch_hint``, ``unsliceable``,
 ``unsliced_states``, ``accepted_kwargs``, ``fingerprint_exclude`` and
-``fingerprint_sync_only``. Everything else (slicing, the fused sync, asynchronous
+``fingerprint_sync_only``, ``creates``. Everything else (slicing, the fused sync, asynchronous
 calculate and the fold-back of a failed interval, checkpoints and resuming at another
 data-parallel size, agreement across ranks) works from the declarations.
 
