@@ -19,8 +19,8 @@ A metric is declarations plus two (or three) methods:
 A few declared attributes complete it, each a plain value, never a method to override:
 ``agree_over`` (mesh axes ``update`` communicates over, agreed on first), ``merge_reads``
 (the states an own ``merge`` reads), ``tp_mismatch_hint``, ``unsliceable``,
-``unsliced_states``, ``accepted_kwargs``, ``fingerprint_exclude`` and
-``fingerprint_sync_only``, ``creates``. Everything else (slicing, the fused sync, asynchronous
+``unsliced_states``, ``accepted_kwargs``, ``fingerprint_exclude``,
+``fingerprint_sync_only`` and ``creates``. Everything else (slicing, the fused sync, asynchronous
 calculate and the fold-back of a failed interval, checkpoints and resuming at another
 data-parallel size, agreement across ranks) works from the declarations.
 
