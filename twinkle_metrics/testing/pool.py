@@ -1,0 +1,188 @@
+"""``DistPool``: a pool of real gloo ranks on this host, started once and reused.
+
+``DistPool(world).run(fn, *args)`` calls ``fn(*args)`` on every rank (``fn`` must be
+picklable: a module-level function, or a ``functools.partial`` of one) and returns
+the per-rank results in rank order. A failure on any rank fails the call with that
+rank's traceback, and the pool is rebuilt before the next call (``restart_on_failure``)
+so one broken job cannot poison the rest. The groups a job creates are destroyed
+when it ends.
+
+``start_method``: ``"spawn"`` (the default) or ``"fork"``. Forked ranks start in a
+fraction of a second (no fresh import of torch); spawned ones also work where the
+calling process already holds a process group or runs threads that must not be forked.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+
+from parallel.groups import free_port
+
+WORLD = 8
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _worker(rank, world, port, tasks, results, timeout_s=COLLECTIVE_TIMEOUT_S):
+    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    results.put(("ready", rank, True, None))
+    while True:
+        job = tasks.get()
+        if job is None:
+            break
+        job_id, fn, args = job
+        before = _groups()
+        try:
+            results.put((job_id, rank, True, fn(*args)))
+        except BaseException:  # noqa: BLE001 - report everything to the caller
+            results.put((job_id, rank, False, traceback.format_exc()))
+        finally:
+            _destroy_groups_since(before)
+    dist.destroy_process_group()
+
+
+def _groups():
+    from torch.distributed import distributed_c10d as c10d
+
+    return set(c10d._world.pg_map)  # torch's private registry: test infrastructure only
+
+
+def _destroy_groups_since(before):
+    """Destroy the groups a job created: every gloo group keeps two worker threads and a
+    TCP loop thread, and a session's few hundred meshes left ~1000 threads per rank that
+    slowed every later multi-process test (the Megatron demo from 35 s to over 240 s)."""
+    import gc
+
+    import torch.distributed as dist
+
+    for group in _groups() - before:
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    gc.collect()
+
+
+class DistPool:
+    """``world`` gloo ranks on this host (see the module docstring).
+
+    Args:
+        world: the number of ranks.
+        timeout_s: the ``init_process_group`` timeout of every rank (every collective
+            that waits longer raises on its rank).
+        start_method: ``"spawn"`` or ``"fork"`` (a ``multiprocessing`` start method).
+        restart_on_failure: rebuild the ranks after a failed or timed-out job (else they
+            are only killed: call ``close()``).
+    """
+
+    def __init__(self, world: int = WORLD, timeout_s: float = COLLECTIVE_TIMEOUT_S, *,
+                 start_method: str = "spawn", restart_on_failure: bool = True):
+        self.world = world
+        self.timeout_s = timeout_s
+        self.start_method = start_method
+        self.restart_on_failure = restart_on_failure
+        self._procs = []
+        self._job = 0
+        self._start()
+
+    def _start(self):
+        ctx = mp.get_context(self.start_method)
+        port = free_port()
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results,
+                                                         self.timeout_s),
+                                   daemon=True) for r in range(self.world)]
+        for p in self._procs:
+            p.start()
+        try:
+            self._collect("ready", timeout=180)
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self, job_id, timeout, grace=None):
+        """``{rank: (ok, value)}`` of job ``job_id``. ``grace``: once a rank failed, how long
+        to wait for the others (ranks left waiting in a collective for the failed one would
+        answer only at the collective timeout); the missing ranks are left out."""
+        got = {}
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while len(got) < self.world:
+            wait = deadline - time.monotonic()
+            if grace is not None and failed_at is not None:
+                wait = min(wait, failed_at + grace - time.monotonic())
+                if wait <= 0:
+                    return got
+            try:
+                jid, rank, ok, value = self._results.get(timeout=max(wait, 0.01))
+            except queue.Empty:
+                if grace is not None and failed_at is not None:
+                    return got
+                raise TimeoutError(f"ranks {sorted(set(range(self.world)) - set(got))} did not answer "
+                                   f"within {timeout}s") from None
+            if jid == job_id:
+                if not ok and failed_at is None:
+                    failed_at = time.monotonic()
+                got[rank] = (ok, value)
+        return got
+
+    def run(self, fn, *args, timeout: float = 240, failure_grace: float = 2):
+        """Run ``fn(*args)`` on every rank; return ``[result of rank 0, ...]``.
+
+        Raises ``AssertionError`` with the lowest failed rank's traceback when any rank
+        raised (ranks still running ``failure_grace`` seconds after the first failure, such
+        as its partners in a collective, are stopped), ``TimeoutError`` when a rank did not
+        answer within ``timeout`` seconds.
+        """
+        self._job += 1
+        for q in self._tasks:
+            q.put((self._job, fn, args))
+        try:
+            got = self._collect(self._job, timeout, failure_grace)
+        except TimeoutError:
+            self._after_failure()
+            raise
+        failed = {r: v for r, (ok, v) in got.items() if not ok}
+        if failed:
+            self._after_failure()
+            first = min(failed)
+            stopped = sorted(set(range(self.world)) - set(got))
+            note = f" (ranks {stopped} still running were stopped)" if stopped else ""
+            raise AssertionError(f"{len(failed)} rank(s) failed{note}; rank {first}:\n{failed[first]}")
+        return [got[r][1] for r in range(self.world)]
+
+    def _after_failure(self):
+        if self.restart_on_failure:
+            self.restart()
+        else:
+            self.close()
+
+    def restart(self):
+        self.close()
+        self._start()
+
+    def close(self):
+        """Kill the ranks (also after a failure: nothing is left running)."""
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        self._procs = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
