@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py | cksum | cut -d
 # CPU build of torch, pinned first so nothing pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install lint test test-fast test-twinkle test-triton-image demo bench clean
+.PHONY: install lint test test-unit test-multirank test-e2e test-fast test-twinkle test-triton-image demo bench clean
 
 $(STAMP):
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,17 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider tests
+
+# One tier at a time (markers applied by tests/conftest.py): unit (one process), multirank
+# (real gloo ranks, tests/*_dist.py), e2e (launch scripts, megatron-core's loop, the wheel).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider -m unit tests
+
+test-multirank: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider -m multirank tests
+
+test-e2e: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider -m e2e tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" -p no:cacheprovider tests/test_base.py

@@ -1,3 +1,16 @@
+"""Shared fixtures, and the three test tiers as markers (see pytest.ini).
+
+Every collected test gets exactly one tier marker, from where it lives:
+
+* ``e2e``: real processes running the launch scripts, the README recipe in megatron-core's
+  own loop, the built wheel (``tests/test_launch_e2e.py``, ``tests/test_packaging.py``, and
+  every test marked ``slow``);
+* ``multirank``: real gloo ranks (``tests/*_dist.py``, and any test using ``dist_pool``);
+* ``unit``: the rest, one process.
+
+A test that carries a tier marker itself keeps it. ``pytest -m unit`` (or ``multirank``,
+``e2e``) runs one tier; ``make test-unit`` etc. do the same.
+"""
 import os
 import sys
 
@@ -6,6 +19,29 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+TIERS = ("unit", "multirank", "e2e")
+#: whole files of the end-to-end tier (beside every test marked ``slow``)
+E2E_FILES = {"test_launch_e2e.py", "test_packaging.py"}
+
+
+def tier(item) -> str:
+    own = [t for t in TIERS if item.get_closest_marker(t) is not None]
+    if own:
+        return own[0]
+    name = os.path.basename(str(item.fspath))
+    if name in E2E_FILES or item.get_closest_marker("slow") is not None:
+        return "e2e"
+    if name.endswith("_dist.py") or "dist_pool" in getattr(item, "fixturenames", ()):
+        return "multirank"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        t = tier(item)
+        if item.get_closest_marker(t) is None:
+            item.add_marker(getattr(pytest.mark, t))
 
 
 @pytest.fixture(scope="session")

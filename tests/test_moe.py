@@ -223,7 +223,8 @@ def test_router_hooks_on_a_tiny_megatron_moe_model():
 def test_readme_example_runs_as_written():
     import re
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
     block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "MoERoutingMetric(num_layers" in b)
     scope = {}
     exec(block, scope)  # noqa: S102 - the documented example, run as a user would copy it

@@ -44,7 +44,7 @@ def _trained(seed=0, **kw):
 
 def _norm(tensors):
     tensors = list(tensors)
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t.double()) ** 2) for t in tensors))
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t.detach().double()) ** 2) for t in tensors))
 
 
 def test_totals_groups_and_zeros_match_plain_recomputation():
@@ -148,7 +148,8 @@ def test_readme_snippet_runs_in_a_collection():
 
     from twinkle_metrics import Accuracy, DeviceMesh, LossMetric, MetricCollection, TrainMetric
 
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")) as f:
+        readme = f.read()
     block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "ModelNormMetric(mesh" in b)
     model = _trained(7)
     mesh = DeviceMesh.single()
