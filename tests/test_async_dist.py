@@ -141,19 +141,89 @@ def test_processes_exit_with_pending_handles(tmp_path, who):
         assert "exiting" in out and "exit handlers done" in out and "Traceback" not in out, out
 
 
-def case_gpu_check_async_section():
-    """benchmarks/gpu_check.py's async section, run here on gloo so that the one GPU call
-    finds it working: equal results, the host times and overlap flags it reports."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from benchmarks import gpu_check
-    return gpu_check.async_check(torch.device("cpu"), busy_ms=(0.0, 2.0), after_ms=2.0, repeats=1)
+NAMES_ALL = ("LossMetric", "Accuracy", "TrainMetric", "EmbeddingMetric", "CompletionRewardMetric", "DPOMetric",
+             "GRPOMetric", "GSPOMetric", "CISPOMetric")
 
 
-def test_gpu_check_async_section_runs_on_gloo(dist_pool):
-    for out in dist_pool.run(case_gpu_check_async_section):
-        assert out["results_equal"]
-        assert [set(r) for r in out["rows"]] == [{"queued_before_ms", "sync_host_ms", "async_host_ms",
-                                                  "async_done_while_later_compute_runs"}] * 2
-        assert out["matmul_ms"] > 0 and out["queued_after_ms"] >= out["matmul_ms"]
-        # no CUDA stream here: nothing is still running when the handle is done
-        assert all(r["async_done_while_later_compute_runs"] == [False] for r in out["rows"])
+def _all_metrics(mesh):
+    """Every metric of the package in one collection (what benchmarks/gpu_check.py's async
+    section measures), fed one small microbatch per call."""
+    from twinkle_metrics import (
+        Accuracy,
+        CISPOMetric,
+        CompletionRewardMetric,
+        DPOMetric,
+        EmbeddingMetric,
+        GRPOMetric,
+        GSPOMetric,
+        MetricCollection,
+        TrainMetric,
+    )
+
+    return MetricCollection({"LossMetric": LossMetric(), "Accuracy": Accuracy(), "TrainMetric": TrainMetric(),
+                             "EmbeddingMetric": EmbeddingMetric(), "CompletionRewardMetric": CompletionRewardMetric(),
+                             "DPOMetric": DPOMetric(), "GRPOMetric": GRPOMetric(), "GSPOMetric": GSPOMetric(),
+                             "CISPOMetric": CISPOMetric()}, device_mesh=mesh)
+
+
+def _feed_all(coll, seed, n_seq=8, seq_len=32, vocab=64):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, vocab, (n_seq, seq_len), generator=g)
+    keep = torch.rand(n_seq, seq_len, generator=g) < 0.8
+    labels = torch.where(keep, labels, torch.full_like(labels, -100))
+    logps = -torch.rand(n_seq, seq_len, generator=g) * 3
+    feat = {"labels": labels}
+    for name, m in zip(NAMES_ALL, coll):
+        if name == "LossMetric":
+            m.accumulate(feat, {"loss": (logps * keep).sum(), "num_tokens": keep.sum()}, loss_reduction="sum",
+                         grad_norm=1.0 + seed)
+        elif name == "Accuracy":
+            m.accumulate(feat, {"logits": torch.randn(n_seq, seq_len, vocab, generator=g)})
+        elif name == "TrainMetric":
+            m.accumulate(None, None, lr=1e-5, step=seed + 1, gradient_accumulation_steps=1)
+        elif name == "EmbeddingMetric":
+            m.accumulate({"labels": torch.arange(n_seq) % 2}, {"embeddings": torch.randn(n_seq, 16, generator=g),
+                                                              "loss": 0.5})
+        elif name == "CompletionRewardMetric":
+            m.accumulate(rewards={"accuracy": torch.rand(n_seq, generator=g).tolist()},
+                         completion_lengths=keep.sum(-1).tolist(), generate_time=1.5, weight_sync_time=0.3)
+        elif name == "DPOMetric":
+            m.accumulate(feat, {"logps": logps}, ref_outputs={"logps": logps + 0.05 * torch.randn(
+                n_seq, seq_len, generator=g)})
+        else:  # the GRPO family
+            m.accumulate(feat, {"logps": logps, "entropies": torch.rand(n_seq, seq_len, generator=g)},
+                         old_logps=logps + 0.1 * torch.randn(n_seq, seq_len, generator=g),
+                         advantages=torch.randn(n_seq, generator=g))
+
+
+def case_all_metrics_async_behind_queued_compute():
+    """Every metric in one collection on a DP8 mesh: calculate(async_op=True) called while
+    matmuls are queued, more queued behind it, equals calculate() of a twin collection fed the
+    same microbatches (less TrainMetric's clock readings: two collections, two clocks)."""
+    mesh = DeviceMesh.from_sizes(dp_size=8)
+    rank = dist.get_rank()
+    sync, asyn = _all_metrics(mesh), _all_metrics(mesh)
+    a = torch.randn(64, 64)
+    out = []
+    for interval in range(3):
+        for coll in (sync, asyn):
+            _feed_all(coll, 10 * rank + interval)
+        expected = sync.calculate()
+        for _ in range(5 * interval):
+            a @ a  # compute "queued" before the call (on CPU it has already run)
+        handle = asyn.calculate(async_op=True)
+        for _ in range(5):
+            a @ a  # the next step's work, behind the call
+        got = handle.wait(timeout=120)
+        out.append(({k: v for k, v in got.items() if not k.startswith("TrainMetric/")},
+                    {k: v for k, v in expected.items() if not k.startswith("TrainMetric/")}, sorted(got)))
+    return out
+
+
+def test_all_metrics_async_behind_queued_compute(dist_pool):
+    out = dist_pool.run(case_all_metrics_async_behind_queued_compute)
+    for rank_out in out:
+        for got, expected, keys in rank_out:
+            assert got == expected  # exactly
+            assert {k.split("/")[0] for k in keys} == set(NAMES_ALL)
+    assert all(o == out[0] for o in out)  # every rank reports the same
