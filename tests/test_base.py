@@ -14,13 +14,19 @@ def _whole(labels, values):
     return TokenStats().accumulate({"labels": labels}, {"values": values}).calculate()
 
 
+def _plain(labels, values):
+    """TokenStats' results recomputed with Python floats over the unmasked tokens."""
+    kept = [v for lrow, vrow in zip(labels.tolist(), values.tolist()) for y, v in zip(lrow, vrow) if y != -100]
+    return {"mean": sum(kept) / len(kept), "max": max(kept), "min": min(kept), "tokens": len(kept)}
+
+
 def test_states_declared_once_and_reset_restores_defaults():
     m = TokenStats()
     assert list(m._specs) == ["total", "count", "peak", "low"]
     assert m.count.dtype == torch.int64 and m.total.dtype == torch.float64
     labels, values = make_batch(0)
     m.accumulate({"labels": labels}, {"values": values})
-    assert m.count > 0
+    assert m.count == _plain(labels, values)["tokens"]
     m.reset()
     assert m.total == 0 and m.count == 0 and m.peak == -math.inf and m.low == math.inf
 
@@ -183,7 +189,7 @@ def test_accumulate_never_waits_for_device():
     m = TokenStats()
     with forbid_device_waits():
         m.accumulate([{"labels": labels[:4]}, {"labels": labels[4:]}], {"values": values})
-    assert m.count > 0
+    assert m.count == _plain(labels, values)["tokens"]  # both microbatches counted
 
 
 def test_guard_catches_waits():
@@ -261,12 +267,13 @@ def test_collection_prefixes_and_collisions():
     coll = MetricCollection({"a": TokenStats(), "b": TokenStats()})
     coll.accumulate({"labels": labels}, {"values": values})
     res = coll.calculate()
-    assert set(res) == {f"{p}/{k}" for p in "ab" for k in ("mean", "max", "min", "tokens")}
+    want = _plain(labels, values)
+    assert_results_close(res, {f"{p}/{k}": v for p in "ab" for k, v in want.items()}, rel=1e-12)
     flat = MetricCollection([TokenStats(), TokenStats()])
     flat.accumulate({"labels": labels}, {"values": values})
     with pytest.raises(ValueError, match="comes from two metrics"):
         flat.calculate()
-    assert flat[0].count > 0 and flat[1].count > 0  # the error lost nothing
+    assert flat[0].count == flat[1].count == want["tokens"]  # the error lost nothing
 
 
 def test_collection_state_dict():
@@ -358,13 +365,15 @@ def _readme_masked_mean():
     import os
     import re
 
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")) as f:
+        readme = f.read()
     block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "class MaskedMean" in b)
     scope = {}
     exec(block, scope)  # noqa: S102 - the documented example, run as a user would copy it
     return scope["MaskedMean"]
 
 
+@pytest.mark.e2e  # runs launch/example_custom_metric.py: launch/ is loaded only from the end-to-end tier
 def test_documented_custom_metric_reports_the_max_over_microbatches():
     import importlib.util
     import os

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.refmetric import TokenStats, make_batch
-from tests.rlref import make_rl_batch
+from tests.rlref import make_rl_batch, ref_grpo
 from twinkle_metrics import (
     Accuracy,
     CISPOMetric,
@@ -155,11 +155,42 @@ def test_int64_states_are_exact_beyond_2_pow_53():
     assert t.calculate()["iters"] == step
 
 
-def test_untouched_extremes_never_leak_out():
-    for metric in (TrainMetric(), LossMetric(), GRPOMetric(top_k_kl=2), Accuracy(), EmbeddingMetric(),
-                   CompletionRewardMetric(), DPOMetric()):
-        for value in metric.calculate().values():
-            assert not (isinstance(value, (int, float)) and abs(value) >= 2 ** 62), (metric, value)
+def _untouched_extreme_cases():
+    """(metric, inputs, outputs, kwargs, max/min states the call leaves at their identity):
+    calls that produce some keys but never touch those extremes."""
+    b = make_rl_batch(3)
+    return [
+        (TrainMetric(), None, None, {"lr": 1e-4}, ("step", "rank_step_time_max", "rank_step_time_min")),
+        (TrainMetric(), None, None, {"step": 3}, ("lr", "lr_groups")),
+        (LossMetric(), None, {"loss": 2.0}, {}, ("grad_norm",)),
+        (GRPOMetric(top_k_kl=2), {"labels": b["labels"]}, {"logps": b["logps"]}, {},
+         ("logr_max", "logr_min", "adv_min", "adv_max")),
+        (EmbeddingMetric(), None, {"loss": 2.0}, {}, ("pos_min", "pos_max", "grad_norm")),
+        (CompletionRewardMetric(), None, None, {"rewards": {"acc": [1.0, 0.0]}}, ("len_min", "len_max")),
+    ]
+
+
+def _is_identity(t):
+    """A max/min state still at its identity: +-inf, or int64's extremes."""
+    t = t.double() if not t.is_floating_point() else t
+    return bool((t.isinf() | (t.abs() >= 2.0 ** 62)).all())
+
+
+def _values(value):
+    return [v for x in value for v in _values(x)] if isinstance(value, (list, tuple)) else [value]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_untouched_extremes_never_leak_out(case):
+    metric, inputs, outputs, kw, untouched = _untouched_extreme_cases()[case]
+    metric.accumulate(inputs, outputs, **kw)
+    for name in untouched:  # the premise: these states were left at their identity
+        assert _is_identity(metric.states[name]), (name, metric.states[name])
+    got = metric.calculate()
+    assert got, metric  # something is reported, so the loop below checks values
+    for key, value in got.items():
+        for v in _values(value):
+            assert isinstance(v, (int, float)) and math.isfinite(v) and abs(v) < 2 ** 62, (key, value)
 
 
 # ------------------------------------------------------------- resume at another DP size
@@ -205,7 +236,8 @@ def test_a_collection_takes_one_shared_kwargs_dict():
     kwargs = dict(lr=1e-4, step=1, grad_norm=0.5, old_logps=b["old"])
     coll.accumulate({"labels": b["labels"]}, {"logps": b["logps"], "loss": 2.0}, **kwargs)
     out = coll.calculate()
-    assert out["loss"] == 2.0 and out["grad_norm"] == 0.5 and "train/approx_kl" in out
+    assert out["loss"] == 2.0 and out["grad_norm"] == 0.5
+    assert math.isclose(out["train/approx_kl"], ref_grpo(b)["train/approx_kl"], rel_tol=1e-12)  # old_logps reached it
     with pytest.raises(TypeError, match="did you mean 'grad_norm'"):
         coll.accumulate(None, {"loss": 2.0}, grad_nrm=0.5)
 

@@ -349,7 +349,14 @@ def test_grpo_in_collection_ignores_foreign_kwargs():
     coll = MetricCollection({"grpo": GRPOMetric(), "dpo": DPOMetric(), "": CompletionRewardMetric()})
     coll.accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, old_logps=b["old"], rewards=[1.0, 2.0])
     got = coll.calculate()
-    assert "grpo/train/approx_kl" in got and "dpo/logps/chosen" in got and "train/reward_reward" in got
+    # each metric took only its own keywords: GRPO without advantages or ref, DPO without
+    # ref_outputs, the rewards as one unnamed reward; the values are the references' exactly
+    grpo_keys = ("mean_new_logp", "policy_confidence", "mean_old_logp", "logp_diff_mean", "approx_kl",
+                 "token_kl_max", "token_ratio_max", "ratio_mean", "ratio_min", "ratio_max")
+    want = {f"grpo/train/{k}": ref_grpo(b)[f"train/{k}"] for k in grpo_keys}
+    want.update({f"dpo/logps/{k}": ref_dpo(b)[f"logps/{k}"] for k in ("chosen", "rejected")})
+    want.update({"train/reward_reward": 1.5, "train/reward_reward_std": math.sqrt(0.5)})
+    assert_results_close(got, want, rel=1e-12)
 
 
 def test_grpo_errors_name_metric_and_field():
