@@ -3,6 +3,7 @@
 Central invariant: every rank accumulating its shard (DP rows, CP token chunks, TP
 vocab shards, pipeline microbatches) then calculating == one process on the whole batch.
 """
+import functools
 import math
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from parallel import DeviceMesh
 from tests.refmetric import cp_slice
 from twinkle_metrics import Accuracy, EmbeddingMetric, LossMetric, MetricCollection, TrainMetric, vocab_parallel_argmax
-from twinkle_metrics.testing import assert_results_close, forbid_device_waits
+from twinkle_metrics.testing import assert_layout_invariant, assert_results_close, forbid_device_waits, parse_layout
 
 pytestmark = pytest.mark.xdist_group("dist")
 
@@ -83,22 +84,26 @@ def whole_results(seed):
     return MetricCollection({"acc": acc, "loss": loss, "emb": embm}).calculate()
 
 
-def _run_all(mesh, seed):
-    acc = Accuracy(mesh, vocab_parallel=True)
-    loss = LossMetric(mesh, loss_reduction="sum")
-    embm = EmbeddingMetric(mesh)
-    train = TrainMetric(mesh, counts="local")
-    feats, outs, reports, emb, elab = local_inputs(mesh, seed)
-    last = mesh.is_last_stage
+def make_metrics(mesh):
+    return MetricCollection({"acc": Accuracy(mesh, vocab_parallel=True), "loss": LossMetric(mesh, loss_reduction="sum"),
+                             "emb": EmbeddingMetric(mesh), "": TrainMetric(mesh, counts="local")})
+
+
+def feed(coll, place, seed):
+    """This rank's share of batch ``seed`` (``place``: the rank's mesh, or the harness's
+    Shard, which names its place alike)."""
+    acc, loss, embm, train = coll["acc"], coll["loss"], coll["emb"], coll[""]
+    feats, outs, reports, emb, elab = local_inputs(place, seed)
+    last = place.is_last_stage
     n_tok = sum(int((f["labels"] != -100).sum()) for f in feats) if last else 0
     with forbid_device_waits():
         if last:
             acc.accumulate(feats, {"logits": outs})
-            loss.accumulate(None, reports[:1], grad_norm=torch.tensor(4.0 if mesh.dp_rank == 0 else 1.0))
+            loss.accumulate(None, reports[:1], grad_norm=torch.tensor(4.0 if place.dp_rank == 0 else 1.0))
             loss.accumulate(None, reports[1:])
             embm.accumulate({"labels": elab}, {"embeddings": emb})
             # A batch without anchors (rows on some ranks only) is skipped alike on every rank.
-            z = 3 if mesh.dp_rank == 0 else 0
+            z = 3 if place.dp_rank == 0 else 0
             embm.accumulate({"labels": torch.zeros(z, dtype=torch.long)}, {"embeddings": torch.randn(z, 6)})
         else:   # what a non-last stage gets from the schedule
             acc.accumulate([], {})
@@ -107,7 +112,11 @@ def _run_all(mesh, seed):
             embm.accumulate([], {})
         train.accumulate(None, None, lr=[1e-3, 1e-4], step=6, gradient_accumulation_steps=2,
                          tokens=n_tok, samples=1)
-    return MetricCollection({"acc": acc, "loss": loss, "emb": embm, "": train}).calculate()
+
+
+def feed_interval(coll, shard, seed):
+    """The harness's feed: batch ``seed + interval``."""
+    feed(coll, shard, seed + shard.interval)
 
 
 def case_megatron_tp2_pp2_dp2(seed):
@@ -117,27 +126,29 @@ def case_megatron_tp2_pp2_dp2(seed):
                                  create_gloo_process_groups=False, distributed_timeout_minutes=1)
     try:
         mesh = DeviceMesh.from_megatron()
-        return _run_all(mesh, seed), mesh.tp_rank, mesh.data_rank
+        coll = make_metrics(mesh)
+        feed(coll, mesh, seed)
+        return coll.calculate(), mesh.tp_rank, mesh.data_rank
     finally:
         ps.destroy_model_parallel()
 
 
-def case_from_sizes(sizes, seed):
-    mesh = DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
-    return _run_all(mesh, seed), mesh.tp_rank, mesh.data_rank
+def _lm_keys(res):
+    return {k: v for k, v in res.items() if k.split("/")[0] in ("acc", "loss", "emb")}
+
+
+def _check_rank(res, seed, data_size):
+    labels, _, _ = lm_batch(seed)
+    n_tokens = int((labels != -100).sum())
+    assert_results_close(_lm_keys(res), whole_results(seed), rel=1e-12)
+    assert res["learning rate(param group 2)"] == 1e-4 and res["iters"] == 3
+    # counts='local': token counts summed over the data group == the whole batch's
+    assert math.isclose(res["tokens/s"] / res["samples/s"], n_tokens / data_size, rel_tol=1e-12)
 
 
 def _check(out, seed):
-    whole = whole_results(seed)
-    labels, _, _ = lm_batch(seed)
-    n_tokens = int((labels != -100).sum())
     for res, _tp_rank, _ in out:
-        got = {k: v for k, v in res.items() if k.split("/")[0] in ("acc", "loss", "emb")}
-        assert_results_close(got, whole, rel=1e-12)
-        assert res["learning rate(param group 2)"] == 1e-4 and res["iters"] == 3
-        # counts='local': token counts summed over the data group == the whole batch's
-        assert math.isclose(res["tokens/s"] / res["samples/s"], n_tokens / _data_size(out),
-                            rel_tol=1e-12)
+        _check_rank(res, seed, _data_size(out))
     # identical on every rank, TP replicas and pipeline stages included (times too)
     assert all(r == out[0][0] for r, _, _ in out)
 
@@ -153,9 +164,21 @@ def test_sharded_equals_whole_megatron_tp2_pp2_dp2(dist_pool):
     assert whole["acc/total_tokens"] > 0 and "emb/neg_sim" in whole and whole["loss/grad_norm"] == 4.0
 
 
-@pytest.mark.parametrize("sizes", [dict(tp=2, cp=2, dp=2), dict(cp=2, dp=2, pp=2)])
-def test_sharded_equals_whole_dp2_cp2(dist_pool, sizes):
-    _check(dist_pool.run(case_from_sizes, sizes, 9), 9)
+@pytest.mark.parametrize("layout", ["tp2xcp2xdp2", "cp2xdp2xpp2"])
+def test_sharded_equals_whole_dp2_cp2(dist_pool, layout):
+    # every rank == one process fed the whole batch, two intervals (batches 9 and 10); the
+    # TrainMetric's wall-clock rates are checked by ratio below
+    report = assert_layout_invariant(make_metrics, functools.partial(feed_interval, seed=9), [layout],
+                                     pool=dist_pool, rel=1e-12, ignore=lambda k: not _lm_keys({k: 0}))
+    lay = parse_layout(layout)
+    for i, seed in enumerate((9, 10)):
+        # the harness's reference is the hand-built whole too
+        assert_results_close(_lm_keys(report.reference[i]), whole_results(seed), rel=1e-12)
+        per_rank = [r[i] for r in report.results[layout]]
+        for res in per_rank:
+            _check_rank(res, seed, lay.dp * lay.cp)
+        # identical on every rank, TP replicas and pipeline stages included (times too)
+        assert all(r == per_rank[0] for r in per_rank)
 
 
 def tie_logits(dtype):
@@ -225,26 +248,29 @@ def test_embedding_gathers_over_data_group_with_empty_ranks(dist_pool):
         assert_results_close(got, whole, rel=1e-12)
 
 
-def case_embedding_under_cp():
-    """CP2 x DP4: CP ranks hold the same pooled rows; pairs must not be counted twice."""
-    mesh = DeviceMesh.from_sizes(cp_size=2, dp_size=4)
-    emb, labels = emb_batch(1)
-    bounds = [0, 4, 6, 6, 11]                    # dp rank 2 has no rows
-    lo, hi = bounds[mesh.dp_rank], bounds[mesh.dp_rank + 1]
-    m = EmbeddingMetric(mesh)
+# rows per DP rank: dp rank 2 of 4 has none
+EMB_CP_BOUNDS = {1: [0, 11], 4: [0, 4, 6, 6, 11]}
+
+
+def feed_embedding_rows(m, shard):
+    """CP ranks hold the same pooled rows (batch 1 + interval); pairs must not be counted twice."""
+    emb, labels = emb_batch(1 + shard.interval)
+    bounds = EMB_CP_BOUNDS[shard.dp_size]
+    lo, hi = bounds[shard.dp_rank], bounds[shard.dp_rank + 1]
     with forbid_device_waits():
         if hi > lo:
             m.accumulate({"labels": labels[lo:hi]}, {"embeddings": emb[lo:hi]})
         else:
             m.accumulate([], {})
-    return m.calculate()
 
 
 def test_embedding_under_cp_counts_each_pair_once(dist_pool):
-    emb, labels = emb_batch(1)
-    whole = EmbeddingMetric().accumulate({"labels": labels}, {"embeddings": emb}).calculate()
-    for got in dist_pool.run(case_embedding_under_cp):
-        assert_results_close(got, whole, rel=1e-12)
+    report = assert_layout_invariant(EmbeddingMetric, feed_embedding_rows, ["cp2xdp4"], pool=dist_pool,
+                                     rel=1e-12)
+    for i in range(2):
+        emb, labels = emb_batch(1 + i)
+        whole = EmbeddingMetric().accumulate({"labels": labels}, {"embeddings": emb}).calculate()
+        assert_results_close(report.reference[i], whole, rel=1e-12)
 
 
 def case_train_metric_over_world():
