@@ -135,7 +135,8 @@ def test_pool_too_small_and_intervals(dist_pool):
 def test_own_ranks_from_pytest_and_a_failing_rank():
     """Without a pool the harness starts (fork) and kills its own ranks."""
     assert_layout_invariant(MaskedMean, functools.partial(feed), ["dp2", "cp2xdp2"])
-    with pytest.raises(AssertionError, match="(?s)layout 'dp2': 1 rank\\(s\\) failed.*; rank 1:.*feed broke on purpose"):
+    failed = "(?s)layout 'dp2': 1 rank\\(s\\) failed.*; rank 1:.*feed broke on purpose"
+    with pytest.raises(AssertionError, match=failed):
         assert_layout_invariant(MaskedMean, feed_failing_on_rank_1, ["dp2"])
 
 
