@@ -1075,7 +1075,7 @@ def test_every_kernel_compiles_to_a_cubin_for_hopper_and_ampere(arch, tmp_path, 
     the memory bandwidth it should reach."""
     from triton.backends.compiler import GPUTarget
 
-    from benchmarks.kernel_build import compile_variant, global_loads, narrow_loads, ptxas_report, variants
+    from twinkle_metrics.kernels.build import compile_variant, global_loads, narrow_loads, ptxas_report, variants
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # built fresh; nothing written outside the test
     target = GPUTarget("cuda", arch, 32)
     failed, reported = [], 0
@@ -1110,7 +1110,7 @@ def test_default_entropy_kernel_issues_fewer_instructions_per_logit(tmp_path, mo
     its common path (no rescale), or the kernel loses the point of being the default."""
     from triton.backends.compiler import GPUTarget
 
-    from benchmarks.kernel_build import compile_variant, loop_instructions, variants
+    from twinkle_metrics.kernels.build import compile_variant, loop_instructions, variants
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     target = GPUTarget("cuda", 90, 32)
     by_label = {v.label: v for v in variants()}
@@ -1126,7 +1126,7 @@ def test_dpo_beta_reaches_the_pair_kernel_as_a_float64_constant(tmp_path, monkey
     its float64 one, as the torch path does."""
     from triton.backends.compiler import GPUTarget
 
-    from benchmarks.kernel_build import compile_variant, variants
+    from twinkle_metrics.kernels.build import compile_variant, variants
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     v = next(v for v in variants() if v.label == "DPO pairs w=4 skip=False")
     assert v.const["BETA"] == 0.1
