@@ -163,16 +163,6 @@ def finish_run(tag: str, steps: int, start: float, run_dir: str, sinks, enabled:
     print(f"[{tag}] {steps} steps in {time.time() - start:.1f} s; run dir: {run_dir}", flush=True)
 
 
-def skip_deepspeed_shm_op() -> None:
-    """Keep ``deepspeed.init_distributed`` on CPU from JIT-compiling its shared-memory
-    allreduce op (tens of seconds on two cores, again whenever the environment or the
-    ``ninja`` in use changes). Only ``inference_all_reduce`` uses that op; gloo does every
-    collective of training and of the metrics. Call before ``init_distributed``."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # the probed dict is kept
-
-
 #: config keys the launch scripts read with a default (``--set`` may add them)
 OPTIONAL_KEYS = ("logging.progress", "logging.interval", "logging.sinks", "logging.console_keys",
                  "logging.run_root", "train.clip_grad", "train.max_stride")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from common import DebugDump, make_run_dir, print_rank0, read_env
 
 from parallel import DeviceMesh
+from twinkle_metrics.core.compat import skip_deepspeed_shm_op  # noqa: E402
 from twinkle_metrics.integrations.factory import build_metrics, config_path, load_config, split_feeds
 from twinkle_metrics.integrations.loggers import LoggerGroup, MonitorLogger, Progress, build_loggers
 
@@ -131,7 +132,7 @@ def main(argv=None):
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "gloo":
-        common.skip_deepspeed_shm_op()
+        skip_deepspeed_shm_op()
     deepspeed.init_distributed(dist_backend=backend)
 
     t, m, log_cfg = cfg["train"], cfg["model"], cfg.get("logging", {})

@@ -9,21 +9,13 @@ from parallel import DeviceMesh, Layout
 from tests.dist import sync_error
 from tests.refmetric import TokenStats, make_batch, shard_for_rank
 from twinkle_metrics import Metric, MetricCollection, State
+from twinkle_metrics.core.compat import skip_deepspeed_shm_op
 from twinkle_metrics.testing import CollectiveCounter
 
 pytestmark = pytest.mark.xdist_group("dist")
 
 NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp")
 LAYOUT_AXES = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp", "mp": "tp-pp"}
-
-
-def skip_deepspeed_shm_op() -> None:
-    """Keep ``deepspeed.init_distributed`` on CPU from JIT-compiling its shared-memory allreduce
-    op (tens of seconds on two cores); only ``inference_all_reduce`` uses it, gloo does the rest.
-    The same two lines as launch/common.py's, so that no multi-rank test imports launch/."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _expected(lay, rank):

@@ -143,6 +143,7 @@ def case_gpt_norms():
         ps.destroy_model_parallel()
 
 
+@pytest.mark.e2e  # trains launch/train_megatron.py's model
 def test_gpt_tp2_pp2_dp2_matches_megatron_and_single_process(dist_pool):
     out = dist_pool.run(case_gpt_norms)
     first = out[0][0]

@@ -118,7 +118,7 @@ _DEEPSPEED_CASE = """
 import json, os, sys
 import torch
 from parallel.groups import free_port
-from launch.common import skip_deepspeed_shm_op
+from twinkle_metrics.core.compat import skip_deepspeed_shm_op
 
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 skip_deepspeed_shm_op()

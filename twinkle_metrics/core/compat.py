@@ -79,3 +79,14 @@ def owned_ranges(chunk) -> Optional[Dict[torch.nn.Parameter, Tuple[int, int]]]:
             a, b = max(start, lo), min(end, lo + shard)
             out[param] = (a - start, b - start) if a < b else (0, 0)
     return out
+
+
+def skip_deepspeed_shm_op() -> None:
+    """Keep ``deepspeed.init_distributed`` on CPU from JIT-compiling its shared-memory
+    allreduce op (tens of seconds on two cores, again whenever the environment or the
+    ``ninja`` in use changes). Only ``inference_all_reduce`` uses that op; gloo does every
+    collective of training and of the metrics. Call before ``init_distributed``. Reaches
+    into DeepSpeed's op registry (``deepspeed.ops.__compatible_ops__``), hence here."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # the probed dict is kept
