@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -83,6 +84,19 @@ def run_masked_mean(code, where):
     m.accumulate([{"labels": torch.tensor([[1, -100]])}, {"labels": torch.tensor([[2, 3]])}],
                  [{"values": torch.tensor([[9.0, 50.0]])}, {"values": torch.tensor([[1.0, 2.0]])}])
     assert m.calculate() == {"mean": 4.0, "max": 9.0}
+
+
+def run_layout(code, where):
+    """The harness block, on the README's own MaskedMean (the block above it)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        masked = next(c for c in re.findall(r"```python\n(.*?)```", f.read(), re.S) if "class MaskedMean" in c)
+    module = types.ModuleType("readme_layout")  # a module the ranks can pickle MaskedMean and feed from
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(masked, "README.md", "exec"), module.__dict__)
+        exec(compile(code, where, "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
 
 
 def run_torch_loop(code, where):
@@ -205,6 +219,7 @@ def run_megatron_cpu(code, where, tmp_path):
 RUNNERS = {
     "exec": run_exec,
     "masked-mean": run_masked_mean,
+    "layout": run_layout,
     "torch-loop": run_torch_loop,
     "deepspeed": run_deepspeed,
     "megatron-cpu": run_megatron_cpu,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import pickle
 import re
 from datetime import timedelta
 from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Union
@@ -254,6 +255,11 @@ def assert_layout_invariant(make_metric: Callable, feed: Callable,
         if too_big:
             raise ValueError(f"assert_layout_invariant: layouts {too_big} need more ranks than the "
                              f"pool's {pool.world}")
+    try:  # the ranks get them through a queue: fail now, not at the job's timeout
+        pickle.dumps((make_metric, feed))
+    except Exception as e:  # noqa: BLE001 - any pickling failure means the same
+        raise TypeError(f"assert_layout_invariant: make_metric and feed must be picklable to reach the "
+                        f"ranks (module-level functions or classes, or functools.partial of them); {e}") from None
     single = make_metric(DeviceMesh.single())
     reference = []
     for i in range(intervals):
