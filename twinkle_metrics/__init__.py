@@ -37,6 +37,9 @@ MOVED = {
     "train": "metrics.system.train", "norms": "metrics.system.norms", "moe": "metrics.system.moe",
     "megatron": "integrations.megatron", "megatron_cpu": "integrations.megatron_cpu",
     "loggers": "integrations.loggers", "factory": "integrations.factory",
+    "kernels.triton_entropy": "kernels.entropy_triton", "kernels.triton_argmax": "kernels.argmax_triton",
+    "kernels.triton_ppo": "kernels.ppo_triton", "kernels.triton_rollout": "kernels.rollout_triton",
+    "kernels.triton_moe": "kernels.moe_triton",
 }
 
 
