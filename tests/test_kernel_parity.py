@@ -14,8 +14,6 @@ Shapes stay small: the interpreter runs each program in Python.
 """
 import importlib.util
 import math
-import os
-import subprocess
 import sys
 
 import numpy
@@ -25,22 +23,16 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from tests.interpreted import INTERPRETED, interpreted, run_child  # noqa: E402,F401
 from tests.rlref import make_rl_batch  # noqa: E402
 from twinkle_metrics.kernels import PAIRS, dispatch  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
 def test_parity_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                        "-W", "error::RuntimeWarning", os.path.abspath(__file__)],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    run_child(__file__)
 
 
 # ------------------------------------------------------------------ the cases, one per op

@@ -20,6 +20,7 @@ from functools import partial
 import pytest
 import torch
 
+from tests import plain_loop
 from twinkle_metrics import Accuracy, LossMetric
 from twinkle_metrics.integrations import megatron as tm_megatron
 from twinkle_metrics.testing import forbid_device_waits
@@ -247,33 +248,13 @@ def test_readme_recipe_in_megatron_training_loop_tp2_pp2(tmp_path):
 def test_launch_readme_plain_loop_runs_and_weights_tokens():
     """The plain torch.distributed / Accelerate snippet of launch/README.md, one process."""
     import re
-    from types import SimpleNamespace
 
     with open(os.path.join(REPO, "launch", "README.md")) as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
     code = next(b for b in blocks if "DeviceMesh.current()" in b)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Embedding(9, 8), torch.nn.Linear(8, 9))
-    g = torch.Generator().manual_seed(2)
-    loader = []
-    for i in range(20):
-        labels = torch.randint(0, 9, (2, 6), generator=g)
-        labels[:, i % 5 + 1:] = -100  # microbatches of different token counts
-        loader.append({"input_ids": labels.clamp(min=0), "labels": labels})
-    printed = []
-    ns = {"model": lambda ids: SimpleNamespace(logits=net(ids)), "loader": loader,
-          "optimizer": torch.optim.SGD(net.parameters(), lr=0.0), "print": lambda *a: printed.append(a)}
-    exec(compile(code, "launch/README.md (plain loop)", "exec"), ns)
+    printed, loader, reference = plain_loop.run(code, "launch/README.md (plain loop)")
     assert [p[0] for p in printed] == [10, 20]
-    with torch.no_grad():  # lr 0: the model never changes, so recompute the last interval
-        total = count = correct = 0.0
-        for batch in loader[10:]:
-            logits, labels = net(batch["input_ids"])[:, :-1], batch["labels"][:, 1:]
-            ok = labels != -100
-            total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
-                                                             ignore_index=-100, reduction="sum"))
-            count += int(ok.sum())
-            correct += int(((logits.argmax(-1) == labels) & ok).sum())
+    total, count, correct = reference(loader[10:])  # lr 0: the model never changes
     got = printed[-1][1]
     assert got["loss"] == pytest.approx(total / count, rel=1e-6) and got["num_tokens"] == count
     assert got["accuracy"] == pytest.approx(correct / count) and got["iters"] == 20

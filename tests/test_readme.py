@@ -22,10 +22,11 @@ import re
 import subprocess
 import sys
 import types
-from types import SimpleNamespace
 
 import pytest
 import torch
+
+from tests import plain_loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = re.compile(r"^<!-- readme-test: ([a-z0-9-]+) -->$")
@@ -101,29 +102,10 @@ def run_layout(code, where):
 
 def run_torch_loop(code, where):
     """One process: the loop with lr 0, checked against a recomputation of each interval."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Embedding(9, 8), torch.nn.Linear(8, 9))
-    g = torch.Generator().manual_seed(2)
-    loader = []
-    for i in range(20):
-        labels = torch.randint(0, 9, (2, 6), generator=g)
-        labels[:, i % 5 + 1:] = -100  # microbatches of different token counts
-        loader.append({"input_ids": labels.clamp(min=0), "labels": labels})
-    printed = []
-    ns = {"model": lambda ids: SimpleNamespace(logits=net(ids)), "loader": loader,
-          "optimizer": torch.optim.SGD(net.parameters(), lr=0.0), "print": lambda *a: printed.append(a)}
-    exec(compile(code, where, "exec"), ns)
+    printed, loader, reference = plain_loop.run(code, where)
     assert [p[0] for p in printed] == [10, 20]
     for (_, got), batches in zip(printed, (loader[:10], loader[10:])):
-        total = count = correct = 0
-        with torch.no_grad():
-            for batch in batches:
-                logits, labels = net(batch["input_ids"])[:, :-1], batch["labels"][:, 1:]
-                ok = labels != -100
-                total += float(torch.nn.functional.cross_entropy(
-                    logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"))
-                count += int(ok.sum())
-                correct += int(((logits.argmax(-1) == labels) & ok).sum())
+        total, count, correct = reference(batches)
         assert math.isclose(got["loss"], total / count, rel_tol=1e-6) and got["num_tokens"] == count
         assert (got["correct_tokens"], got["total_tokens"]) == (correct, count)
 

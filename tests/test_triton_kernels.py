@@ -22,18 +22,14 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-kernel_test = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
+from tests.interpreted import INTERPRETED, interpreted, run_child  # noqa: E402
+
+kernel_test = interpreted
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
 def test_kernels_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                        "-W", "error::RuntimeWarning", os.path.abspath(__file__)],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    run_child(__file__)
 
 
 if INTERPRETED:
