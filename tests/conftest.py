@@ -44,6 +44,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, t))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Under ``-n 2 --dist loadgroup`` every multi-rank test must land on one worker (one rank
+    pool); a pytest/xdist pair that drops the group silently doubles the suite's time."""
+    config = session.config
+    if not hasattr(config, "workerinput") or not getattr(config.option, "loadgroup", False):
+        return
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(f"pytest-xdist did not group {len(lost)} tests (e.g. {lost[0]}): this "
+                                "pytest and pytest-xdist do not work together; install the pinned test extra")
+
+
 @pytest.fixture(scope="session")
 def dist_pool():
     """Eight real gloo ranks shared by every multi-rank test of this pytest worker.
