@@ -30,7 +30,7 @@ SIZES = (8, 64, 128, 256, 512, 1024, 2048, 4096, 16384)
 
 
 def _setup():
-    from twinkle_metrics.sync import fused as sync
+    from twinkle_metrics.comm import fused as sync
 
     ours = suite.OursSuite(suite.CORE)
     ours.accumulate(suite.make_batch(0))

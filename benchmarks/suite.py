@@ -83,7 +83,7 @@ class OursSuite:
 
     def packed_bytes(self) -> int:
         """Bytes one rank contributes to the fused all_gather (header + states)."""
-        from twinkle_metrics.sync.fused import _HEADER
+        from twinkle_metrics.comm.fused import _HEADER
 
         return 8 * (_HEADER + sum(spec.numel for m in self.collection for spec in m._specs.values()))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
-from twinkle_metrics.sync.host import host_reads_active
+from twinkle_metrics.comm.host import host_reads_active
 from twinkle_metrics.testing import intercept_device_waits
 
 

@@ -15,8 +15,8 @@ from twinkle_metrics import (
     MetricSyncError,
     State,
 )
+from twinkle_metrics.comm import pending
 from twinkle_metrics.integrations.loggers import Logger, LoggerGroup
-from twinkle_metrics.sync import pending
 
 
 def _collection():

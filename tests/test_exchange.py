@@ -3,7 +3,7 @@ import pytest
 
 from parallel import DeviceMesh
 from twinkle_metrics import Accuracy
-from twinkle_metrics.sync import agreement as exchange
+from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.testing import state_dict_differences
 
 

@@ -15,8 +15,8 @@ from tests.refmetric import TokenStats, dp_shards, make_batch, shard_for_rank
 from tests.rlref import make_rl_batch
 from tests.test_metrics_rl_dist import N_SEQ, SEED, SEQ_LEN, _accumulate, _metrics
 from twinkle_metrics import Metric, State
-from twinkle_metrics.sync import fused as sync
-from twinkle_metrics.sync.order import from_ordered_f64, ordered_f64
+from twinkle_metrics.comm import fused as sync
+from twinkle_metrics.comm.order import from_ordered_f64, ordered_f64
 from twinkle_metrics.testing import assert_results_close
 
 RANKS = 4
@@ -143,8 +143,8 @@ def test_threshold_from_the_environment(monkeypatch):
 def test_host_pieces_travel_in_one_copy_in_order(monkeypatch):
     """_pack on an accelerator: the CPU pieces (header, CPU-resident states) are moved in one
     copy and put back in their places; pieces already on the device are untouched."""
+    from twinkle_metrics.comm import fused as sync
     from twinkle_metrics.inputs import checks as _checks
-    from twinkle_metrics.sync import fused as sync
     copies = []  # the host-to-device copies (_checks.from_host, under from_host_all)
     monkeypatch.setattr(_checks, "from_host", lambda t, device: copies.append(t.numel()) or t * 1.0)
     a, c, d = torch.arange(4.0), torch.arange(10.0, 13.0), torch.tensor([7.0])

@@ -23,7 +23,7 @@ from tests import test_metrics_rl_dist as rl
 from tests.dist import sync_error
 from tests.refmetric import TokenStats
 from twinkle_metrics import Metric, MetricCollection, State
-from twinkle_metrics.sync import fused as sync
+from twinkle_metrics.comm import fused as sync
 from twinkle_metrics.testing import CollectiveCounter, assert_results_close
 
 pytestmark = pytest.mark.xdist_group("dist")

@@ -990,7 +990,7 @@ def test_failed_rollout_kernel_falls_back_to_torch_with_one_warning(fused_rollou
 def _launch_allowing_host_reads(real, launches=None):
     """A kernel as launched, its interpreter's numpy traffic allowed (on CUDA it is one
     launch); each launch is appended to ``launches``."""
-    from twinkle_metrics.sync.host import host_reads
+    from twinkle_metrics.comm.host import host_reads
 
     class Interpreted:
         def __getitem__(self, grid):

@@ -9,13 +9,14 @@ The package is layered; each layer imports only the ones below it::
     core/           Metric, State, MetricCollection, slicing, configuration
     stats/          moments, quantile histograms
     inputs/         records, pipeline microbatches, coercion and checks
-    sync/           the fused sync, agreement inside accumulate, async calculate
+    comm/           the fused sync, agreement inside accumulate, async calculate
     parallel        (top-level package) mesh, groups, layouts, adapters
 
-``testing`` (the device-wait guard, the collective counter and the layout-invariance
-harness) ships beside them. Module paths of earlier releases (``twinkle_metrics.grpo``,
-``twinkle_metrics.megatron``, ...) still import: they name the modules above (see
-``MOVED``).
+``comm`` is the layer earlier releases called ``sync``: ``twinkle_metrics.sync`` is its
+``fused`` module, as the old module was. ``testing`` (the device-wait guard, the collective
+counter and the layout-invariance harness) ships beside them. Module paths of earlier
+releases (``twinkle_metrics.grpo``, ``twinkle_metrics.megatron``, ...) still import: they
+name the modules above (see ``MOVED``).
 """
 import importlib
 import importlib.abc
@@ -28,7 +29,8 @@ from parallel import DeviceMesh
 MOVED = {
     "base": "core.metric", "state": "core.state", "collection": "core.collection", "fold": "core.fold",
     "slicing": "core.slicing", "_compat": "core.compat",
-    "exchange": "sync.agreement", "pending": "sync.pending", "_host": "sync.host", "_order": "sync.order",
+    "sync": "comm.fused", "exchange": "comm.agreement", "pending": "comm.pending", "_host": "comm.host",
+    "_order": "comm.order",
     "microbatch": "inputs.microbatch", "data_format": "inputs.data_format", "_checks": "inputs.checks",
     "rl_inputs": "inputs.rl", "moments": "stats.moments", "histogram": "stats.histogram",
     "loss": "metrics.lm.loss", "accuracy": "metrics.lm.accuracy", "embedding": "metrics.lm.embedding",
@@ -65,6 +67,8 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
     sys.meta_path.append(_MovedModules())
 
+from twinkle_metrics.comm.fused import MetricSyncError  # noqa: E402
+from twinkle_metrics.comm.pending import CalculateHandle  # noqa: E402
 from twinkle_metrics.core import fold  # noqa: E402
 from twinkle_metrics.core.collection import MetricCollection  # noqa: E402
 from twinkle_metrics.core.metric import Metric, UnknownArgumentWarning  # noqa: E402
@@ -83,8 +87,6 @@ from twinkle_metrics.metrics.rl.rollout import RolloutMismatchMetric  # noqa: E4
 from twinkle_metrics.metrics.system.moe import MoERoutingMetric, register_router_hooks  # noqa: E402
 from twinkle_metrics.metrics.system.norms import ModelNormMetric  # noqa: E402
 from twinkle_metrics.metrics.system.train import TrainMetric  # noqa: E402
-from twinkle_metrics.sync.fused import MetricSyncError  # noqa: E402
-from twinkle_metrics.sync.pending import CalculateHandle  # noqa: E402
 
 __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "InputFeature", "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",

@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from parallel import DeviceMesh, as_device_mesh
+from twinkle_metrics.comm import pending
+from twinkle_metrics.comm.agreement import join_failed
+from twinkle_metrics.comm.fused import sync_and_compute
 from twinkle_metrics.core.metric import Metric
-from twinkle_metrics.sync import pending
-from twinkle_metrics.sync.agreement import join_failed
-from twinkle_metrics.sync.fused import sync_and_compute
 
 
 class MetricCollection:

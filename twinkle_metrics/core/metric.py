@@ -25,7 +25,7 @@ calculate and the fold-back of a failed interval, checkpoints and resuming at an
 data-parallel size, agreement across ranks) works from the declarations.
 
 ``calculate()`` packs every state into one buffer and syncs it with at most two
-collectives (see ``twinkle_metrics.sync``).
+collectives (see ``twinkle_metrics.comm``).
 """
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ import torch
 
 from parallel import DeviceMesh, as_device_mesh, dist_ready, group_size
 from parallel.groups import group_ranks
+from twinkle_metrics.comm import pending
+from twinkle_metrics.comm.agreement import join_failed
+from twinkle_metrics.comm.fused import plain_states, sync_and_compute
 from twinkle_metrics.core import checkpoint, config, slicing, staging
 from twinkle_metrics.core.config import UnknownArgumentWarning, constructor_keywords
 from twinkle_metrics.core.state import Origin, State, move_states, new_states
-from twinkle_metrics.sync import pending
-from twinkle_metrics.sync.agreement import join_failed
-from twinkle_metrics.sync.fused import plain_states, sync_and_compute
 
 __all__ = ["Metric", "UnknownArgumentWarning", "constructor_keywords", "FINGERPRINT_KEY"]
 #: key of the schema fingerprint in a metric's ``state_dict()``
@@ -112,7 +112,7 @@ class Metric:
     unsliced_states: ClassVar[Sequence[str]] = ()
     #: mesh axes ``update`` communicates over, in the order it agrees on them: ``"tp"``
     #: (the TP group), ``"cp"`` (``sequence_group()``), ``"data"`` (``data_group()``); each
-    #: counts only with more than one rank (see ``twinkle_metrics.sync.agreement``)
+    #: counts only with more than one rank (see ``twinkle_metrics.comm.agreement``)
     agree_over: Sequence[str] = ()
     #: the states an own ``merge`` reads as every rank's rows; None: all of them. A data
     #: group too large to gather (``sync.REDUCE_ABOVE``) all-reduces the others.
@@ -169,7 +169,7 @@ class Metric:
         self._followed = {o.follows for o in self._class_origins.values() if o.follows}
         self._last_host: Dict[str, Any] = {}
         # handed-off intervals whose asynchronous sync failed, oldest first, waiting to be
-        # folded back on the caller's thread (sync.pending), and the snapshots in flight
+        # folded back on the caller's thread (comm.pending), and the snapshots in flight
         self._returned: List["Metric"] = []
         self._in_flight: List["Metric"] = []
         self._epoch = 0  # bumped by reset() and loads: intervals from before them are dropped
@@ -368,7 +368,7 @@ class Metric:
         ``async_op=True`` returns a ``CalculateHandle`` at once instead: the
         interval's states are handed off (the metric is reset now, so ``accumulate``
         goes on into the next interval), the sync runs in the background, and
-        ``handle.wait()`` returns the same dict (see ``twinkle_metrics.sync.pending``).
+        ``handle.wait()`` returns the same dict (see ``twinkle_metrics.comm.pending``).
         If the sync fails, the interval is not lost (as a failed synchronous call keeps
         it): it goes back under the next interval, and the next calculate reports both.
         """

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm_device
+from twinkle_metrics.comm.order import ordered_f32 as _ordered_f32
+from twinkle_metrics.comm.order import ordered_f64 as _ordered_f64
 from twinkle_metrics.inputs.microbatch import join
 from twinkle_metrics.kernels import dispatch as _triton
-from twinkle_metrics.sync.order import ordered_f32 as _ordered_f32
-from twinkle_metrics.sync.order import ordered_f64 as _ordered_f64
 
 _NAME = "vocab_parallel_argmax"
 _LOW32 = (1 << 32) - 1

@@ -71,7 +71,7 @@ def merged_results(shards: Sequence) -> Dict[str, Any]:
     """
     import copy
 
-    from twinkle_metrics.sync.fused import plain_states
+    from twinkle_metrics.comm.fused import plain_states
 
     lead = shards[0]
     types = {type(m) for m in shards}

@@ -101,7 +101,7 @@ def parse_layout(layout: str) -> Layout:
 
 def collective_budget(layout: Layout) -> int:
     """The library's collectives per steady-state ``calculate()``: one over the data
-    group, one more over TP x PP when the layout has TP or PP (``twinkle_metrics.sync.fused``)."""
+    group, one more over TP x PP when the layout has TP or PP (``twinkle_metrics.comm.fused``)."""
     return 1 + (layout.tp > 1 or layout.pp > 1)
 
 

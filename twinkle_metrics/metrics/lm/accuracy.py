@@ -6,12 +6,12 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import floating_tensor, int_tensor, right_align
 from twinkle_metrics.inputs.microbatch import has_field, host_array, join, microbatches
 from twinkle_metrics.kernels.argmax import INDEX_LIMIT, joined_hits, vocab_parallel_argmax
-from twinkle_metrics.sync import agreement as exchange
 
 _NAME = "Accuracy"
 

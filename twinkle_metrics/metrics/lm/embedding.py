@@ -8,13 +8,13 @@ import torch.nn.functional as F
 
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_rank, group_size
+from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import as_count, f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.microbatch import as_feature_list, has_field, microbatches
 from twinkle_metrics.inputs.rl import cp_lead
-from twinkle_metrics.sync import agreement as exchange
 
 _NAME = "EmbeddingMetric"
 

@@ -5,6 +5,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core import slicing
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
@@ -14,7 +15,6 @@ from twinkle_metrics.inputs.microbatch import as_feature_list, has_field, microb
 from twinkle_metrics.inputs.rl import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
 from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.stats.histogram import Histogram, check_quantiles, quantile_keys
-from twinkle_metrics.sync import agreement as exchange
 
 _NAME = "DPOMetric"
 #: per-pair reward margins, either sign

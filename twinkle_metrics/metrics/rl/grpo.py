@@ -7,6 +7,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from parallel import group_size
+from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
@@ -22,7 +23,6 @@ from twinkle_metrics.metrics.rl.policy_sums import (  # noqa: F401 - the histogr
     _topk_rows,
 )
 from twinkle_metrics.stats.histogram import check_quantiles, quantile_keys
-from twinkle_metrics.sync import agreement as exchange
 
 # Columns of one top-k record row.
 _FIELDS = ("kl", "gsi", "pos", "token_id", "ratio", "logp_new", "logp_old")

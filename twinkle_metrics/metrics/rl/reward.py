@@ -69,7 +69,7 @@ class CompletionRewardMetric(Metric):
     name that only some ranks or pipeline stages met (the last stage, say, while
     the others pass nothing) is merged exactly, the other ranks adding nothing to
     it, and every rank reports it. Adding a name costs one more exchange at the
-    next ``calculate()`` (``twinkle_metrics.sync``).
+    next ``calculate()`` (``twinkle_metrics.comm``).
 
     Args:
         reward_names: reward function names known up front (recommended).

@@ -7,13 +7,13 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from parallel import group_rank
+from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core import fold
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.rl import aligned_microbatches, cp_sum, nonfinite_tokens
 from twinkle_metrics.kernels import dispatch as _triton
-from twinkle_metrics.sync import agreement as exchange
 
 _P = "rollout/"
 

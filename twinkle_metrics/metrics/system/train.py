@@ -117,6 +117,11 @@ class TrainMetric(Metric):
         self.default_peak_flops = peak_flops
         self.num_devices = num_devices
 
+    @property
+    def _seen_step(self) -> Optional[int]:
+        """The last step folded in (None before any): what ``interval_first_step`` follows."""
+        return self._last_host.get("step")
+
     def update(self, inputs, outputs, *, lr=None, step=None, gradient_accumulation_steps=None,
                tokens=None, samples=None, flops_per_token=None, peak_flops=None, **kwargs):
         now = time.perf_counter()

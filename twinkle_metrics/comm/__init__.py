@@ -1,5 +1,7 @@
 """Cross-rank communication: the fused sync of ``calculate()`` and the waits around it.
 
+(Earlier releases' ``twinkle_metrics.sync`` module is ``comm.fused``, importable under that name.)
+
 * ``fused``: ``sync_and_compute``: the one or two packed collectives that carry every
   state of every metric, and the TP x PP hand-off of one rank's results;
 * ``plan``: where each state sits in the packed buffer, how ranks agree on that, and how
@@ -11,6 +13,6 @@
 
 Depends on ``parallel`` and ``inputs`` only; ``core`` builds on it.
 """
-from twinkle_metrics.sync.fused import MetricSyncError, plain_states, sync_and_compute, sync_states
+from twinkle_metrics.comm.fused import MetricSyncError, plain_states, sync_and_compute, sync_states
 
 __all__ = ["MetricSyncError", "plain_states", "sync_and_compute", "sync_states"]

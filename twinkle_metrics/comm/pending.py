@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from parallel.groups import private_twins
-from twinkle_metrics.sync.fused import sync_and_compute
+from twinkle_metrics.comm.fused import sync_and_compute
 
 #: seconds that pending asynchronous syncs get at interpreter exit
 EXIT_WAIT_S = float(os.environ.get("TWINKLE_METRICS_EXIT_WAIT_S", "10"))

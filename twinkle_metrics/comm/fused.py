@@ -67,8 +67,7 @@ import torch
 
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_ranks, group_size
-from twinkle_metrics.inputs.checks import from_host, from_host_all
-from twinkle_metrics.sync.plan import (  # noqa: F401 - the plan's names, used here and by tests
+from twinkle_metrics.comm.plan import (  # noqa: F401 - the plan's names, used here and by tests
     _H_NEED,
     _H_PLAN,
     _H_PP,
@@ -85,7 +84,8 @@ from twinkle_metrics.sync.plan import (  # noqa: F401 - the plan's names, used h
     _Plan,
     _spec,
 )
-from twinkle_metrics.sync.reduce import _filled, _reduce_data, _reduce_pack, _reduce_unpack  # noqa: F401
+from twinkle_metrics.comm.reduce import _filled, _reduce_data, _reduce_pack, _reduce_unpack  # noqa: F401
+from twinkle_metrics.inputs.checks import from_host, from_host_all
 
 
 def _threshold(default: int) -> int:

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from parallel.groups import all_gather_rows
-from twinkle_metrics.sync.order import from_ordered_f64, ordered_f64
-from twinkle_metrics.sync.plan import _H_NEED, _H_PLAN, _I64_MIN, _KEYS_HEAD, _merge_own, _Plan
+from twinkle_metrics.comm.order import from_ordered_f64, ordered_f64
+from twinkle_metrics.comm.plan import _H_NEED, _H_PLAN, _I64_MIN, _KEYS_HEAD, _merge_own, _Plan
 
 
 def _reduce_data(plan: Optional[_Plan], metrics, buf: torch.Tensor, sizes: Tuple[int, int, int, int],

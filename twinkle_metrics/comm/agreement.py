@@ -40,8 +40,8 @@ import contextlib
 from typing import List, Optional, Sequence
 
 from parallel.groups import group_rank, group_size
-from twinkle_metrics.sync.fused import MetricSyncError
-from twinkle_metrics.sync.host import host_max
+from twinkle_metrics.comm.fused import MetricSyncError
+from twinkle_metrics.comm.host import host_max
 
 _SLOTS = 3
 
