@@ -2,7 +2,7 @@
 from .adapters import as_device_mesh, is_twinkle_mesh
 from .groups import comm_device, dist_ready, group_rank, group_size
 from .layout import DEFAULT_ORDER, Layout
-from .mesh import GROUP_NAMES, DeviceMesh
+from .mesh import GROUP_NAMES, LAYOUT_AXES, DeviceMesh
 
-__all__ = ["DeviceMesh", "Layout", "DEFAULT_ORDER", "GROUP_NAMES", "as_device_mesh", "comm_device",
+__all__ = ["DeviceMesh", "Layout", "DEFAULT_ORDER", "GROUP_NAMES", "LAYOUT_AXES", "as_device_mesh", "comm_device",
            "dist_ready", "group_rank", "group_size", "is_twinkle_mesh"]

@@ -31,9 +31,9 @@ import torch.distributed as dist
 from . import groups as G
 from . import sizes
 from .layout import DEFAULT_ORDER, Layout
-from .sizes import GROUP_NAMES, create_layout_groups
+from .sizes import GROUP_NAMES, LAYOUT_AXES, create_layout_groups
 
-__all__ = ["DeviceMesh", "GROUP_NAMES", "create_layout_groups"]
+__all__ = ["DeviceMesh", "GROUP_NAMES", "LAYOUT_AXES", "create_layout_groups"]
 
 # Twinkle's mesh axis names (create_process_group) -> this mesh's group names
 _TWINKLE_DIMS = {frozenset({"dp"}): "dp", frozenset({"dp", "fsdp"}): "dp", frozenset({"tp"}): "tp",

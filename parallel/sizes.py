@@ -16,7 +16,8 @@ from .layout import DEFAULT_ORDER, Layout
 # TP x PP (Megatron's model-parallel group), over which reduced results are shared;
 # "dp_cp_cpu" is a CPU (gloo) group over the data-group ranks for host-side exchanges.
 GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "ep", "expt_dp", "dp_cp_cpu")
-_LAYOUT_AXES = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp", "mp": "tp-pp",
+#: the layout axes each group spans (``Layout.all_groups``); "dp_cp_cpu" is the data group's gloo twin
+LAYOUT_AXES = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp", "mp": "tp-pp",
                 "ep": "ep", "expt_dp": "expt_dp"}
 
 
@@ -95,7 +96,7 @@ def create_layout_groups(layout: Layout, backend, timeout=None):
         if name == "dp_cp_cpu":
             continue
         mine = None
-        for ranks in layout.all_groups(_LAYOUT_AXES[name]):
+        for ranks in layout.all_groups(LAYOUT_AXES[name]):
             if len(ranks) == 1:
                 continue  # every rank skips it alike: no new_group call needed
             key = tuple(ranks)

@@ -29,6 +29,8 @@ collectives (see ``twinkle_metrics.comm``).
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -94,6 +96,7 @@ class Metric:
 
     _class_states: ClassVar[Dict[str, State]] = {}
     _class_origins: ClassVar[Dict[str, Origin]] = {}
+    _followed: ClassVar[frozenset] = frozenset()
     _own_merge: ClassVar[bool] = False
     _update_kwargs: ClassVar[Optional[frozenset]] = None  # set per class: see __init_subclass__
     _update_reads: ClassVar[frozenset] = frozenset()
@@ -126,8 +129,6 @@ class Metric:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        import inspect
-
         states: Dict[str, State] = {}
         origins: Dict[str, Origin] = {}
         for klass in reversed(cls.__mro__):
@@ -137,6 +138,8 @@ class Metric:
                 elif isinstance(value, Origin):
                     origins[name] = value
         cls._class_states, cls._class_origins = states, origins
+        # the states an Origin follows: their last host number is kept over resets
+        cls._followed = frozenset(o.follows for o in origins.values() if o.follows)
         cls._own_merge = cls.merge is not Metric.merge  # the sync merges the others column-wise
         config.KNOWN_KWARGS.update(cls.accepted_kwargs)
         params = list(inspect.signature(cls.update).parameters.values())[1:]
@@ -165,9 +168,7 @@ class Metric:
         self._device = torch.device("cpu")
         self._states: Dict[str, torch.Tensor] = {}
         self._agreed: List[Any] = []
-        # the last host number folded into each state an Origin follows (kept over resets)
-        self._followed = {o.follows for o in self._class_origins.values() if o.follows}
-        self._last_host: Dict[str, Any] = {}
+        self._last_host: Dict[str, Any] = {}  # the last host number folded into each of _followed
         # handed-off intervals whose asynchronous sync failed, oldest first, waiting to be
         # folded back on the caller's thread (comm.pending), and the snapshots in flight
         self._returned: List["Metric"] = []
@@ -195,7 +196,7 @@ class Metric:
     def dynamic_state(self, name: str) -> Optional[State]:
         """The declaration of ``name`` as a member of a state family, else None."""
         best = max((p for p in self._families if name.startswith(p) and len(name) > len(p)), key=len, default=None)
-        return None if best is None else dataclasses_replace(self._families[best])
+        return None if best is None else dataclasses.replace(self._families[best])
 
     def state_spec(self, name: str) -> Optional[State]:
         """The declaration of a state created on the fly under ``name`` (a family member,
@@ -485,9 +486,3 @@ class Metric:
     def __repr__(self):
         return f"{type(self).__name__}(states={list(self._specs)})"
 
-
-def dataclasses_replace(spec: State) -> State:
-    """A fresh copy of a declaration (its ``name`` is set when it is added)."""
-    import dataclasses
-
-    return dataclasses.replace(spec)

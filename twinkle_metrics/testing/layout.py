@@ -30,7 +30,7 @@ import re
 from datetime import timedelta
 from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Union
 
-from parallel import GROUP_NAMES, DeviceMesh, Layout
+from parallel import GROUP_NAMES, LAYOUT_AXES, DeviceMesh, Layout
 from twinkle_metrics.testing.compare import assert_results_close
 from twinkle_metrics.testing.counter import CollectiveCounter
 from twinkle_metrics.testing.pool import DistPool
@@ -41,10 +41,6 @@ _TOKEN = re.compile(r"(tp|cp|ep|dp|pp)([1-9][0-9]*)")
 ACCEPTED_FORMS = ("'<axis><size>' joined by 'x', axes tp, cp, ep, dp, pp each at most once, e.g. "
                   "'dp2', 'tp2xdp2', 'cp2xdp2', 'pp2xdp2', 'tp2xpp2xdp2', 'ep2xdp2'")
 # the axes of parallel.layout.Layout.all_groups that make each mesh group
-_GROUP_AXES = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp", "mp": "tp-pp",
-               "ep": "ep", "expt_dp": "expt_dp"}
-
-
 @dataclasses.dataclass(frozen=True)
 class Shard:
     """A rank's place in a layout, as ``feed(metric, shard)`` sees it.
@@ -127,10 +123,10 @@ def layout_mesh(layout: Layout, timeout_s: float = 60, source: str = "layout") -
     made: Dict[tuple, Any] = {}
     groups: Dict[str, Any] = {}
     for name in GROUP_NAMES:
-        if name not in _GROUP_AXES:
+        if name not in LAYOUT_AXES:
             continue  # dp_cp_cpu: the data group itself (gloo)
         mine = None
-        for ranks in layout.all_groups(_GROUP_AXES[name]):
+        for ranks in layout.all_groups(LAYOUT_AXES[name]):
             if len(ranks) == 1:
                 continue
             key = tuple(ranks)
