@@ -83,11 +83,12 @@ def record_arguments(cls) -> None:
 
 
 def settle_arguments(metric, unknown) -> None:
-    """Turn the recorded arguments into their canonical text (once, at the end of
-    ``Metric.__init__``): unknown arguments and excluded ones left out, the rest checked
-    to be comparable. Raises ``TypeError`` naming an argument that cannot be compared."""
+    """Turn the recorded arguments into their canonical text, once, in ``Metric.__init__``
+    (every ``__init__`` of the chain has recorded its arguments before it runs): unknown
+    arguments and excluded ones left out, the rest checked to be comparable. Raises
+    ``TypeError`` naming an argument that cannot be compared."""
     cls = type(metric)
-    skip = set(NEVER) | set(unknown) | excluded(cls)
+    skip = set(NEVER) | set(unknown) | declared(cls, "fingerprint_exclude")
     out: Dict[str, str] = {}
     for name, value in metric.__dict__.get("_arguments", {}).items():
         if name in skip or (name == "slice_by" and value is None):  # unsliced: as before slicing existed
@@ -118,16 +119,17 @@ def current(metric) -> Dict[str, str]:
     return out
 
 
-def excluded(cls) -> Set[str]:
-    """``fingerprint_exclude`` of ``cls`` and of every class above it."""
-    return {n for klass in cls.__mro__ for n in vars(klass).get("fingerprint_exclude", ())}
+def declared(cls, attribute: str) -> Set[str]:
+    """The names ``cls`` and every class above it list in ``attribute`` (``fingerprint_exclude``,
+    ``fingerprint_sync_only``)."""
+    return {n for klass in cls.__mro__ for n in vars(klass).get(attribute, ())}
 
 
 def fingerprint(metric, checkpoint: bool = False) -> str:
     """``Class(name=value, ...)`` over the recorded arguments; ``checkpoint=True`` leaves
     out ``fingerprint_sync_only`` (what ranks must agree on, a checkpoint need not)."""
     cls = type(metric)
-    skip = {n for klass in cls.__mro__ for n in vars(klass).get("fingerprint_sync_only", ())} if checkpoint else ()
+    skip = declared(cls, "fingerprint_sync_only") if checkpoint else ()
     parts = [f"{k}={v}" for k, v in current(metric).items() if k not in skip]
     return f"{public_path(cls)}({', '.join(parts)})"
 
