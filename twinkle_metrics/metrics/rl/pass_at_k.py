@@ -1,0 +1,607 @@
+"""``PassAtKMetric``: pass@k, pass^k, maj@k and best/worst@k over prompts, exact whatever
+the split of a prompt's samples over calls, microbatches and data-parallel ranks."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import numbers
+from fractions import Fraction
+from math import comb
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.checks import from_host
+from twinkle_metrics.inputs.rl import cp_lead
+
+_NAME = "PassAtKMetric"
+_M64 = (1 << 64) - 1
+_I64_MAX = (1 << 63) - 1
+#: ints in [0, _EXACT) are their own key (2 v + 2): no hash, no collision
+_EXACT = (1 << 62) - 1
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # splitmix64
+
+
+# ------------------------------------------------------------------------------ keys
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _splitmix(u: int) -> int:
+    z = (u + _MIX[0]) & _M64
+    z = ((z ^ (z >> 30)) * _MIX[1]) & _M64
+    z = ((z ^ (z >> 27)) * _MIX[2]) & _M64
+    return z ^ (z >> 31)
+
+
+def _blake(tag: bytes, text: str) -> int:
+    digest = hashlib.blake2b(tag + text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def id_key(v) -> int:
+    """The int64 key (> 0) of a host id (an int or a str). Key 0 marks an empty row.
+
+    Ints in [0, 2**62 - 1) map exactly to ``2 v + 2`` (even keys). Other ints in the int64
+    range map to ``4 h + 1`` with ``h`` the top 61 bits of splitmix64 (the same on the
+    device, ``tensor_keys``), larger ints to ``4 h + 1`` with ``h`` from blake2b of
+    ``"int:<v>"``; strings to ``4 h + 3`` with ``h`` from blake2b of ``"str:<s>"``. So
+    ``1`` and ``"1"`` never collide, and hashed ids of one kind collide with probability
+    about ``m**2 / 2**62`` for ``m`` distinct ids. Python's ``hash()`` is salted per
+    process and would differ between ranks.
+    """
+    if isinstance(v, str):
+        return 4 * (_blake(b"str:", v) >> 3) + 3
+    v = int(v)
+    if 0 <= v < _EXACT:
+        return 2 * v + 2
+    if -(1 << 63) <= v <= _I64_MAX:
+        return 4 * (_splitmix(v & _M64) >> 3) + 1
+    return 4 * (_blake(b"int:", str(v)) >> 3) + 1
+
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch shifts signed values arithmetically)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def tensor_keys(ids: torch.Tensor) -> torch.Tensor:
+    """``id_key`` of every entry of an integer tensor, on its device (int64 arithmetic
+    wraps as the uint64 arithmetic of splitmix64 does)."""
+    x = ids.to(torch.int64)
+    z = x + _signed(_MIX[0])
+    z = (z ^ _lsr(z, 30)) * _signed(_MIX[1])
+    z = (z ^ _lsr(z, 27)) * _signed(_MIX[2])
+    z = z ^ _lsr(z, 31)
+    hashed = _lsr(z, 3) * 4 + 1
+    return torch.where((x >= 0) & (x < _EXACT), 2 * x + 2, hashed)
+
+
+# ---------------------------------------------------------------------------- tables
+def merge_rows(entries: torch.Tensor, n_keys: int, rows: int, segment: bool,
+               dropped: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``entries`` ([M, C] int64 rows, key columns first, key 0 = empty) as one table of
+    ``rows`` rows plus a last row holding the number of rows left out in column 0.
+
+    With ``segment``, rows with equal keys merge into one (their other columns summed);
+    without, rows are kept as they are (a multiset). Rows come out sorted by key, empty
+    rows last. Fixed output shape; sort, cumsum and index_add only: nothing reads the
+    device. ``dropped``: rows already left out before (added to the count).
+    """
+    m, c = entries.shape
+    e = entries
+    if n_keys == 2:
+        e = e[torch.sort(e[:, 1], stable=True).indices]
+    empty = e[:, 0] == 0
+    primary = torch.where(empty, torch.full_like(e[:, 0], _I64_MAX), e[:, 0])
+    order = torch.sort(primary, stable=True).indices
+    e, empty = e[order], empty[order]
+    if segment:
+        step = (e[1:, :n_keys] != e[:-1, :n_keys]).to(torch.int64).sum(1) > 0
+        start = torch.cat([torch.ones(1, dtype=torch.bool, device=e.device), step]) & ~empty
+        gid = torch.cumsum(start.to(torch.int64), 0) - 1
+        values = torch.cat([torch.where(start[:, None], e[:, :n_keys], 0), e[:, n_keys:]], 1)
+        distinct = start.to(torch.int64).sum()
+    else:
+        gid = torch.arange(m, device=e.device)
+        values = e
+        distinct = (~empty).to(torch.int64).sum()
+    target = torch.where(empty | (gid >= rows), rows, gid)  # row `rows`: a dump, overwritten below
+    out = torch.zeros(rows + 1, c, dtype=torch.int64, device=e.device).index_add_(0, target, values)
+    drop = (distinct - rows).clamp(min=0)
+    if dropped is not None:
+        drop = drop + dropped
+    last = torch.cat([drop.reshape(1), torch.zeros(c - 1, dtype=torch.int64, device=e.device)])
+    return torch.cat([out[:rows], last[None, :]])
+
+
+def _fold(stacked: torch.Tensor, n_keys: int, segment: bool) -> torch.Tensor:
+    """Tables stacked as ``[k, rows + 1, C]`` merged into one ``[rows + 1, C]``."""
+    rows, c = stacked.shape[1] - 1, stacked.shape[2]
+    return merge_rows(stacked[:, :rows].reshape(-1, c), n_keys, rows, segment, stacked[:, rows, 0].sum())
+
+
+# ----------------------------------------------------------------------- estimators
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al. (2021): 1 - C(n - c, k) / C(n, k), exact in integers, then rounded."""
+    total = comb(n, k)
+    return (total - comb(n - c, k)) / total
+
+
+def pass_hat_k(n: int, c: int, k: int) -> float:
+    """pass^k: the chance that k samples drawn without replacement are all correct."""
+    return comb(c, k) / comb(n, k)
+
+
+def expected_max(rewards: Sequence[float], k: int) -> float:
+    """E[max of k rewards drawn without replacement] = sum_i r_(i) C(i-1, k-1) / C(n, k)
+    over the ascending order statistics."""
+    r, total = sorted(rewards), comb(len(rewards), k)
+    return sum(x * (comb(i, k - 1) / total) for i, x in enumerate(r))
+
+
+def expected_min(rewards: Sequence[float], k: int) -> float:
+    """E[min of k rewards drawn without replacement] = sum_i r_(i) C(n-i, k-1) / C(n, k)."""
+    r, total = sorted(rewards), comb(len(rewards), k)
+    n = len(r)
+    return sum(x * (comb(n - 1 - i, k - 1) / total) for i, x in enumerate(r))
+
+
+def _win_ways(a: int, others: Sequence[int], k: int, scale: int) -> int:
+    """``scale`` times the number of k-subsets (of the prompt's samples) in which one given
+    answer holding ``a`` samples has the most votes, each subset weighted 1/(number of
+    answers tied at the top) (a tie is broken uniformly at random). ``scale`` is a multiple
+    of 1..k, so the count stays an exact integer."""
+    total = 0
+    for t in range(1, min(a, k) + 1):  # the answer's votes in the subset
+        rest = k - t
+        smax = rest // t  # other answers that can tie with t votes
+        # ways[d][s]: ways to draw d samples from the answers seen so far with none above t
+        # votes and s of them at exactly t
+        ways = [[0] * (smax + 1) for _ in range(rest + 1)]
+        ways[0][0] = 1
+        for b in others:
+            new = [[0] * (smax + 1) for _ in range(rest + 1)]
+            picks = [comb(b, x) for x in range(min(b, t - 1, rest) + 1)]
+            tie = comb(b, t) if b >= t else 0
+            for d in range(rest + 1):
+                row = ways[d]
+                for s in range(smax + 1):
+                    w = row[s]
+                    if not w:
+                        continue
+                    for x, p in enumerate(picks[:rest - d + 1]):
+                        new[d + x][s] += w * p
+                    if tie and d + t <= rest and s < smax:
+                        new[d + t][s + 1] += w * tie
+            ways = new
+        total += comb(a, t) * sum(w * (scale // (s + 1)) for s, w in enumerate(ways[rest]))
+    return total
+
+
+def majority_at_k(groups: Sequence[Tuple[int, int]], k: int) -> float:
+    """maj@k of one prompt, exactly: the expected correctness of the majority answer of k
+    samples drawn without replacement, over all C(n, k) subsets.
+
+    ``groups``: one ``(samples, correct samples)`` pair per distinct answer. A tie at the
+    top is broken uniformly at random (each tied answer wins 1/|tie| of the subset); an
+    answer is correct with weight ``correct / samples`` (1 or 0 when its samples agree).
+    Computed per answer by a dynamic programme over the other answers' vote counts, in
+    exact integers (``_win_ways``).
+    """
+    counts = [a for a, _ in groups]
+    n = sum(counts)
+    scale = math.lcm(*range(1, k + 1))
+    denom = scale * comb(n, k)
+    won: Dict[int, int] = {}
+    result = Fraction(0)
+    for i, (a, c) in enumerate(groups):
+        if not c:
+            continue
+        if a not in won:
+            won[a] = _win_ways(a, counts[:i] + counts[i + 1:], k, scale)
+        result += Fraction(c * won[a], a * denom)
+    return float(result)
+
+
+# ---------------------------------------------------------------------------- metric
+class PassAtKMetric(Metric):
+    """pass@k, pass^k, maj@k, best@k and worst@k over the prompts of the interval, with
+    bootstrap confidence intervals.
+
+    ``accumulate(inputs, outputs, *, prompt_ids, correct, answers=None, rewards=None)``
+    takes one entry per sample (completion): ``prompt_ids`` (ints or strs, or an int tensor;
+    ``1`` and ``"1"`` are different prompts), ``correct`` (bools or 0/1, a list or a tensor
+    on any device: a tensor's nonzero entries count as correct, its values are not checked,
+    which would read the device), with ``with_answers=True`` also ``answers`` (an int or str
+    per sample, or an int tensor) and with ``with_rewards=True`` ``rewards`` (numbers per
+    sample, or a tensor). ``correct`` is required in every call (pass@k is always reported),
+    and ``answers`` / ``rewards`` in every call of a metric built to take them.
+    ``inputs`` / ``outputs`` are not read (except for the ``slice_by`` field): pass None,
+    a dict or a list of them. Samples of one prompt may come in any calls and microbatches
+    and on any data-parallel ranks: states merge by prompt, so every number is exact.
+
+    Keys, for each ``k``, over the prompts with n >= k samples (a prompt with fewer does
+    not count for that k):
+
+    * ``pass@{k}``: mean of 1 - C(n - c, k) / C(n, k) (unbiased, Chen et al. 2021; c
+      correct samples);
+    * ``pass^{k}``: mean of C(c, k) / C(n, k), all k of k samples correct;
+    * ``maj@{k}`` (``with_answers``): the expected correctness of the majority answer of k
+      samples drawn without replacement, exact over all C(n, k) subsets (a dynamic
+      programme over the answers' vote counts, ``majority_at_k``). A tie at the top is
+      broken uniformly at random; an answer is correct with weight (its correct samples) /
+      (its samples), i.e. correct when its samples are marked correct. Cost: about
+      answers**2 * k**3 integer steps per prompt, once per distinct answer-count profile;
+    * ``best@{k}`` / ``worst@{k}`` (``with_rewards``): expected max / min reward of k
+      samples drawn without replacement, sum_i r_(i) C(i-1, k-1) / C(n, k) over the
+      ascending rewards (NaN rewards propagate);
+    * each with ``_ci_low`` / ``_ci_high``: a percentile bootstrap over prompts
+      (``num_bootstrap`` resamples of the eligible prompts with replacement, seeded with
+      ``bootstrap_seed``, level ``confidence``), computed from the reduced states, so the
+      same on every rank and layout. Where needed the interval is widened to hold the
+      estimate (rounding can leave it out by an ulp when every prompt has the same value);
+    * ``num_prompts``, ``num_samples``.
+
+    Nothing seen gives ``{}``. ``calculate()`` raises ``ValueError`` on every rank, keeping
+    the interval (``reset()`` drops it), when some ``k`` exceeds every prompt's sample count,
+    and when the bounded states overflowed. With ``slice_by`` (one interval per data source,
+    say) each slice holds its own copy of the states and the k check applies per slice:
+    pass ``inputs={"data_source": [...]}`` with one entry per sample.
+
+    States (int64, fixed shapes, merged by key with sort / cumsum / index_add, never read
+    in ``accumulate``): ``prompts`` ``[max_prompts + 1, 3]`` rows (prompt key, samples,
+    correct); with answers ``answers`` ``[max_samples + 1, 4]`` rows (prompt key, answer key,
+    samples, correct) per distinct (prompt, answer); with rewards ``rewards``
+    ``[max_samples + 1, 2]`` rows (prompt key, reward float64 bits) per sample. The last row
+    of each counts rows left out; keys are ``id_key`` (exact for ints in [0, 2**62 - 1),
+    a 61-bit blake2b / splitmix64 hash otherwise). Each adds its size to the sync buffer,
+    per slice with ``slice_by``: 24 KiB by default, 512 KiB for answers and 256 KiB for rewards.
+    Under context parallelism the ranks of a CP group hold the same samples: only CP rank
+    0 counts them.
+
+    Args:
+        k: one k or several (ints >= 1).
+        max_prompts: distinct prompts one interval may hold (default 1024) over the whole
+            data group; more raise at ``calculate()``.
+        max_samples: (prompt, answer) pairs and rewarded samples one interval may hold
+            (default 16384), when answers / rewards are taken.
+        with_answers: take ``answers`` and report ``maj@{k}``.
+        with_rewards: take ``rewards`` and report ``best@{k}`` / ``worst@{k}``.
+        num_bootstrap: bootstrap resamples (default 1000; 0: no ``_ci_`` keys).
+        bootstrap_seed: seed of the resampling (default 0).
+        confidence: level of the interval (default 0.95).
+
+    Example:
+        >>> m = PassAtKMetric(k=(1, 2), num_bootstrap=0)
+        >>> _ = m.accumulate(None, None, prompt_ids=["a", "a", "b"], correct=[1, 0, 1])
+        >>> _ = m.accumulate(None, None, prompt_ids=["b", "a"], correct=[False, True])
+        >>> out = m.calculate()  # a: 2 of 3 samples correct, b: 1 of 2
+        >>> {key: round(v, 4) for key, v in out.items()}
+        {'num_prompts': 2, 'num_samples': 5, 'pass@1': 0.5833, 'pass^1': 0.5833,
+         'pass@2': 1.0, 'pass^2': 0.1667}
+    """
+
+    def __init__(self, device_mesh=None, process_group=None, *, k=(1,), max_prompts: int = 1024,
+                 max_samples: int = 16384, with_answers: bool = False, with_rewards: bool = False,
+                 num_bootstrap: int = 1000, bootstrap_seed: int = 0, confidence: float = 0.95, **kwargs):
+        ks = (k,) if isinstance(k, numbers.Integral) and not isinstance(k, bool) else k
+        if isinstance(ks, (str, bytes)) or not isinstance(ks, (list, tuple)) or not ks:
+            raise TypeError(f"{_NAME}: k must be an int >= 1 or a non-empty list of them, got {k!r}")
+        for v in ks:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"{_NAME}: k must hold ints >= 1, got {v!r} in k={k!r}")
+        for field, value, low in (("max_prompts", max_prompts, 1), ("max_samples", max_samples, 1),
+                                  ("num_bootstrap", num_bootstrap, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{_NAME}: {field} must be an int >= {low}, got {value!r}")
+        if isinstance(bootstrap_seed, bool) or not isinstance(bootstrap_seed, int):
+            raise TypeError(f"{_NAME}: bootstrap_seed must be an int, got {bootstrap_seed!r}")
+        if not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
+            raise ValueError(f"{_NAME}: confidence must be in (0, 1), got {confidence!r}")
+        super().__init__(device_mesh, process_group, **kwargs)
+        self.k = tuple(sorted({int(v) for v in ks}))
+        self.max_prompts, self.max_samples = max_prompts, max_samples
+        self.with_answers, self.with_rewards = bool(with_answers), bool(with_rewards)
+        self.num_bootstrap, self.bootstrap_seed, self.confidence = num_bootstrap, bootstrap_seed, float(confidence)
+        self.add_state("prompts", State(self._reduce_prompts, torch.int64, shape=(max_prompts + 1, 3),
+                                        default=0, local=self._fold_prompts))
+        if self.with_answers:
+            self.add_state("answers", State(self._reduce_answers, torch.int64, shape=(max_samples + 1, 4),
+                                            default=0, local=self._fold_answers))
+        if self.with_rewards:
+            self.add_state("rewards", State(self._reduce_rewards, torch.int64, shape=(max_samples + 1, 2),
+                                            default=0, local=self._fold_rewards))
+
+    # ------------------------------------------------------------- reductions
+    def _reduce_prompts(self, rows):
+        return _fold(rows, 1, True)
+
+    def _fold_prompts(self, old, new):
+        return _fold(torch.stack([old, new]), 1, True)
+
+    def _reduce_answers(self, rows):
+        return _fold(rows, 2, True)
+
+    def _fold_answers(self, old, new):
+        return _fold(torch.stack([old, new]), 2, True)
+
+    def _reduce_rewards(self, rows):
+        return _fold(rows, 1, False)
+
+    def _fold_rewards(self, old, new):
+        return _fold(torch.stack([old, new]), 1, False)
+
+    # ----------------------------------------------------------------- update
+    def update(self, inputs=None, outputs=None, *, prompt_ids=None, correct=None, answers=None,
+               rewards=None) -> Dict[str, Any]:
+        if prompt_ids is None:
+            given = [f for f, v in (("correct", correct), ("answers", answers), ("rewards", rewards))
+                     if v is not None]
+            if given:
+                raise ValueError(f"{_NAME}: got {', '.join(given)} without prompt_ids; pass prompt_ids, "
+                                 "one per sample")
+            return {}
+        keys, keyed, distinct = _ids("prompt_ids", prompt_ids)
+        n = keys.shape[0]
+        if correct is None:
+            raise ValueError(f"{_NAME}: correct is required with prompt_ids (pass@k counts correct "
+                             f"samples); pass one bool or 0/1 per sample ({n})")
+        flags = _flags(correct, n)
+        answer_keys = reward_values = None
+        answers_keyed = False
+        if self.with_answers:
+            if answers is None:
+                raise ValueError(f"{_NAME}: built with with_answers=True, so every call needs answers; "
+                                 f"pass one answer (int or str) per sample ({n})")
+            answer_keys, answers_keyed, _ = _ids("answers", answers, n)
+        elif answers is not None:
+            raise ValueError(f"{_NAME}: got answers, but the metric was built without with_answers=True; "
+                             "build it with PassAtKMetric(..., with_answers=True) for maj@k")
+        if self.with_rewards:
+            if rewards is None:
+                raise ValueError(f"{_NAME}: built with with_rewards=True, so every call needs rewards; "
+                                 f"pass one number per sample ({n})")
+            reward_values = _rewards(rewards, n)
+        elif rewards is not None:
+            raise ValueError(f"{_NAME}: got rewards, but the metric was built without with_rewards=True; "
+                             "build it with PassAtKMetric(..., with_rewards=True) for best@k / worst@k")
+        if distinct is not None and distinct > self.max_prompts:
+            raise ValueError(f"{_NAME}: this call holds {distinct} distinct prompt_ids, more than "
+                             f"max_prompts={self.max_prompts}; build the metric with a larger max_prompts")
+        if self.with_rewards and n > self.max_samples:
+            raise ValueError(f"{_NAME}: this call holds {n} rewarded samples, more than "
+                             f"max_samples={self.max_samples}; build the metric with a larger max_samples")
+        if n == 0 or not cp_lead(self):  # CP peers hold the same samples: validated, counted once
+            return {}
+        tensors = [t for t in (keys, flags, answer_keys, reward_values) if isinstance(t, torch.Tensor)]
+        device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+        pk = _key_tensor(keys, keyed, device)
+        ones = torch.ones(n, dtype=torch.int64, device=device)
+        hit = _flag_tensor(flags, device)
+        out = {"prompts": merge_rows(torch.stack([pk, ones, hit], 1), 1, self.max_prompts, True)}
+        if self.with_answers:
+            ak = _key_tensor(answer_keys, answers_keyed, device)
+            out["answers"] = merge_rows(torch.stack([pk, ak, ones, hit], 1), 2, self.max_samples, True)
+        if self.with_rewards:
+            bits = from_host(reward_values, device).to(torch.float64).contiguous().view(torch.int64)
+            out["rewards"] = merge_rows(torch.stack([pk, bits], 1), 1, self.max_samples, False)
+        return out
+
+    # ---------------------------------------------------------------- compute
+    def compute(self, s):
+        p, q = self.max_prompts, self.max_samples
+        bounds = [("prompts", "max_prompts", p, "distinct prompts")]
+        if self.with_answers:
+            bounds.append(("answers", "max_samples", q, "distinct (prompt, answer) pairs"))
+        if self.with_rewards:
+            bounds.append(("rewards", "max_samples", q, "rewarded samples"))
+        for state, field, bound, what in bounds:
+            left_out = s[state][bound][0]
+            if left_out:
+                raise ValueError(f"calculate(): {_NAME} holds more than {field}={bound} {what} over the "
+                                 f"interval's calls and data-parallel ranks together (at least {left_out} "
+                                 f"more); build the metric with a larger {field} (e.g. {field}="
+                                 f"{2 * bound}) or calculate() more often. The interval's states are kept; "
+                                 "reset() drops them")
+        table = [(row[0], row[1], row[2]) for row in s["prompts"][:p] if row[0]]
+        if not table:
+            return {}
+        groups: Dict[int, List[Tuple[int, int]]] = {}
+        if self.with_answers:
+            for key, _, count, hit in s["answers"][:q]:
+                if key:
+                    groups.setdefault(key, []).append((count, hit))
+        rewards: Dict[int, List[float]] = {}
+        if self.with_rewards:
+            rows = [row for row in s["rewards"][:q] if row[0]]
+            values = torch.tensor([r[1] for r in rows], dtype=torch.int64).view(torch.float64).tolist()
+            for (key, _), v in zip(rows, values):
+                rewards.setdefault(key, []).append(v)
+        largest = max(n for _, n, _ in table)
+        out: Dict[str, Any] = {"num_prompts": len(table), "num_samples": sum(n for _, n, _ in table)}
+        maj_cache: Dict[Tuple, float] = {}
+        for k in self.k:
+            chosen = [(key, n, c) for key, n, c in table if n >= k]
+            if not chosen:
+                raise ValueError(f"calculate(): {_NAME}: k={k} is larger than every prompt's number of "
+                                 f"samples (the largest n seen is {largest}, over {len(table)} prompts); "
+                                 f"pass k <= {largest}, or more samples per prompt. The interval's states "
+                                 "are kept; reset() drops them")
+            per_key = {f"pass@{k}": [pass_at_k(n, c, k) for _, n, c in chosen],
+                       f"pass^{k}": [pass_hat_k(n, c, k) for _, n, c in chosen]}
+            if self.with_answers:
+                values = []
+                for key, _, _ in chosen:
+                    g = tuple(sorted(groups.get(key, ())))
+                    if (g, k) not in maj_cache:
+                        maj_cache[g, k] = majority_at_k(g, k)
+                    values.append(maj_cache[g, k])
+                per_key[f"maj@{k}"] = values
+            if self.with_rewards:
+                per_key[f"best@{k}"] = [expected_max(rewards[key], k) for key, _, _ in chosen]
+                per_key[f"worst@{k}"] = [expected_min(rewards[key], k) for key, _, _ in chosen]
+            index = self._resamples(len(chosen))
+            for name, values in per_key.items():
+                out[name] = _mean(values)
+                if index is not None:
+                    out[f"{name}_ci_low"], out[f"{name}_ci_high"] = self._interval(values, index, out[name])
+        return out
+
+    def _resamples(self, m: int) -> Optional[torch.Tensor]:
+        """``[num_bootstrap, m]`` prompt indices drawn with replacement (CPU, seeded: the same on
+        every rank), or None without a bootstrap."""
+        if not self.num_bootstrap:
+            return None
+        g = torch.Generator().manual_seed(self.bootstrap_seed)
+        return torch.randint(m, (self.num_bootstrap, m), generator=g)
+
+    def _interval(self, values: List[float], index: torch.Tensor, estimate: float) -> Tuple[float, float]:
+        means = torch.tensor(values, dtype=torch.float64)[index].mean(1)
+        tail = (1.0 - self.confidence) / 2
+        low, high = torch.quantile(means, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+        if math.isnan(estimate):
+            return low, high
+        return min(low, estimate), max(high, estimate)
+
+
+def _mean(values: List[float]) -> float:
+    try:
+        return math.fsum(values) / len(values)  # exactly rounded: the order of prompts cannot matter
+    except (ValueError, OverflowError):  # inf - inf: as plain floats do
+        return sum(values) / len(values)
+
+
+# ------------------------------------------------------------------------- inputs
+def _ids(field: str, value, n: Optional[int] = None) -> Tuple[torch.Tensor, bool, Optional[int]]:
+    """``(tensor, keyed, distinct)``: a list of ids as a host tensor of their keys
+    (``keyed``) and their number of distinct values, or an int tensor as given ([n] or
+    [n, 1]; its keys are taken on its device, ``tensor_keys``) and None."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            raise TypeError(f"{_NAME}: {field} must be an integer tensor (or a list of ints / strs), got a "
+                            f"{value.dtype} tensor of shape {list(value.shape)}")
+        if not (value.dim() == 1 or (value.dim() == 2 and value.shape[1] == 1)):
+            raise ValueError(f"{_NAME}: {field} has shape {list(value.shape)}; expected one id per sample: "
+                             "[n] or [n, 1]")
+        value = value.reshape(-1)
+        _check_length(field, value.shape[0], n)
+        return value, False, None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{_NAME}: {field} must be a list or tuple with one int or str per sample, or an "
+                        f"int tensor, got {type(value).__name__}")
+    _check_length(field, len(value), n)
+    kinds = set(map(type, value))
+    if kinds <= {int}:  # plain ints (the common case): keyed in one vectorised pass
+        try:
+            return tensor_keys(torch.tensor(value, dtype=torch.int64)), True, len(set(value))
+        except (OverflowError, RuntimeError):  # an int beyond int64: hashed on the host below
+            pass
+    keys = []
+    for i, v in enumerate(value):
+        kind = type(v)
+        if kind is str:
+            keys.append(_str_key(v))
+        elif kind is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool)):
+            keys.append(id_key(v))
+        else:
+            try:
+                hash(v)
+            except TypeError:
+                raise TypeError(f"{_NAME}: {field}[{i}] is a {kind.__name__}, which is not hashable; "
+                                "expected an int or a str per sample") from None
+            raise TypeError(f"{_NAME}: {field}[{i}] is a {kind.__name__} ({v!r}); expected an int or a str "
+                            "per sample")
+    distinct = len(set(value)) if kinds <= {int, str} else len(set(keys))
+    return torch.tensor(keys, dtype=torch.int64), True, distinct
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _str_key(v: str) -> int:
+    return id_key(v)
+
+
+def _check_length(field: str, got: int, n: Optional[int]) -> None:
+    if n is not None and got != n:
+        raise ValueError(f"{_NAME}: {field} has {got} entries but prompt_ids has {n}; pass one per sample")
+
+
+def _flags(value, n: int):
+    """``correct`` as a host list of 0/1 ints, or a tensor ([n] or [n, 1]) left where it is."""
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise TypeError(f"{_NAME}: correct must hold bools or 0/1, got a {value.dtype} tensor")
+        if not (value.dim() == 1 or (value.dim() == 2 and value.shape[1] == 1)):
+            raise ValueError(f"{_NAME}: correct has shape {list(value.shape)}; expected one flag per sample: "
+                             "[n] or [n, 1]")
+        value = value.reshape(-1)
+        _check_length("correct", value.shape[0], n)
+        return value
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{_NAME}: correct must be a list of bools / 0-1 or a tensor, got "
+                        f"{type(value).__name__}")
+    _check_length("correct", len(value), n)
+    if any(isinstance(v, torch.Tensor) for v in value):
+        parts = []
+        for i, v in enumerate(value):
+            if not isinstance(v, torch.Tensor) or v.numel() != 1 or v.is_complex():
+                raise TypeError(f"{_NAME}: correct[{i}] is {type(v).__name__}; a list holding tensors needs "
+                                "one one-element tensor per sample")
+            parts.append(v.reshape(()))
+        device = next((t.device for t in parts if t.device.type != "cpu"), None)
+        return torch.stack([t.to(device, non_blocking=True) if device else t for t in parts])
+    if set(map(type, value)) <= {bool, int, float} and set(value) <= {0, 1}:  # the common case, at once
+        return torch.tensor(value, dtype=torch.int64)
+    flags = []
+    for i, v in enumerate(value):
+        if isinstance(v, numbers.Real) and v in (0, 1):
+            flags.append(int(v))
+        else:
+            raise ValueError(f"{_NAME}: correct[{i}] is {v!r}; expected a bool or 0/1 per sample")
+    return flags
+
+
+def _rewards(value, n: int):
+    """``rewards`` as a float64 tensor ([n]), on the device it came on."""
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise TypeError(f"{_NAME}: rewards must hold real numbers, got a {value.dtype} tensor")
+        if not (value.dim() == 1 or (value.dim() == 2 and value.shape[1] == 1)):
+            raise ValueError(f"{_NAME}: rewards has shape {list(value.shape)}; expected one number per "
+                             "sample: [n] or [n, 1]")
+        value = value.reshape(-1)
+        _check_length("rewards", value.shape[0], n)
+        return value.to(torch.float64)
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{_NAME}: rewards must be a list of numbers or a tensor, got {type(value).__name__}")
+    _check_length("rewards", len(value), n)
+    if any(isinstance(v, torch.Tensor) for v in value):
+        parts = []
+        for i, v in enumerate(value):
+            if not isinstance(v, torch.Tensor) or v.numel() != 1 or v.is_complex():
+                raise TypeError(f"{_NAME}: rewards[{i}] is {type(v).__name__}; a list holding tensors needs "
+                                "one one-element tensor per sample")
+            parts.append(v.reshape(()).to(torch.float64))
+        device = next((t.device for t in parts if t.device.type != "cpu"), None)
+        return torch.stack([t.to(device, non_blocking=True) if device else t for t in parts])
+    if set(map(type, value)) <= {int, float}:  # the common case, at once
+        return torch.tensor(value, dtype=torch.float64)
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{_NAME}: rewards[{i}] is {v!r}; expected a number per sample")
+    return torch.tensor([float(v) for v in value], dtype=torch.float64)
+
+
+def _key_tensor(keys: torch.Tensor, keyed: bool, device) -> torch.Tensor:
+    keys = from_host(keys, device) if keys.device.type == "cpu" else keys
+    return keys if keyed else tensor_keys(keys)
+
+
+def _flag_tensor(flags, device) -> torch.Tensor:
+    if isinstance(flags, list):
+        return from_host(torch.tensor(flags, dtype=torch.int64), device)
+    t = flags if flags.device == device or flags.device.type != "cpu" else from_host(flags, device)
+    return (t != 0).to(torch.int64)
