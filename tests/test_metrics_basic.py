@@ -445,3 +445,27 @@ def test_embedding_in_batch_accuracy_ranks_only_anchors_with_negatives():
     m.accumulate({"labels": torch.tensor([1, 0])}, {"embeddings": lone})
     m.accumulate({"labels": torch.tensor([1, 0, 1, 0])}, {"embeddings": two})
     assert m.calculate()["in_batch_accuracy"] == 0.0
+
+
+def test_loss_ppl_is_megatrons_capped_exp_of_the_token_weighted_loss_and_opt_in():
+    sums, counts = [3.0, 9.0, 0.5], [4, 2, 1]
+    want = sum(sums) / sum(counts)
+    reports = [{"lm loss": torch.tensor([s, float(n)])} for s, n in zip(sums, counts)]
+    m = LossMetric(loss_reduction="sum", ppl=True)
+    with forbid_device_waits():
+        m.accumulate(None, reports)
+    got = m.calculate()
+    assert got == {"loss": want, "num_tokens": 7, "ppl": math.exp(want)}
+    # off by default: the keys stay Twinkle's; 'mean' (a mean of means) reports no ppl
+    assert "ppl" not in LossMetric(loss_reduction="sum").accumulate(None, reports).calculate()
+    assert LossMetric(ppl=True).accumulate(None, {"loss": 2.0}).calculate() == {"loss": 2.0}
+    # Megatron's exp(min(20, loss)); a NaN loss stays NaN (min(20, nan) would be 20)
+    big = LossMetric(loss_reduction="sum", ppl=True).accumulate(None, {"loss": 500.0, "num_tokens": 2}).calculate()
+    assert big["ppl"] == math.exp(20) and big["loss"] == 250.0
+    nan = LossMetric(loss_reduction="sum", ppl=True).accumulate(None, {"loss": math.nan, "num_tokens": 2}).calculate()
+    assert math.isnan(nan["ppl"])
+    # compute-only: ranks agree on it, checkpoints load across it
+    assert LossMetric(ppl=True).fingerprint() == LossMetric().fingerprint()
+    assert LossMetric(ppl=True).sync_fingerprint() != LossMetric().sync_fingerprint()
+    with pytest.raises(TypeError, match="LossMetric: ppl must be True or False"):
+        LossMetric(ppl="yes")

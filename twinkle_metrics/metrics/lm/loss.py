@@ -54,7 +54,12 @@ class LossMetric(Metric):
       (key ``loss_key``); other stages get ``[]`` and add nothing.
     * ``{'loss': x, 'num_tokens': n}`` with scalars, or per-microbatch lists.
 
-    Keys: ``loss``; ``num_tokens`` (total tokens, when any were counted);
+    Keys: ``loss``; ``num_tokens`` (total tokens, when any were counted); with
+    ``ppl=True``, ``ppl`` = exp(loss) where ``loss`` is the token-weighted mean (an
+    interval of ``'sum'`` entries with counted tokens; a ``'mean'`` interval reports
+    none: the exp of a mean of means is no perplexity), capped as Megatron-LM's
+    ``validation ppl`` is: ``exp(min(20, loss))`` (at most e^20 ~ 4.9e8; a NaN loss
+    gives NaN, not the cap);
     ``grad_norm`` (the max over ranks of the last value passed; omitted when never
     passed); ``loss_nonfinite`` (only when > 0: loss entries whose loss or token count
     was NaN/inf). Values are plain numbers (Twinkle returns strings).
@@ -71,6 +76,8 @@ class LossMetric(Metric):
         loss_key: key of Megatron's report dicts.
         ignore_index: label value of tokens without a target.
         nan_policy: ``'propagate'`` or ``'skip'`` (see above).
+        ppl: also report ``ppl`` (off by default, so the keys stay Twinkle's). It changes
+            no state: ranks must agree on it, a checkpoint need not.
 
     Example:
         >>> import torch
@@ -79,7 +86,15 @@ class LossMetric(Metric):
         >>> _ = m.accumulate({"labels": torch.tensor([[3, -100, -100]])}, {"loss": torch.tensor(0.5)})
         >>> m.calculate()
         {'loss': 1.0}
+        >>> m = LossMetric(loss_reduction="sum", ppl=True)  # token-weighted: Megatron's [sum, count]
+        >>> _ = m.accumulate(None, [{"lm loss": torch.tensor([3.0, 2.0])}, {"lm loss": torch.tensor([1.0, 2.0])}])
+        >>> out = m.calculate()
+        >>> out["loss"], round(out["ppl"], 4)  # exp(4 / 4)
+        (1.0, 2.7183)
     """
+
+    # compute-only: a checkpoint written without it (or with the other value) loads alike
+    fingerprint_sync_only = ("ppl",)
 
     loss_total = State("sum")
     entries = State("sum", torch.int64)
@@ -92,12 +107,15 @@ class LossMetric(Metric):
 
     def __init__(self, device_mesh=None, process_group=None, *, loss_reduction: str = "mean",
                  loss_key: str = "lm loss", ignore_index: int = -100, nan_policy: str = "propagate",
-                 **kwargs):
+                 ppl: bool = False, **kwargs):
         super().__init__(device_mesh, process_group, **kwargs)
         self.loss_reduction = _check_reduction(loss_reduction)
         self.loss_key = loss_key
         self.ignore_index = ignore_index
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
+        if not isinstance(ppl, bool):
+            raise TypeError(f"{_NAME}: ppl must be True or False, got {ppl!r}")
+        self.ppl = ppl
 
     def update(self, inputs, outputs, *, loss_reduction: Optional[str] = None, grad_norm=None, **kwargs):
         reduction = _check_reduction(loss_reduction or self.loss_reduction)
@@ -260,6 +278,8 @@ class LossMetric(Metric):
                              "this metric")
         if tokens > 0:
             out["loss"] = total / tokens
+            if self.ppl:
+                out["ppl"] = _ppl(out["loss"])
         elif means > 0:
             out["loss"] = total / means  # 'mean' entries only
         elif s["entries"] and not math.isfinite(total):
@@ -272,6 +292,12 @@ class LossMetric(Metric):
         if s["nonfinite"]:
             out["loss_nonfinite"] = int(s["nonfinite"])
         return out
+
+
+def _ppl(loss: float) -> float:
+    """Megatron-LM's ``math.exp(min(20, loss))`` (``evaluate_and_print_results``), with NaN
+    kept: Python's ``min(20, nan)`` is 20, which would show a NaN loss as a finite cap."""
+    return loss if math.isnan(loss) else math.exp(min(20.0, loss))
 
 
 def _opt(o: Mapping, where: str):
