@@ -229,3 +229,60 @@ def test_readme_example_runs_as_written():
     scope = {}
     exec(block, scope)  # noqa: S102 - the documented example, run as a user would copy it
     assert math.isclose(scope["results"]["moe/router_entropy"], math.log(4), rel_tol=1e-6)  # float32 logits
+
+
+def _np_percentile(values, q):
+    """numpy.percentile's default (linear) written out: position q / 100 * (n - 1)."""
+    x = sorted(values)
+    pos = q / 100 * (len(x) - 1)
+    lo = int(math.floor(pos))
+    return x[lo] + (x[min(lo + 1, len(x) - 1)] - x[lo]) * (pos - lo)
+
+
+def test_percentiles_of_tokens_per_expert_and_across_layers_match_a_plain_reference():
+    qs = (0, 50, 90, 100, 99.9)
+    m = MoERoutingMetric(num_layers=L, num_experts=E, percentiles=qs)
+    plain = MoERoutingMetric(num_layers=L, num_experts=E)
+    g = torch.Generator().manual_seed(4)
+    counts = {0: torch.randint(0, 30, (E,), generator=g), 2: torch.randint(0, 30, (E,), generator=g),
+              3: torch.tensor([0, 0, 9, 0, 1, 0])}
+    for metric in (m, plain):
+        for layer, c in counts.items():
+            with forbid_device_waits():
+                metric.observe(layer, expert_counts=c, aux_loss=0.1 * layer, tokens_dropped=layer)
+    got, base = m.calculate(), plain.calculate()
+    assert {k: got[k] for k in base} == base  # today's keys and values unchanged
+    want = {}
+    for q in qs:
+        p = f"p{q:g}"
+        per_layer = [_np_percentile(c.tolist(), q) for c in counts.values()]
+        for layer, v in zip(counts, per_layer):
+            want[f"moe/layer{layer}/tokens_per_expert_{p}"] = v
+        want[f"moe/tokens_per_expert_{p}"] = sum(per_layer) / len(per_layer)
+        for name in ("load_imbalance", "cv", "dead_expert_fraction", "aux_loss", "drop_fraction"):
+            want[f"moe/{name}_{p}"] = _np_percentile([base[f"moe/layer{i}/{name}"] for i in counts], q)
+    assert_results_close({k: got[k] for k in want}, want, rel=1e-12)
+    assert set(got) == set(base) | set(want)
+    assert got["moe/load_imbalance_p100"] == got["moe/load_imbalance_max"]
+    assert got["moe/layer3/tokens_per_expert_p0"] == 0 and got["moe/layer3/tokens_per_expert_p100"] == 9
+
+
+def test_percentiles_argument_is_checked_and_keeps_checkpoints_loadable():
+    for bad, exc in ((101, ValueError), ((50, 50.0), ValueError), ((), ValueError), ("50", TypeError),
+                     ((True,), ValueError)):
+        with pytest.raises(exc, match="MoERoutingMetric: percentiles"):
+            MoERoutingMetric(num_layers=1, num_experts=2, percentiles=bad if isinstance(bad, (tuple, str)) else (bad,))
+    a = MoERoutingMetric(num_layers=1, num_experts=2, percentiles=(50, 90))
+    b = MoERoutingMetric(num_layers=1, num_experts=2)
+    assert a.sync_fingerprint() != b.sync_fingerprint()  # ranks must agree on the keys
+    assert a.fingerprint() == b.fingerprint()  # a checkpoint of either loads into the other
+    b.observe(0, expert_counts=torch.tensor([1, 3]))
+    assert a.load_state_dict(b.state_dict()).calculate()["moe/layer0/tokens_per_expert_p50"] == 2.0
+
+
+def test_percentiles_across_layers_propagate_a_nan_layer():
+    m = MoERoutingMetric(num_layers=2, num_experts=2, percentiles=(50,))
+    m.observe(0, routing_map=torch.tensor([[True, False]]), router_logits=torch.tensor([[math.nan, 0.0]]))
+    m.observe(1, routing_map=torch.tensor([[False, True]]), router_logits=torch.tensor([[1.0, 0.0]]))
+    got = m.calculate()
+    assert math.isnan(got["moe/router_entropy_p50"]) and got["moe/load_imbalance_p50"] == 2.0

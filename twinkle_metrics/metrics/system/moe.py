@@ -57,6 +57,23 @@ class MoERoutingMetric(Metric):
     total assignments). ``moe/load_imbalance_max`` is the worst layer's imbalance.
     ``{}`` when nothing was accumulated.
 
+    Distributions (``percentiles=(0, 50, 90, 100)``, say; percentiles in [0, 100]),
+    with ``p{q}`` written as ``q`` is (``p0``, ``p50``, ``p99.9``):
+
+    * ``moe/layer{i}/tokens_per_expert_p{q}``: the ``q``-th percentile over the layer's
+      experts of their token counts ``c[i, :]`` (``p0`` the least loaded expert, ``p100``
+      the most); ``moe/tokens_per_expert_p{q}``: its mean over layers, as the other
+      ``moe/{name}`` keys;
+    * ``moe/{name}_p{q}`` for every per-layer statistic ``name`` above (``load_imbalance``,
+      ``cv``, ``dead_expert_fraction``, ``router_entropy``, ``aux_loss``, ``z_loss``,
+      ``drop_fraction``; not ``tokens_per_expert_p{q}``): the percentile across the
+      layers that report it, e.g. ``moe/load_imbalance_p90``.
+
+    A percentile is linear interpolation between the two nearest order statistics (as
+    ``numpy.percentile``'s and ``torch.quantile``'s default): for sorted ``x[0..n-1]``,
+    position ``q / 100 * (n - 1)``. Computed in ``compute`` from the merged counts and
+    per-layer values: no state and nothing more to sync.
+
     Placement: every state is per layer and layers live on different pipeline stages,
     so every stage contributes (``State(scope="stage")``); TP ranks route the same
     tokens without sequence parallelism (replicas, counted once, checked to agree) and
@@ -107,15 +124,18 @@ class MoERoutingMetric(Metric):
             shows as NaN/inf in the keys it feeds; ``'skip'``: that token's entropy or
             that loss value is left out. Both report ``moe/nonfinite`` (tokens + losses)
             when > 0.
+        percentiles: percentiles in [0, 100] to report (see above); None (default): none.
     """
 
     unsliceable = "router statistics are per token of a layer, not per sequence"
 
     fingerprint_exclude = ("per_layer",)
+    # compute-only: ranks must agree on the keys, a checkpoint loads whatever it was
+    fingerprint_sync_only = ("percentiles",)
 
     def __init__(self, device_mesh=None, process_group=None, *, num_layers: int, num_experts: int,
                  sequence_parallel: bool = False, per_layer: bool = True,
-                 nan_policy: str = "propagate", **kwargs):
+                 nan_policy: str = "propagate", percentiles=None, **kwargs):
         super().__init__(device_mesh, process_group, **kwargs)
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -124,6 +144,7 @@ class MoERoutingMetric(Metric):
         self.sequence_parallel = bool(sequence_parallel)
         self.per_layer = bool(per_layer)
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
+        self.percentiles = _check_percentiles(percentiles)
         # Declared per instance: the scope depends on sequence_parallel.
         scope = "model" if self.sequence_parallel else "stage"
         L, E = num_layers, num_experts
@@ -368,14 +389,25 @@ class MoERoutingMetric(Metric):
             r = _layer_stats(s, i, self.num_experts)
             if r:
                 per.append((i, r))
+        qs = self.percentiles or ()
         if not per:
             return {}
         out: Dict[str, Any] = {}
         names = ("load_imbalance", "cv", "dead_expert_fraction", "router_entropy", "aux_loss", "z_loss")
-        for name in names:
+        spread = [f"tokens_per_expert_{_suffix(q)}" for q in qs]  # per-layer percentiles: their mean
+        if qs:
+            for i, r in per:
+                if "load_imbalance" in r:  # the layer routed tokens
+                    counts = sorted(s["counts"][i])
+                    r.update({key: _percentile(counts, q) for key, q in zip(spread, qs)})
+        for name in names + tuple(spread):
             vals = [r[name] for _, r in per if name in r]
             if vals:
                 out[f"moe/{name}"] = sum(vals) / len(vals)
+        for name in (names + ("drop_fraction",)) if qs else ():
+            vals = sorted(r[name] for _, r in per if name in r)
+            if vals:
+                out.update({f"moe/{name}_{_suffix(q)}": _percentile(vals, q) for q in qs})
         imb = [r["load_imbalance"] for _, r in per if "load_imbalance" in r]
         if imb:
             out["moe/load_imbalance_max"] = max(imb)
@@ -413,6 +445,41 @@ def _layer_stats(s: Dict[str, Any], i: int, E: int) -> Dict[str, float]:
     if s["z_calls"][i]:
         out["z_loss"] = s["z_sum"][i] / s["z_calls"][i]
     return out
+
+
+def _check_percentiles(percentiles) -> Optional[Tuple[float, ...]]:
+    """``percentiles`` as a tuple of numbers in [0, 100], or None."""
+    if percentiles is None:
+        return None
+    if isinstance(percentiles, (str, bytes)) or not hasattr(percentiles, "__iter__"):
+        raise TypeError(f"{_NAME}: percentiles must be a sequence of numbers in [0, 100], got "
+                        f"{type(percentiles).__name__}; pass e.g. percentiles=(0, 50, 90, 100)")
+    out = []
+    for q in percentiles:
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
+            raise ValueError(f"{_NAME}: percentiles must each be a number in [0, 100], got {q!r}; pass e.g. "
+                             "percentiles=(0, 50, 90, 100)")
+        out.append(float(q))
+    if not out or len({_suffix(q) for q in out}) != len(out):
+        raise ValueError(f"{_NAME}: percentiles must be non-empty without duplicates, got {percentiles!r}")
+    return tuple(out)
+
+
+def _suffix(q) -> str:
+    """``p50`` for 50 (or 50.0), ``p99.9`` for 99.9."""
+    text = repr(float(q))
+    return f"p{text[:-2] if text.endswith('.0') else text}"
+
+
+def _percentile(ordered: List[float], q: float) -> float:
+    """The ``q``-th percentile of sorted values, interpolated linearly (numpy's default);
+    NaN when one is NaN (``sorted`` does not order NaN)."""
+    if any(x != x for x in ordered):
+        return math.nan
+    pos = q / 100 * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _tensor(key: str, value, where: str) -> torch.Tensor:
