@@ -81,9 +81,11 @@ from twinkle_metrics.metrics.lm.embedding import EmbeddingMetric  # noqa: E402
 from twinkle_metrics.metrics.lm.loss import LossMetric  # noqa: E402
 from twinkle_metrics.metrics.rl.dpo import DPOMetric  # noqa: E402
 from twinkle_metrics.metrics.rl.grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric  # noqa: E402
+from twinkle_metrics.metrics.rl.pass_at_k import PassAtKMetric  # noqa: E402
 from twinkle_metrics.metrics.rl.ppo_value import PPOValueMetric  # noqa: E402
 from twinkle_metrics.metrics.rl.reward import CompletionRewardMetric  # noqa: E402
 from twinkle_metrics.metrics.rl.rollout import RolloutMismatchMetric  # noqa: E402
+from twinkle_metrics.metrics.rl.staleness import StalenessMetric  # noqa: E402
 from twinkle_metrics.metrics.system.moe import MoERoutingMetric, register_router_hooks  # noqa: E402
 from twinkle_metrics.metrics.system.norms import ModelNormMetric  # noqa: E402
 from twinkle_metrics.metrics.system.train import TrainMetric  # noqa: E402
@@ -92,5 +94,6 @@ __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "Input
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
            "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "ModelNormMetric", "MoERoutingMetric",
+           "PassAtKMetric", "StalenessMetric",
            "register_router_hooks", "UnknownArgumentWarning", "vocab_parallel_argmax", "CalculateHandle", "fold"]
 __version__ = "0.2.0"
