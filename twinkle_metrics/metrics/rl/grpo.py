@@ -15,12 +15,19 @@ from twinkle_metrics.kernels import entropy
 from twinkle_metrics.metrics.rl.policy_sums import (  # noqa: F401 - the histograms are part of this module's names
     ENTROPY_HISTOGRAM,
     KL_HISTOGRAM,
+    LOSS_AGG_MODES,
     RATIO_HISTOGRAM,
+    SEQ_COUNT_OF,
+    SEQ_COUNTS,
+    SEQ_SUMS,
     PolicySums,
     _exp,
     _k3,
     _nan_first,
     _topk_rows,
+    check_loss_agg,
+    keep_default_fingerprint,
+    sequence_mean,
 )
 from twinkle_metrics.stats.histogram import check_quantiles, quantile_keys
 
@@ -106,6 +113,32 @@ class GRPOMetric(PolicySums, Metric):
     (T * log softmax(z / T) != log softmax(z)); here T only scales logits when the
     metric computes entropy itself.
 
+    Aggregation (``loss_agg_mode``, verl's ``agg_loss`` modes): every key that is a token
+    mean (``mean_new_logp`` and ``policy_confidence`` = exp of it, ``mean_old_logp``,
+    ``logp_diff_mean``, ``approx_kl``, ``ratio_mean``, ``entropy``, ``clip_ratio*``,
+    ``advantage_mean``, ``ref_kl``) is aggregated as the policy loss is. With S_i the sum of
+    a key's token values over sequence i and n_i its counted tokens (each key its own: the
+    ratio keys count tokens with an old log-prob, the clip keys those with an advantage too):
+
+    * ``'token-mean'`` (default): sum_i S_i / sum_i n_i, as before (the same numbers, states
+      and fingerprint);
+    * ``'seq-mean-token-mean'``: the mean over sequences of S_i / n_i;
+    * ``'seq-mean-token-sum'``: the mean over sequences of S_i;
+    * ``'seq-mean-token-sum-norm'``: sum_i S_i / H_i, with H_i = ``loss_agg_norm`` (verl's
+      ``loss_scale_factor``, e.g. the maximum response length) or, when None, the sequence's
+      token capacity: the length of its row of the mask (over CP, the sum of the ranks'
+      slices), which is verl's ``loss_mask.shape[-1]`` when every row has one length. As in
+      verl this is not divided by the number of sequences: it grows with the batch.
+
+    Sequences with no counted token for a key are left out of its sequence means (verl's
+    ``seq_mask``). Rows of the batch are the sequences. Extremes, quantiles, top-k
+    records, counts and GSPO's clip keys (already over sequences) do not change. Exact on
+    any layout: each rank's per-sequence sums are completed over the CP group in
+    ``accumulate`` (one host-side agreement and one all_reduce, shared with GSPO's), then
+    folded on CP rank 0 only into float64 sums of per-sequence values and int64 numbers of
+    sequences, reduced over the data group like every other state. These modes take the
+    torch path where the fused Triton kernel would run (it makes no per-sequence sums).
+
     Args:
         ignore_index: label value of tokens that do not count.
         temperature: sampling temperature, used only for entropy from logits.
@@ -131,6 +164,12 @@ class GRPOMetric(PolicySums, Metric):
             bound); under ``'propagate'`` a NaN token makes them NaN. Adds three int64
             states of 1,393 + 2,434 + 1,740 buckets (43.5 KiB) to the sync buffer.
             None (default): no histogram.
+        loss_agg_mode: ``'token-mean'`` (default), ``'seq-mean-token-mean'``,
+            ``'seq-mean-token-sum'`` or ``'seq-mean-token-sum-norm'`` (see above); another
+            value raises ``ValueError``. A non-default mode adds two states (11 float64 sums,
+            6 int64 counts).
+        loss_agg_norm: the constant divisor of ``'seq-mean-token-sum-norm'`` (> 0); None:
+            each sequence's token capacity. Only with that mode.
 
     Example:
         >>> import torch
@@ -142,6 +181,17 @@ class GRPOMetric(PolicySums, Metric):
         >>> out = m.calculate()
         >>> round(out["train/ratio_max"], 4), round(out["train/clip_ratio_high"], 4)
         (1.3499, 0.6667)
+
+        Per-sequence aggregation: one sequence with 2 of 3 tokens clipped, one with none
+        of 1, so the token mean is 2/4 and the mean of the sequences' fractions (2/3 + 0)/2:
+
+        >>> m = GRPOMetric(loss_agg_mode="seq-mean-token-mean")
+        >>> _ = m.accumulate({"labels": torch.tensor([[5, 6, 7], [5, -100, -100]])},
+        ...                  {"logps": torch.tensor([[-0.5, -1.0, -0.2], [-1.0, 0.0, 0.0]], dtype=torch.float64)},
+        ...                  old_logps=torch.tensor([[-0.75, -1.0, -0.5], [-1.0, 0.0, 0.0]], dtype=torch.float64),
+        ...                  advantages=torch.tensor([1.0, 1.0]))
+        >>> round(m.calculate()["train/clip_ratio_high"], 4)
+        0.3333
     """
 
     #: the high-KL records carry global sequence indices: whole-call only
@@ -179,9 +229,12 @@ class GRPOMetric(PolicySums, Metric):
                  temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
                  top_k_kl: int = 0, entropy_from_logits: bool = False, vocab_parallel: bool = False,
                  entropy_chunk_size: Optional[int] = None, entropy_chunk_bytes: Optional[int] = None,
-                 nan_policy: str = "propagate", quantiles: Optional[Sequence[float]] = None, **kwargs):
+                 nan_policy: str = "propagate", quantiles: Optional[Sequence[float]] = None,
+                 loss_agg_mode: str = "token-mean", loss_agg_norm: Optional[float] = None, **kwargs):
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
+        self.loss_agg_mode, self.loss_agg_norm = check_loss_agg(name, loss_agg_mode, loss_agg_norm)
+        keep_default_fingerprint(self)
         self.nan_policy = check_nan_policy(name, nan_policy)
         self.quantiles = check_quantiles(name, quantiles)
         if temperature <= 0:
@@ -203,10 +256,10 @@ class GRPOMetric(PolicySums, Metric):
         self.vocab_parallel = bool(vocab_parallel)
         self.entropy_chunk_size = entropy_chunk_size
         self.entropy_chunk_bytes = entropy_chunk_bytes
-        # TP (vocab-parallel entropy), then CP (GSPO's sequence completion): the groups every
-        # update agrees on, in that order
+        # TP (vocab-parallel entropy), then CP (GSPO's and the sequence-aggregated modes'
+        # sequence completion): the groups every update agrees on, in that order
         self.agree_over = (("tp",) if self.entropy_from_logits and self.vocab_parallel else ()) + (
-            ("cp",) if self.sequence_level_clip else ())
+            ("cp",) if self.sequence_level_clip or self._per_sequence else ())
         if self.entropy_from_logits and not self.vocab_parallel:  # why TP replicas could differ
             self.tp_mismatch_hint = ("with entropy_from_logits, logits that are vocab-sharded over the TP "
                                      "group need vocab_parallel=True")
@@ -231,6 +284,11 @@ class GRPOMetric(PolicySums, Metric):
             # an ulp between TP replicas, enough to move a count across a bucket edge; the
             # entropy sum still checks that the replicas agree.
             self.add_state("hist_entropy", ENTROPY_HISTOGRAM.state(per_rank=True))
+        if self._per_sequence:
+            # created only for these modes: a token-mean metric's states (and checkpoints) are
+            # those of earlier releases
+            self.add_state("seq_sums", State("sum", torch.float64, shape=(len(SEQ_SUMS),)))
+            self.add_state("seq_counts", State("sum", torch.int64, shape=(len(SEQ_COUNTS),)))
 
     def _reduce_topk(self, rows):
         return _topk_rows(rows, self.top_k_kl)
@@ -246,7 +304,7 @@ class GRPOMetric(PolicySums, Metric):
         return group if group_size(group) > 1 else None
 
     def _sequence_group(self):
-        return self.sequence_group() if self.sequence_level_clip else None
+        return self.sequence_group() if self.sequence_level_clip or self._per_sequence else None
 
     def update(self, inputs, outputs, *, old_logps=None, advantages=None, ref_logps=None,
                ref_outputs=None, **kwargs) -> Dict[str, Any]:
@@ -264,9 +322,13 @@ class GRPOMetric(PolicySums, Metric):
                 wide = int(any(entropy.work_dtype(c) == torch.float64 for c in chunks))
                 checks.append((tp_group, rows * 2 + wide, "TP", "vocab-parallel logits (token rows x 2 "
                                "+ fp64)", "the same tokens with its own vocab shard"))
-            if cp_group is not None:
+            if cp_group is not None and not self._per_sequence:
                 checks.append((cp_group, batch["n_seq_parts"], "CP", "numbers of sequences with old "
                                "log-probs and advantages", "the same sequences"))
+            elif cp_group is not None:  # both numbers in one key: one agreement
+                checks.append((cp_group, sum(batch["sizes"]) << 32 | batch["n_seq_parts"], "CP",
+                               "numbers of sequences (all x 2**32 + those with old log-probs and "
+                               "advantages)", "the same sequences"))
             for group, key, axis, what, fix in checks:
                 low, high = exchange.agree_same(self, group, key)
                 if low != high:
@@ -281,9 +343,9 @@ class GRPOMetric(PolicySums, Metric):
             ents = dict(zip((job[0] for job in jobs),
                             entropy.token_entropy(chunks, shapes, self.temperature,
                                                  tp_group if rows else None, device)))
-        acc, parts = self._sums(batch, ents)
-        if parts is not None:
-            acc.update(self._sequence_clip(parts))
+        acc, parts, rows = self._sums(batch, ents)
+        if parts is not None or rows is not None:
+            acc.update(self._sequence_stats(parts, rows))
         return acc
 
 
@@ -308,17 +370,22 @@ class GRPOMetric(PolicySums, Metric):
         out: Dict[str, Any] = {"train/nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
         if not s["n_tok"]:
             return out
-        mean_new = s["sum_new"] / s["n_tok"]
+        agg = self._aggregated(s)
+        mean_new = s["sum_new"] / s["n_tok"] if agg is None else agg("new")
         out.update({"train/policy_confidence": _exp(mean_new), "train/mean_new_logp": mean_new})
         n = s["n_old"]
         if n:
+            if agg is None:
+                means = s["sum_old"] / n, s["sum_diff"] / n, s["sum_kl"] / n, s["sum_ratio"] / n
+            else:
+                means = agg("old"), agg("diff"), agg("kl"), agg("ratio_m1", "ratio_one")
             out.update({
-                "train/mean_old_logp": s["sum_old"] / n,
-                "train/logp_diff_mean": s["sum_diff"] / n,
-                "train/approx_kl": s["sum_kl"] / n,
+                "train/mean_old_logp": means[0],
+                "train/logp_diff_mean": means[1],
+                "train/approx_kl": means[2],
                 "train/token_kl_max": max(_k3(s["logr_max"]), _k3(s["logr_min"]), key=_nan_first),
                 "train/token_ratio_max": _exp(s["logr_max"]),
-                "train/ratio_mean": s["sum_ratio"] / n,
+                "train/ratio_mean": means[3],
                 "train/ratio_min": _exp(s["logr_min"]),
                 "train/ratio_max": _exp(s["logr_max"]),
             })
@@ -327,21 +394,26 @@ class GRPOMetric(PolicySums, Metric):
                 out.update(quantile_keys("train/ratio", RATIO_HISTOGRAM, s["hist_ratio"], self.quantiles, nan))
                 out.update(quantile_keys("train/token_kl", KL_HISTOGRAM, s["hist_kl"], self.quantiles, nan))
         if s["n_ent"]:
-            out["train/entropy"] = s["sum_ent"] / s["n_ent"]
+            out["train/entropy"] = s["sum_ent"] / s["n_ent"] if agg is None else agg("ent")
             if self.quantiles:
                 out.update(quantile_keys("train/entropy", ENTROPY_HISTOGRAM, s["hist_entropy"], self.quantiles,
                                          self.nan_policy == "propagate"))
         if s["clip_n"]:
             poison = s["clip_nan"]  # 0.0, or NaN under 'propagate' when a gated token was non-finite
-            out["train/clip_ratio_low"] = s["clip_low"] / s["clip_n"] + poison
-            out["train/clip_ratio_high"] = s["clip_high"] / s["clip_n"] + poison
-            out["train/clip_ratio"] = (s["clip_low"] + s["clip_high"]) / s["clip_n"] + poison
+            if agg is None or self.sequence_level_clip:  # GSPO's clip counts are over sequences
+                out["train/clip_ratio_low"] = s["clip_low"] / s["clip_n"] + poison
+                out["train/clip_ratio_high"] = s["clip_high"] / s["clip_n"] + poison
+                out["train/clip_ratio"] = (s["clip_low"] + s["clip_high"]) / s["clip_n"] + poison
+            else:
+                out["train/clip_ratio_low"] = agg("clip_low") + poison
+                out["train/clip_ratio_high"] = agg("clip_high") + poison
+                out["train/clip_ratio"] = agg("clip_low", "clip_high") + poison
         if s["n_adv"]:
-            out["train/advantage_mean"] = s["sum_adv"] / s["n_adv"]
+            out["train/advantage_mean"] = s["sum_adv"] / s["n_adv"] if agg is None else agg("adv")
             out["train/advantage_min"] = s["adv_min"]
             out["train/advantage_max"] = s["adv_max"]
         if s["n_ref"]:
-            out["train/ref_kl"] = s["sum_ref_kl"] / s["n_ref"]
+            out["train/ref_kl"] = s["sum_ref_kl"] / s["n_ref"] if agg is None else agg("ref_kl")
         if self.top_k_kl:
             records = []
             for row in s["topk"]:
@@ -354,6 +426,21 @@ class GRPOMetric(PolicySums, Metric):
             if records:
                 out["_high_kl_records"] = records
         return out
+
+
+    def _aggregated(self, s):
+        """None for ``loss_agg_mode='token-mean'`` (the token sums divide by the token
+        counts), else ``agg(*columns)``: the key's value over sequences from the reduced
+        ``seq_sums`` of those ``SEQ_SUMS`` columns (added) and their ``seq_counts``."""
+        if not self._per_sequence:
+            return None
+        sums, counts = s["seq_sums"], s["seq_counts"]
+
+        def agg(*columns):
+            idx = [SEQ_SUMS.index(c) for c in columns]
+            return sequence_mean(self.loss_agg_mode, sum(sums[i] for i in idx), counts[SEQ_COUNT_OF[idx[0]]])
+
+        return agg
 
 
 class PPOMetric(GRPOMetric):
@@ -376,9 +463,10 @@ class GSPOMetric(GRPOMetric):
 
     Clip gates apply to each sequence's ratio exp(mean over its tokens of d), with
     the sequence's advantage (the mean over its tokens when given per token);
-    ``train/clip_ratio*`` count sequences. Under CP the per-sequence sums are
-    completed over the CP group first (one agreement and one all_reduce in ``accumulate``; every CP
-    rank must call it the same number of times). Other keys are as GRPOMetric.
+    ``train/clip_ratio*`` count sequences (whatever ``loss_agg_mode``). Under CP the
+    per-sequence sums are completed over the CP group first (one agreement and one all_reduce in
+    ``accumulate``; every CP rank must call it the same number of times). Other keys are as
+    GRPOMetric.
 
     Example:
         >>> import torch

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,6 +37,73 @@ from twinkle_metrics.stats.histogram import Histogram
 RATIO_HISTOGRAM = Histogram(1e-6, 1e6, signed=False)
 KL_HISTOGRAM = Histogram(1e-15, 1e6, signed=False)
 ENTROPY_HISTOGRAM = Histogram(1e-12, 1e3, signed=False)
+
+#: verl's ``agg_loss`` modes (``verl/trainer/ppo/core_algos.py``); the first is the default
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+#: per-sequence columns of the sequence-aggregated modes: token sums, then token counts
+#: (then the sequence's token capacity); ``SEQ_COUNT_OF[f]`` is the count column of sum ``f``
+SEQ_SUMS = ("new", "ent", "adv", "ref_kl", "old", "diff", "kl", "ratio_m1", "ratio_one", "clip_low", "clip_high")
+SEQ_COUNTS = ("n_tok", "n_ent", "n_adv", "n_ref", "n_old", "n_clip")
+SEQ_COUNT_OF = (0, 1, 2, 3, 4, 4, 4, 4, 4, 5, 5)
+
+
+def check_loss_agg(name: str, mode, norm) -> Tuple[str, Optional[float]]:
+    """``(loss_agg_mode, loss_agg_norm)`` validated; raises ``ValueError`` naming the metric."""
+    if not isinstance(mode, str) or mode not in LOSS_AGG_MODES:
+        raise ValueError(f"{name}: loss_agg_mode must be one of {', '.join(map(repr, LOSS_AGG_MODES))}, "
+                         f"got {mode!r}")
+    if norm is None:
+        return mode, None
+    if mode != "seq-mean-token-sum-norm":
+        raise ValueError(f"{name}: loss_agg_norm applies to loss_agg_mode='seq-mean-token-sum-norm' only, got "
+                         f"loss_agg_norm={norm!r} with loss_agg_mode={mode!r}; leave it None")
+    if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 < norm < math.inf:
+        raise ValueError(f"{name}: loss_agg_norm must be a finite number > 0 (verl's loss_scale_factor, e.g. "
+                         f"the maximum response length) or None (each sequence's token capacity), got {norm!r}")
+    return mode, float(norm)
+
+
+def keep_default_fingerprint(metric) -> None:
+    """Leave the aggregation arguments out of the fingerprint while they hold their
+    defaults, so checkpoints written before they existed still load (as ``slice_by=None``)."""
+    if metric.loss_agg_mode == LOSS_AGG_MODES[0]:
+        metric._arguments.pop("loss_agg_mode", None)
+    if metric.loss_agg_norm is None:
+        metric._arguments.pop("loss_agg_norm", None)
+
+
+def sequence_table(sums: torch.Tensor, counts: torch.Tensor, width: torch.Tensor, count_of: Sequence[int],
+                   mode: str, norm: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One call's contributions to the sequence-aggregated keys, from whole-sequence totals.
+
+    ``sums`` ``[B, F]`` (a quantity's token sum per sequence), ``counts`` ``[B, G]`` (token
+    counts per sequence), ``width`` ``[B]`` (each sequence's token capacity), all float64
+    and already summed over CP; ``count_of[f]``: the count column of sum column ``f``.
+    Returns ``(values [F], sequences [G])``: per column the sum over sequences that have a
+    counted token of the sequence's token mean (``seq-mean-token-mean``), token sum
+    (``seq-mean-token-sum``) or token sum / (``norm`` or its capacity)
+    (``seq-mean-token-sum-norm``); per count column the number of such sequences (int64).
+    """
+    live = counts > 0
+    c = counts[:, list(count_of)]
+    if mode == "seq-mean-token-mean":
+        per = sums / torch.where(c > 0, c, 1.0)
+    elif mode == "seq-mean-token-sum":
+        per = sums
+    else:
+        per = sums / (norm if norm is not None else torch.where(width > 0, width, 1.0)[:, None])
+    return torch.where(c > 0, per, 0.0).sum(0), live.sum(0)
+
+
+def sequence_mean(mode: str, total: float, sequences) -> float:
+    """A key's value from its reduced ``sequence_table`` sums: the mean over sequences,
+    or for ``seq-mean-token-sum-norm`` the sum itself (verl does not divide by the number
+    of sequences there)."""
+    if mode == "seq-mean-token-sum-norm":
+        return total
+    return total / sequences if sequences else math.nan
 
 
 class PolicySums(TopKRecords):
@@ -117,9 +184,11 @@ class PolicySums(TopKRecords):
         return {"items": items, "sizes": sizes, "n_seq_parts": n_parts}
 
     def _sums(self, batch, logit_ents):
-        """(contributions, GSPO's per-sequence parts or None) of a prepared call; masked
+        """(contributions, GSPO's per-sequence parts or None, the per-sequence table of a
+        sequence-aggregated ``loss_agg_mode`` or None) of a prepared call; masked
         arithmetic only, nothing raises. ``logit_ents``: entropies computed from logits,
-        by microbatch."""
+        by microbatch. Both per-sequence results are this rank's part of each sequence,
+        to be completed over CP (``_sequence_stats``)."""
         # Per-token values stay in the input dtype (float32 usually) where that is exact:
         # masking (a bitwise select, so NaN/-inf padding at masked positions, common for prompt
         # tokens, is dropped rather than multiplied into the sums) and sums (accumulated in
@@ -129,6 +198,8 @@ class PolicySums(TopKRecords):
         seq_parts: List[torch.Tensor] = []
         candidates: List[torch.Tensor] = []
         mbs = [_Microbatch(item, logit_ents.get(i)) for i, item in enumerate(batch["items"])]
+        per_seq = self._per_sequence
+        tables: List[torch.Tensor] = []
         starts = [0]  # each microbatch's first sequence in the call
         for mb in mbs:
             starts.append(starts[-1] + mb.m.shape[0])
@@ -143,6 +214,8 @@ class PolicySums(TopKRecords):
                 if fused[mb] is not None:
                     seq_parts.append(fused[mb])
                 continue
+            if per_seq:
+                mb.rows = {}
             self._count_nonfinite(acc, mb)
             self._token_sums(acc, mb)
             if mb.m.numel():
@@ -158,6 +231,8 @@ class PolicySums(TopKRecords):
                         candidates.append(self._candidates(mb, key, seq_start))
             if self.quantiles:
                 self._quantile_counts(acc, mb)
+            if per_seq:
+                tables.append(mb.table())
 
         if self.top_k_kl:
             mesh = self.resolve_mesh()
@@ -173,14 +248,17 @@ class PolicySums(TopKRecords):
             elif candidates:
                 acc["topk"] = _topk_rows(torch.cat(candidates), self.top_k_kl)
         parts = torch.cat(seq_parts) if self.sequence_level_clip and seq_parts else None
-        return acc, parts
+        rows = torch.cat(tables) if per_seq and sum(batch["sizes"]) else None
+        return acc, parts, rows
 
     def _fuses(self, mb: "_Microbatch") -> bool:
         """Whether this microbatch takes the one-kernel path (``kernels.triton_rl``): on CUDA
-        with the kernels enabled, no histograms, and every side input covering exactly the
-        counted tokens (aligned ``[b, s]``, or ``[b, 1]`` advantages)."""
+        with the kernels enabled, no histograms, ``loss_agg_mode='token-mean'``, and every side
+        input covering exactly the counted tokens (aligned ``[b, s]``, or ``[b, 1]`` advantages)."""
         m = mb.m
-        if self.quantiles or not m.numel() or not _triton.device_ok(mb.lp):
+        # the kernel makes no per-sequence table: a sequence-aggregated loss_agg_mode takes the
+        # torch path (same states and values, more launches)
+        if self._per_sequence or self.quantiles or not m.numel() or not _triton.device_ok(mb.lp):
             return False
         b, s = m.shape
         if mb.lp.shape != m.shape:
@@ -247,30 +325,34 @@ class PolicySums(TopKRecords):
     def _token_sums(self, acc, mb: "_Microbatch") -> None:
         """Token count, sum of new log-probs, entropy."""
         m = mb.m
-        mb.n_tok = m.sum()
+        mb.n_tok = mb.total("n_tok", m)
         mb.lpm = mb.keep(mb.lp, m)
         fold.add(acc, "n_tok", mb.n_tok)
-        fold.add(acc, "sum_new", mb.lpm.sum(dtype=torch.float64))
+        fold.add(acc, "sum_new", mb.total("new", mb.lpm, torch.float64))
         if mb.ent is not None:
             if mb.em is m:
-                fold.add(acc, "n_ent", mb.n_tok)
-                fold.add(acc, "sum_ent", mb.keep(mb.ent, m).sum(dtype=torch.float64))
+                fold.add(acc, "n_ent", mb.same("n_ent", "n_tok", mb.n_tok))
+                fold.add(acc, "sum_ent", mb.total("ent", mb.keep(mb.ent, m), torch.float64))
             else:
-                fold.add(acc, "n_ent", mb.em.sum())
-                fold.add(acc, "sum_ent", torch.where(mb.em, mb.ent, 0.0).sum(dtype=torch.float64))
+                fold.add(acc, "n_ent", mb.total("n_ent", mb.em))
+                fold.add(acc, "sum_ent", mb.total("ent", torch.where(mb.em, mb.ent, 0.0), torch.float64))
 
     def _advantage_sums(self, acc, mb: "_Microbatch") -> None:
         """Advantage count, sum, extremes: per token, or one value per sequence."""
         adv, has_adv = mb.adv, mb.has_adv
-        fold.add(acc, "n_adv", mb.n_tok if has_adv is mb.m else has_adv.sum())
+        fold.add(acc, "n_adv", mb.same("n_adv", "n_tok", mb.n_tok) if has_adv is mb.m else
+                 mb.total("n_adv", has_adv))
         if adv.shape[1] == 1 and mb.m.shape[1] != 1:  # one value per sequence: per-row counts
             rows = has_adv.sum(1, dtype=torch.float64)
             # where: the value of a row without tokens (maybe NaN) must not count
-            fold.add(acc, "sum_adv", torch.where(rows > 0, adv[:, 0].to(torch.float64) * rows, 0.0).sum())
+            per_row = torch.where(rows > 0, adv[:, 0].to(torch.float64) * rows, 0.0)
+            fold.add(acc, "sum_adv", per_row.sum())
+            if mb.rows is not None:
+                mb.rows["adv"] = per_row
             lo, hi = _extremes(adv[:, 0], rows > 0)
         else:
             mb.adv = adv = mb.keep(adv, has_adv)  # aligned values may be NaN where masked
-            fold.add(acc, "sum_adv", adv.sum(dtype=torch.float64))
+            fold.add(acc, "sum_adv", mb.total("adv", adv, torch.float64))
             lo, hi = _extremes(adv, has_adv)
         fold.minimum(acc, "adv_min", lo)
         fold.maximum(acc, "adv_max", hi)
@@ -278,33 +360,36 @@ class PolicySums(TopKRecords):
     def _ref_sums(self, acc, mb: "_Microbatch") -> None:
         """k3 KL to the reference policy: sum of expm1(ref - logp) - (ref - logp)."""
         if mb.has_ref is mb.m:
-            n_ref = mb.n_tok
+            n_ref = mb.same("n_ref", "n_tok", mb.n_tok)
             mb.lp64 = lpr = mb.lpm.to(torch.float64)
         else:
-            n_ref = mb.has_ref.sum()
+            n_ref = mb.total("n_ref", mb.has_ref)
             lpr = mb.keep(mb.lp, mb.has_ref).to(torch.float64)
         dr = mb.keep(mb.ref, mb.has_ref).to(torch.float64)
         dr.sub_(lpr)  # 0 outside has_ref
-        sum_dr = dr.sum()
+        sum_dr = mb.total("ref_d", dr)
         fold.add(acc, "n_ref", n_ref)
-        fold.add(acc, "sum_ref_kl", dr.expm1_().sum() - sum_dr)
+        fold.add(acc, "sum_ref_kl", mb.total("ref_e", dr.expm1_()) - sum_dr)
+        if mb.rows is not None:
+            mb.rows["ref_kl"] = mb.rows["ref_e"] - mb.rows["ref_d"]
 
     def _ratio_sums(self, acc, mb: "_Microbatch", seq_parts: List[torch.Tensor]) -> None:
         """Log-ratio d = logp - old_logp: its sums and extremes, clip counts (or GSPO's
         per-sequence parts), ratio and k3 KL sums."""
         m, adv, has_adv, has_old = mb.m, mb.adv, mb.has_adv, mb.has_old
         if has_old is m:
-            n_old = mb.n_tok
+            n_old = mb.same("n_old", "n_tok", mb.n_tok)
             lpo = mb.lp64 if mb.lp64 is not None else mb.lpm.to(torch.float64)
         else:
-            n_old = has_old.sum()
+            n_old = mb.total("n_old", has_old)
             lpo = mb.keep(mb.lp, has_old).to(torch.float64)
         oldm = mb.keep(mb.old, has_old)
         d = lpo.clone() if lpo is mb.lp64 else lpo
         d.sub_(oldm)  # exact in float64; 0 outside has_old
-        sum_d = d.sum()
+        sum_d = mb.total("diff", d)
+        rows = mb.rows
         fold.add(acc, "n_old", n_old)
-        fold.add(acc, "sum_old", oldm.sum(dtype=torch.float64))
+        fold.add(acc, "sum_old", mb.total("old", oldm, torch.float64))
         fold.add(acc, "sum_diff", sum_d)
         # exp is monotone and k3 convex with its minimum at d = 0: the extremes of
         # d give ratio_min/max and kl_max (in compute), with no [b, s] r or k3.
@@ -326,15 +411,24 @@ class PolicySums(TopKRecords):
                 extra = None if self._zero_unclipped else has_old
                 if has_adv is not m:
                     extra = has_adv if extra is None else extra & has_adv
-                low, high = self._clip_counts(d, adv, extra)
-                fold.add(acc, "clip_n", n_old if gate is has_old else gate.sum())
+                if rows is None:
+                    low, high = self._clip_counts(d, adv, extra)
+                else:  # per sequence; the totals are their (exact, integer) sums
+                    low, high = self._clip_counts(d, adv, extra, per_row=True)
+                    rows["clip_low"], rows["clip_high"] = low, high
+                    low, high = low.sum(), high.sum()
+                fold.add(acc, "clip_n", mb.same("n_clip", "n_old", n_old) if gate is has_old else
+                         mb.total("n_clip", gate))
                 fold.add(acc, "clip_low", low)
                 fold.add(acc, "clip_high", high)
         # r - 1, in place unless the top-k records or the histograms still need d
         em = torch.expm1(d) if self.top_k_kl or self.quantiles else d.expm1_()
-        sum_em = em.sum()
+        sum_em = mb.total("ratio_m1", em)
         fold.add(acc, "sum_kl", sum_em - sum_d)  # sum of k3 = (r - 1) - d
         fold.add(acc, "sum_ratio", sum_em + n_old)
+        if rows is not None:
+            rows["kl"] = rows["ratio_m1"] - rows["diff"]
+            rows["ratio_one"] = rows["n_old"]
         mb.d, mb.ratio_m1 = d, em
 
     def _quantile_counts(self, acc, mb: "_Microbatch") -> None:
@@ -349,9 +443,10 @@ class PolicySums(TopKRecords):
     #: clip counts gated by the advantage sign (GRPO/PPO); CISPO clips the weight itself
     clip_by_advantage_sign = True
 
-    def _clip_counts(self, d, adv, gate=None):
+    def _clip_counts(self, d, adv, gate=None, per_row=False):
         """Counts of clipped-low and clipped-high units from log-ratios d (r = e^d):
-        r < 1 - epsilon (and A < 0), r > 1 + epsilon_high (and A > 0).
+        r < 1 - epsilon (and A < 0), r > 1 + epsilon_high (and A > 0); ``per_row``: one
+        count per row of a ``[b, s]`` d.
 
         ``d`` is 0 outside the units with an old log-prob and a scattered A is 0
         outside the units that have one, so with epsilons >= 0 no gate is needed;
@@ -361,12 +456,17 @@ class PolicySums(TopKRecords):
         low, high = d < lo, d > hi
         if gate is not None:
             low, high = low & gate, high & gate
+
+        def total(x):
+            return x.sum(1) if per_row else x.sum()
+
         if not self.clip_by_advantage_sign:
-            return low.sum(), high.sum()
+            return total(low), total(high)
         if adv.dim() == 2 and adv.shape[1] == 1 and d.shape[1] != 1:
             # one advantage per sequence: count per row, then weight rows by the sign
-            return (low.sum(1) * (adv[:, 0] < 0)).sum(), (high.sum(1) * (adv[:, 0] > 0)).sum()
-        return (low & (adv < 0)).sum(), (high & (adv > 0)).sum()
+            low, high = low.sum(1) * (adv[:, 0] < 0), high.sum(1) * (adv[:, 0] > 0)
+            return (low, high) if per_row else (low.sum(), high.sum())
+        return total(low & (adv < 0)), total(high & (adv > 0))
 
     @property
     def _log_bounds(self):
@@ -381,12 +481,33 @@ class PolicySums(TopKRecords):
         lo, hi = self._log_bounds
         return lo <= 0 <= hi
 
-    def _sequence_clip(self, parts: torch.Tensor) -> Dict[str, Any]:
-        """GSPO: gates on exp(mean d) per sequence, from whole-sequence sums over CP."""
+    @property
+    def _per_sequence(self) -> bool:
+        """Whether ``loss_agg_mode`` aggregates over sequences (anything but token-mean)."""
+        return self.loss_agg_mode != LOSS_AGG_MODES[0]
+
+    def _sequence_stats(self, parts: Optional[torch.Tensor], rows: Optional[torch.Tensor]) -> Dict[str, Any]:
+        """GSPO's clip counts and the sequence-aggregated sums, from this rank's parts of each
+        sequence completed over CP: one all_reduce for both (none without CP)."""
         group = self.sequence_group()
-        parts = cp_sum(parts, group)
+        if parts is not None and rows is not None and group is not None:
+            both = cp_sum(torch.cat([parts.reshape(-1), rows.reshape(-1)]), group)
+            parts, rows = both[:parts.numel()].view(parts.shape), both[parts.numel():].view(rows.shape)
+        else:
+            parts = None if parts is None else cp_sum(parts, group)
+            rows = None if rows is None else cp_sum(rows, group)
         if group is not None and group_rank(group) != 0:
             return {}  # every CP rank now holds the same totals; count each sequence once
+        out = {} if parts is None else self._sequence_clip(parts)
+        if rows is not None:
+            f, g = len(SEQ_SUMS), len(SEQ_COUNTS)
+            values, seqs = sequence_table(rows[:, :f], rows[:, f:f + g], rows[:, f + g], SEQ_COUNT_OF,
+                                          self.loss_agg_mode, self.loss_agg_norm)
+            out.update({"seq_sums": values, "seq_counts": seqs})
+        return out
+
+    def _sequence_clip(self, parts: torch.Tensor) -> Dict[str, Any]:
+        """GSPO: gates on exp(mean d) per sequence, from whole-sequence sums (completed over CP)."""
         n = parts[:, 1]
         valid = n > 0
         safe = torch.where(valid, n, 1.0)
@@ -428,6 +549,32 @@ class _Microbatch:
         self.n_tok = self.lpm = self.lp64 = self.d = self.ratio_m1 = None
         self.seq0 = 0  # the index of its first sequence in the call
         self._bits: Dict[tuple, torch.Tensor] = {}
+        #: per-sequence token sums and counts (``SEQ_SUMS``, ``SEQ_COUNTS``) under a
+        #: sequence-aggregated loss_agg_mode, else None
+        self.rows: Optional[Dict[str, torch.Tensor]] = None
+
+    def total(self, key: str, x: torch.Tensor, dtype=None) -> torch.Tensor:
+        """``x.sum()``; under a sequence mode also its per-row sums as ``rows[key]``, the
+        total taken from them (one [b, s] pass either way)."""
+        if self.rows is None:
+            return x.sum() if dtype is None else x.sum(dtype=dtype)
+        per = x.sum(1) if dtype is None else x.sum(1, dtype=dtype)
+        self.rows[key] = per
+        return per.sum()
+
+    def same(self, key: str, like: str, value):
+        """``value``, a total already taken as ``rows[like]`` (the same mask): its rows too."""
+        if self.rows is not None:
+            self.rows[key] = self.rows[like]
+        return value
+
+    def table(self) -> torch.Tensor:
+        """``[b, F + G + 1]`` float64: ``SEQ_SUMS``, ``SEQ_COUNTS`` (0 where an input is
+        absent) and the token capacity of each row (the mask's length)."""
+        b, s = self.m.shape
+        zero = torch.zeros(b, dtype=torch.float64, device=self.m.device)
+        cols = [self.rows.get(k, zero).to(torch.float64) for k in SEQ_SUMS + SEQ_COUNTS]
+        return torch.stack(cols + [torch.full_like(zero, float(s))], 1)
 
     def keep(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``x`` with masked-out positions +0.0; one bit mask per (mask, element width)."""

@@ -14,8 +14,22 @@ from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.rl import aligned_microbatches, cp_sum, nonfinite_tokens
 from twinkle_metrics.kernels import dispatch as _triton
+from twinkle_metrics.metrics.rl.policy_sums import (
+    LOSS_AGG_MODES,
+    check_loss_agg,
+    keep_default_fingerprint,
+    sequence_mean,
+    sequence_table,
+)
 
 _P = "rollout/"
+#: the per-sequence columns a sequence-aggregated loss_agg_mode adds after (sum of d, tokens):
+#: token sums, then the sequence's token capacity
+_EXTRA = ("abs", "w_m1", "high", "low", "k3", "lp_train", "lp_rollout", "width")
+#: the token sums those modes aggregate (``"d"`` is column 0, ``"w_one"`` the token count,
+#: column 1: with ``"w_m1"`` it makes the sum of w), all counted by column 1
+_SEQ_SUMS = ("d", "abs", "w_m1", "w_one", "high", "low", "k3", "lp_train", "lp_rollout")
+_SEQ_COLUMNS = (0, 2, 3, 1, 4, 5, 6, 7, 8)
 
 
 def _ess_merge(rows: torch.Tensor) -> torch.Tensor:
@@ -94,6 +108,17 @@ class RolloutMismatchMetric(Metric):
     dropped (a sequence keeps its other tokens). Both report
     ``rollout/nonfinite_tokens`` when > 0.
 
+    Aggregation (``loss_agg_mode``, as GRPOMetric's: verl's ``agg_loss`` modes over
+    ``'token-mean'`` (default, as before), ``'seq-mean-token-mean'``, ``'seq-mean-token-sum'``
+    and ``'seq-mean-token-sum-norm'`` with ``loss_agg_norm``): applies to the token-mean keys
+    ``logp_abs_diff_mean``, ``is_ratio_mean``, ``is_fraction_high`` / ``_low``,
+    ``mismatch_kl``, ``mismatch_k3_kl``, and the mean log-probs under ``training_ppl``,
+    ``rollout_ppl`` and ``ppl_ratio`` (exp of the aggregated means). Spreads and extremes
+    (``is_ratio_std``, ``_min``, ``_max``, ``logp_abs_diff_max``, ``token_ess``) and the
+    sequence keys (``seq_ess``, ``log_ppl_abs_diff``) do not change. The per-sequence sums
+    travel in the CP all_reduce of the sequence keys (no extra collective); these modes take
+    the torch path where the fused kernel would run.
+
     With GRPOMetric, put both in a ``MetricCollection``; the collection passes
     ``rollout_logps`` to this metric and ``old_logps`` / ``advantages`` to GRPO.
 
@@ -102,6 +127,10 @@ class RolloutMismatchMetric(Metric):
         is_threshold_low: lower threshold; None: 1 / ``is_threshold``.
         ignore_index: label value of tokens that do not count.
         nan_policy: ``'propagate'`` or ``'skip'``.
+        loss_agg_mode: ``'token-mean'`` (default) or a sequence mode (see above); another value
+            raises ``ValueError``.
+        loss_agg_norm: the constant divisor of ``'seq-mean-token-sum-norm'``; None: each
+            sequence's token capacity (its row's length).
 
     Example:
         >>> import torch
@@ -112,6 +141,12 @@ class RolloutMismatchMetric(Metric):
         >>> out = m.calculate()  # w = exp(0.25), 1, exp(-0.1): one above 1.2
         >>> round(out["rollout/is_ratio_max"], 4), round(out["rollout/is_fraction_high"], 4)
         (1.284, 0.3333)
+        >>> m = RolloutMismatchMetric(is_threshold=1.2, loss_agg_mode="seq-mean-token-mean")
+        >>> _ = m.accumulate({"labels": torch.tensor([[5, 6, -100], [7, -100, -100]])},
+        ...                  {"logps": torch.tensor([[-0.5, -1.0, 0.0], [-0.2, 0.0, 0.0]], dtype=torch.float64)},
+        ...                  rollout_logps=torch.tensor([[-0.75, -1.0, 0.0], [-0.1, 0.0, 0.0]], dtype=torch.float64))
+        >>> round(m.calculate()["rollout/is_fraction_high"], 4)  # (1/2 + 0/1) / 2
+        0.25
 
     In a training step::
 
@@ -142,9 +177,16 @@ class RolloutMismatchMetric(Metric):
 
     def __init__(self, device_mesh=None, process_group=None, *, is_threshold: float = 2.0,
                  is_threshold_low: Optional[float] = None, ignore_index: int = -100,
-                 nan_policy: str = "propagate", **kwargs):
+                 nan_policy: str = "propagate", loss_agg_mode: str = "token-mean",
+                 loss_agg_norm: Optional[float] = None, **kwargs):
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
+        self.loss_agg_mode, self.loss_agg_norm = check_loss_agg(name, loss_agg_mode, loss_agg_norm)
+        keep_default_fingerprint(self)
+        self._per_sequence = self.loss_agg_mode != LOSS_AGG_MODES[0]
+        if self._per_sequence:  # only for these modes: a token-mean metric's states are as before
+            self.add_state("seq_sums", State("sum", torch.float64, shape=(len(_SEQ_SUMS),)))
+            self.add_state("seq_counts", State("sum", torch.int64, shape=(1,)))
         self.nan_policy = check_nan_policy(name, nan_policy)
         low = None if is_threshold_low is None else _number(name, "is_threshold_low", is_threshold_low)
         high = _number(name, "is_threshold", is_threshold)
@@ -192,8 +234,10 @@ class RolloutMismatchMetric(Metric):
         for every counted token (the ragged forms keep the torch path)."""
         lp, m = item["x"], item["m"]
         roll, has = item["rollout_logps"]
-        return (has is m and roll.dim() == 2 and roll.shape == lp.shape == m.shape and roll.device == lp.device
-                and lp.numel() > 0 and _triton.device_ok(lp))
+        # the kernel makes no per-sequence table: a sequence-aggregated loss_agg_mode takes the
+        # torch path (same states and values, more launches)
+        return (not self._per_sequence and has is m and roll.dim() == 2 and roll.shape == lp.shape == m.shape
+                and roll.device == lp.device and lp.numel() > 0 and _triton.device_ok(lp))
 
     def _fused_sums(self, acc, which: List[int], items) -> Dict[int, torch.Tensor]:
         """The token sums of ``items[i]`` for ``i`` in ``which`` from one kernel each, folded
@@ -219,7 +263,8 @@ class RolloutMismatchMetric(Metric):
 
     def _token_sums(self, acc, item) -> torch.Tensor:
         """Add one microbatch's token sums to ``acc``; return its ``[b, 2]`` per-sequence
-        (sum of d, tokens)."""
+        (sum of d, tokens), and under a sequence-aggregated loss_agg_mode the ``_EXTRA``
+        columns after them."""
         lp, (roll, has) = item["x"], item["rollout_logps"]
         bad = nonfinite_tokens(lp, has, [(roll, has)])
         fold.add(acc, "n_bad", bad.sum())
@@ -245,17 +290,31 @@ class RolloutMismatchMetric(Metric):
             fold.maximum(acc, "abs_max", torch.where(has, d.abs(), -math.inf).amax())
             fold.maximum(acc, "d_max", torch.where(has, d, -math.inf).amax())
             fold.minimum(acc, "d_min", torch.where(has, d, math.inf).amin())
-        return torch.stack([d.sum(1), has.sum(1, dtype=torch.float64)], 1)
+        cols = [d.sum(1), has.sum(1, dtype=torch.float64)]
+        if self._per_sequence:
+            row_poison = (d * 0.0).sum(1)
+            cols += [d.abs().sum(1), em.sum(1), ((d > hi) & has).sum(1) + row_poison,
+                     ((d < lo) & has).sum(1) + row_poison, (torch.expm1(-d) + d).sum(1),
+                     torch.where(has, lp, 0.0).sum(1), torch.where(has, roll, 0.0).sum(1),
+                     torch.full_like(cols[1], float(has.shape[1]))]
+        return torch.stack(cols, 1)
 
     def _sequence_sums(self, parts: torch.Tensor, group) -> Dict[str, Any]:
-        """Sequence statistics from per-sequence (sum of d, tokens), completed over CP."""
+        """Sequence statistics from per-sequence (sum of d, tokens), completed over CP, and the
+        sums of a sequence-aggregated loss_agg_mode from the columns after them."""
         parts = cp_sum(parts, group)
         if group is not None and group_rank(group) != 0:
             return {}  # every CP rank holds the same totals now; count each sequence once
-        if _triton.device_ok(parts) and parts.dtype == torch.float64:
-            out = _triton.attempt("rollout sequence statistics", _sequence_stats, parts)
-            if out is not None:  # one kernel
-                return out
+        out: Dict[str, Any] = {}
+        if parts.shape[1] > 2:  # a sequence-aggregated loss_agg_mode's columns
+            values, seqs = sequence_table(parts[:, list(_SEQ_COLUMNS)], parts[:, 1:2], parts[:, -1],
+                                          (0,) * len(_SEQ_SUMS), self.loss_agg_mode, self.loss_agg_norm)
+            out = {"seq_sums": values, "seq_counts": seqs}
+            parts = parts[:, :2]
+        elif _triton.device_ok(parts) and parts.dtype == torch.float64:
+            fused = _triton.attempt("rollout sequence statistics", _sequence_stats, parts)
+            if fused is not None:  # one kernel
+                return fused
         s, n = parts[:, 0], parts[:, 1]
         valid = n > 0
         top = torch.where(valid, s, -math.inf).amax()
@@ -263,8 +322,9 @@ class RolloutMismatchMetric(Metric):
         a = e.sum()
         ess = torch.stack([torch.where(a != 0, top, 0.0), a, (e * e).sum()])
         mean_d = s / torch.where(valid, n, 1.0)
-        return {"n_seq": valid.sum(), "sum_seq_abs": torch.where(valid, mean_d.abs(), 0.0).sum(),
-                "seq_ess": ess}
+        out.update({"n_seq": valid.sum(), "sum_seq_abs": torch.where(valid, mean_d.abs(), 0.0).sum(),
+                    "seq_ess": ess})
+        return out
 
     def compute(self, s):
         out: Dict[str, Any] = {_P + "nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
@@ -272,19 +332,30 @@ class RolloutMismatchMetric(Metric):
         if n:
             s1, s2 = s["sum_em"], s["sum_em2"]
             spread = n * s2 - s1 * s1  # n^2 Var(w), from w - 1: no cancellation of the 1s
-            mean_train, mean_rollout = s["sum_lp_train"] / n, s["sum_lp_rollout"] / n
+            if self._per_sequence:
+                sums, seqs = s["seq_sums"], s["seq_counts"][0]
+
+                def agg(*columns):
+                    return sequence_mean(self.loss_agg_mode, sum(sums[_SEQ_SUMS.index(c)] for c in columns), seqs)
+
+                means = (agg("abs"), agg("w_m1", "w_one"), agg("high"), agg("low"), -agg("d"), agg("k3"),
+                         agg("lp_train"), agg("lp_rollout"))
+            else:
+                means = (s["sum_abs"] / n, 1.0 + s1 / n, s["n_high"] / n, s["n_low"] / n, -s["sum_d"] / n,
+                         s["sum_k3"] / n, s["sum_lp_train"] / n, s["sum_lp_rollout"] / n)
+            mean_train, mean_rollout = means[6], means[7]
             out.update({
-                _P + "logp_abs_diff_mean": s["sum_abs"] / n,
+                _P + "logp_abs_diff_mean": means[0],
                 _P + "logp_abs_diff_max": s["abs_max"],
-                _P + "is_ratio_mean": 1.0 + s1 / n,
+                _P + "is_ratio_mean": means[1],
                 _P + "is_ratio_std": (max(spread, 0.0) ** 0.5) / n,  # max(NaN, 0) is NaN
                 _P + "is_ratio_min": _exp(s["d_min"]),
                 _P + "is_ratio_max": _exp(s["d_max"]),
-                _P + "is_fraction_high": s["n_high"] / n,
-                _P + "is_fraction_low": s["n_low"] / n,
+                _P + "is_fraction_high": means[2],
+                _P + "is_fraction_low": means[3],
                 _P + "token_ess": 1.0 - spread / (n * (n + 2 * s1 + s2)),
-                _P + "mismatch_kl": -s["sum_d"] / n,
-                _P + "mismatch_k3_kl": s["sum_k3"] / n,
+                _P + "mismatch_kl": means[4],
+                _P + "mismatch_k3_kl": means[5],
                 _P + "training_ppl": _exp(-mean_train),
                 _P + "rollout_ppl": _exp(-mean_rollout),
                 _P + "ppl_ratio": _exp(mean_rollout - mean_train),
