@@ -52,6 +52,9 @@ def group_ranks(group: ProcessGroup) -> List[int]:
     """Global ranks of ``group`` in group order; ``[this rank]`` for ``None``."""
     if group is None or not dist_ready():
         return [global_rank()]
+    for g, _, ranks in _owned:
+        if g is group:
+            return list(ranks)
     return list(dist.get_process_group_ranks(group))
 
 
@@ -106,6 +109,9 @@ def group_timeout(group: ProcessGroup):
     ``new_group(timeout=None)`` falls back to torch's 30-minute default. This is the
     one place that reads the private field; ``None`` (torch's default) when it moves.
     """
+    for g, timeout, _ in _owned:
+        if g is group:
+            return timeout
     try:
         for device in group._device_types:
             timeout = group._get_backend(device).options._timeout
@@ -119,6 +125,23 @@ def group_timeout(group: ProcessGroup):
 def default_timeout():
     """The collective timeout of the default (WORLD) group, or ``None`` if unknown."""
     return group_timeout(dist.group.WORLD) if dist_ready() else None
+
+
+def default_store():
+    """The key-value store of the default group (``init_process_group``'s), or ``None``.
+
+    torch keeps no public getter either; ``bounded`` waits write a few keys to it to name
+    the ranks that never arrived. ``None`` when it moves: the waits stay bounded, the
+    message then cannot name the absent ranks.
+    """
+    if not dist_ready():
+        return None
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def group_alive(group: ProcessGroup) -> bool:
@@ -168,7 +191,78 @@ def cpu_twin(group: ProcessGroup, timeout=None) -> ProcessGroup:
     return twin
 
 
+def within(group: ProcessGroup, timeout) -> bool:
+    """Whether a collective on ``group`` gives up within ``timeout`` (a ``timedelta``;
+    ``None``: any group does). A group of unknown timeout has torch's 30 minutes."""
+    if timeout is None:
+        return True
+    own = group_timeout(group)
+    return own is not None and own <= timeout
+
+
+def owned_gloo_group(ranks, timeout, name: str):
+    """A gloo group over ``ranks`` with ``timeout`` that only the library uses, kept out of
+    torch's registry of groups.
+
+    torch names a group created over some ranks only (``use_local_synchronization``) by
+    its ranks and the number of groups each rank holds, so a group that ranks create
+    at different times, or again after one was destroyed, can meet stale peers; and a
+    registered group of ours would shift the names of the user's own such groups. This
+    one lives under ``name`` (``twinkle_metrics/...``, the same on every rank of
+    ``ranks`` and never reused) in the default store, and is used through its methods
+    (``barrier()``), not ``torch.distributed``'s functions. Only ``ranks`` take part.
+    Dropped by ``release_owned`` (at exit, or at ``destroy_process_group()``).
+    """
+    me = global_rank()
+    store = dist.PrefixStore(f"{name}/", default_store())
+    group = dist.ProcessGroupGloo(store, list(ranks).index(me), len(ranks), timeout)
+    _owned.append((group, timeout, tuple(ranks)))
+    return group
+
+
+_owned: list = []  # (group, timeout, ranks) of the groups owned_gloo_group made, in creation order
+
+
+def is_owned(group) -> bool:
+    """Whether ``group`` is one ``owned_gloo_group`` made: used through its own methods,
+    since torch's functions do not know it."""
+    return group is not None and any(group is g for g, _, _ in _owned)
+
+
+def release_owned() -> None:
+    """Destroy what this module created (twins, private twins, owned groups), newest first,
+    and forget it; groups already destroyed are skipped. Call it before the groups'
+    backends go (``destroy_process_group()`` of WORLD, interpreter exit)."""
+    made = list(_twins.values()) + list(_private.values())
+    _owned.clear()  # unregistered: dropping the last reference ends them
+    _twins.clear()
+    _private.clear()
+    if not dist_ready():
+        return
+    seen = set()
+    for group in reversed(made):
+        if group is None or id(group) in seen or group is dist.group.WORLD:
+            continue
+        seen.add(id(group))
+        if group_alive(group):
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError, KeyError):
+                pass
+
+
 _private = {}  # tuple(ranks) -> group used by nothing but background metric syncs
+
+
+def private_twins_ready(groups) -> bool:
+    """Whether ``private_twins(groups)`` has every twin already (then it is not collective)."""
+    for g in groups:
+        if g is None or group_size(g) <= 1:
+            continue
+        twin = _private.get(tuple(group_ranks(g)))
+        if twin is None or not group_alive(twin):
+            return False
+    return True
 
 
 def private_twins(groups) -> dict:

@@ -22,6 +22,7 @@ Without torch.distributed, or with one rank, every size is 1 and no collective r
 """
 from __future__ import annotations
 
+import os
 import sys
 from datetime import timedelta
 from typing import Dict, Optional, Tuple
@@ -55,8 +56,10 @@ class DeviceMesh:
     """
 
     def __init__(self, groups: Optional[Dict[str, G.ProcessGroup]] = None, *,
-                 layout: Optional[Layout] = None, vpp_size: int = 1, source: str = "explicit"):
+                 layout: Optional[Layout] = None, vpp_size: int = 1, source: str = "explicit",
+                 timeout=None):
         self._layout_only = False
+        self.timeout = _as_timedelta(timeout)
         groups = dict(groups or {})
         unknown = set(groups) - set(GROUP_NAMES)
         if unknown:
@@ -119,8 +122,7 @@ class DeviceMesh:
                    order: str = DEFAULT_ORDER, create_groups: Optional[bool] = None,
                    backend: Optional[str] = None, fsdp_size: Optional[int] = None,
                    ulysses_size: Optional[int] = None, sequence_parallel: bool = False,
-                   device_type: Optional[str] = None, timeout: Optional[timedelta] = None,
-                   **unsupported) -> "DeviceMesh":
+                   device_type: Optional[str] = None, timeout=None, **unsupported) -> "DeviceMesh":
         """Build the layout from sizes (Twinkle's keyword names) and create its groups.
 
         ``dp_size=None`` is inferred from the world size. Groups are created right
@@ -136,11 +138,12 @@ class DeviceMesh:
         The groups created here take ``timeout`` (default: the timeout given to
         ``init_process_group``, not torch's 30-minute default for new groups).
         """
-        return sizes.from_sizes(cls, dp_size=dp_size, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size,
+        return _timed(sizes.from_sizes(cls, dp_size=dp_size, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size,
                                 ep_size=ep_size, etp_size=etp_size, vpp_size=vpp_size, world_size=world_size,
                                 order=order, create_groups=create_groups, backend=backend, fsdp_size=fsdp_size,
                                 ulysses_size=ulysses_size, sequence_parallel=sequence_parallel,
-                                device_type=device_type, timeout=timeout, unsupported=unsupported)
+                                device_type=device_type, timeout=_as_timedelta(timeout),
+                                unsupported=unsupported), timeout)
 
     @classmethod
     def layout_only(cls, layout: Layout, source: str = "layout") -> "DeviceMesh":
@@ -151,35 +154,37 @@ class DeviceMesh:
         return mesh
 
     @classmethod
-    def from_megatron(cls, pg_collection=None) -> "DeviceMesh":
-        """Reuse megatron-core's groups (``parallel.adapters.from_megatron``)."""
+    def from_megatron(cls, pg_collection=None, *, timeout=None) -> "DeviceMesh":
+        """Reuse megatron-core's groups (``parallel.adapters.from_megatron``); ``timeout``
+        bounds the library's waits on them (see ``wait_timeout``), whatever
+        ``distributed_timeout_minutes`` Megatron gave its groups."""
         from . import adapters
 
-        return adapters.from_megatron(pg_collection)
+        return _timed(adapters.from_megatron(pg_collection), timeout)
 
     @classmethod
-    def from_deepspeed(cls, obj=None, *, timeout: Optional[timedelta] = None) -> "DeviceMesh":
+    def from_deepspeed(cls, obj=None, *, timeout=None) -> "DeviceMesh":
         """From a DeepSpeed engine, grid or topology (``parallel.adapters.from_deepspeed``)."""
         from . import adapters
 
-        return adapters.from_deepspeed(obj, timeout=timeout)
+        return _timed(adapters.from_deepspeed(obj, timeout=_as_timedelta(timeout)), timeout)
 
     @classmethod
-    def from_torch(cls, device_mesh, *, timeout: Optional[timedelta] = None) -> "DeviceMesh":
+    def from_torch(cls, device_mesh, *, timeout=None) -> "DeviceMesh":
         """From a named torch ``DeviceMesh`` (``parallel.adapters.from_torch``)."""
         from . import adapters
 
-        return adapters.from_torch(device_mesh, timeout=timeout)
+        return _timed(adapters.from_torch(device_mesh, timeout=_as_timedelta(timeout)), timeout)
 
     @classmethod
-    def from_twinkle(cls, twinkle_mesh, *, timeout: Optional[timedelta] = None) -> "DeviceMesh":
+    def from_twinkle(cls, twinkle_mesh, *, timeout=None) -> "DeviceMesh":
         """From ModelScope Twinkle's ``DeviceMesh`` (``parallel.adapters.from_twinkle``)."""
         from . import adapters
 
-        return adapters.from_twinkle(twinkle_mesh, timeout=timeout)
+        return _timed(adapters.from_twinkle(twinkle_mesh, timeout=_as_timedelta(timeout)), timeout)
 
     @classmethod
-    def current(cls) -> "DeviceMesh":
+    def current(cls, *, timeout=None) -> "DeviceMesh":
         """The mesh implied by what is initialised: Megatron's groups when
         megatron-core's parallel_state is initialised, else WORLD as pure data
         parallel, else a single rank."""
@@ -187,8 +192,36 @@ class DeviceMesh:
             return cls.single()
         ps = sys.modules.get("megatron.core.parallel_state")
         if ps is not None and ps.model_parallel_is_initialized():
-            return cls.from_megatron()
-        return cls({"dp": dist.group.WORLD}, source="world")
+            return cls.from_megatron(timeout=timeout)
+        return cls({"dp": dist.group.WORLD}, source="world", timeout=timeout)
+
+    # ------------------------------------------------------------- waits
+    def member_ranks(self) -> Optional[Tuple[int, ...]]:
+        """Every rank of this mesh, when it spans WORLD (its data, TP and PP groups
+        multiply to the world size: the groups of different axes meet in one rank
+        only); ``None`` otherwise (a mesh over part of the world)."""
+        if not G.dist_ready():
+            return None
+        size = self.dp_size * self.cp_size * self.tp_size * self.pp_size
+        return tuple(range(G.world_size())) if size == G.world_size() else None
+
+    def wait_timeout(self) -> timedelta:
+        """How long any wait the library adds to a step may last on this mesh's ranks.
+
+        The collectives of ``calculate()`` (sync or async) and the agreements inside
+        ``accumulate`` end within it: ranks that arrived raise ``MetricSyncError``
+        naming the ranks that did not. Set in one place, alike on every rank: the
+        constructor's ``timeout=`` (a ``timedelta`` or seconds), else the environment
+        variable ``TWINKLE_METRICS_TIMEOUT_S``, else the timeout given to
+        ``init_process_group``, else torch's 30 minutes. It does not change the
+        groups' own timeouts (Megatron's ``distributed_timeout_minutes``, DeepSpeed's).
+        """
+        if self.timeout is not None:
+            return self.timeout
+        text = os.environ.get("TWINKLE_METRICS_TIMEOUT_S")
+        if text:
+            return _as_timedelta(text, "TWINKLE_METRICS_TIMEOUT_S")
+        return G.default_timeout() or timedelta(minutes=30)
 
     # -------------------------------------------------------------- accessors
     def create_process_group(self, dims) -> G.ProcessGroup:
@@ -412,14 +445,16 @@ class DeviceMesh:
                     "build a new mesh after recreating the groups.")
 
     # ------------------------------------------------- host-side exchanges
-    def cpu_group(self, group: G.ProcessGroup) -> G.ProcessGroup:
+    def cpu_group(self, group: G.ProcessGroup, create: bool = True) -> G.ProcessGroup:
         """A CPU (gloo) group over the ranks of ``group``, for host-side exchanges.
 
         ``group`` itself when it is a CPU group (gloo, mpi); the gloo twin made by
         ``from_sizes`` (TP, CP, DP x CP) or Megatron's gloo data group; else a twin
         created on first use over the ranks of ``group`` only (every rank of
-        ``group`` must ask at the same point, as for a collective over it). ``None``
-        for a group of one rank, or when no gloo group can be made.
+        ``group`` must ask at the same point, as for a collective over it), unless
+        ``create=False`` (then ``None``). ``None`` for a group of one rank, or when no
+        gloo group can be made. The library's own waits on these are bounded by
+        ``comm.bounded.host_group``, which takes one only within ``wait_timeout()``.
         """
         if group is None or G.group_size(group) <= 1:
             return None
@@ -429,7 +464,7 @@ class DeviceMesh:
             return self._groups["dp_cp_cpu"]
         key = tuple(G.group_ranks(group))
         twin = self._cpu_twins.get(key)
-        if twin is None:
+        if twin is None and create:
             twin = G.cpu_twin(group, G.group_timeout(group))
             if twin is not None:
                 self._cpu_twins[key] = twin
@@ -446,6 +481,29 @@ class DeviceMesh:
         except Exception:  # noqa: BLE001 - a label must never raise
             ranks = "?"
         return f"{label} group {ranks}"
+
+
+def _as_timedelta(value, name: str = "timeout") -> Optional[timedelta]:
+    """``value`` (a ``timedelta``, seconds, or their text) as a positive ``timedelta``."""
+    if value is None or isinstance(value, timedelta):
+        if value is not None and value.total_seconds() <= 0:
+            raise ValueError(f"DeviceMesh: {name} must be positive, got {value}")
+        return value
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"DeviceMesh: {name} must be a timedelta or a number of seconds, "
+                         f"got {value!r}") from None
+    if not seconds > 0:
+        raise ValueError(f"DeviceMesh: {name} must be a positive number of seconds, got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def _timed(mesh: "DeviceMesh", timeout) -> "DeviceMesh":
+    """``mesh`` with the library's wait bound ``timeout`` (kept when ``None``)."""
+    if timeout is not None:
+        mesh.timeout = _as_timedelta(timeout)
+    return mesh
 
 
 def _layout_size(layout: Optional[Layout], name: str) -> int:

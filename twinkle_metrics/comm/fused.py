@@ -67,6 +67,7 @@ import torch
 
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_ranks, group_size
+from twinkle_metrics.comm import bounded, lifecycle
 from twinkle_metrics.comm.plan import (  # noqa: F401 - the plan's names, used here and by tests
     _H_NEED,
     _H_PLAN,
@@ -172,6 +173,10 @@ def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
     mesh.check_live("calculate()")
     data_group = lead.data_group()
     share_group = mesh.result_group
+    if data_group is not None or share_group is not None:
+        lifecycle.ensure()
+        bounded.arrive_mesh("calculate()", mesh, data_group, share_group,
+                            "calculate" if groups is None else "async")
     if groups is not None:
         data_group, share_group = groups(data_group, share_group)
     configs = tuple(m.sync_fingerprint() for m in metrics)

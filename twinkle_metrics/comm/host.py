@@ -11,12 +11,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from datetime import timedelta
 from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
 
-from parallel.groups import is_cpu_group
+from parallel.groups import group_ranks, group_timeout, is_cpu_group, is_owned
+from twinkle_metrics.comm import bounded
 
 _state = threading.local()
 
@@ -38,17 +40,27 @@ def host_reads():
 _warned = set()
 
 
-def host_max(metric: str, values: Sequence[int], group, cpu_group=None) -> List[int]:
+def host_max(metric: str, values: Sequence[int], group, cpu_group=None, label: str = "") -> List[int]:
     """Element-wise MAX of small host integers over ``group``; one collective.
 
     Uses ``cpu_group`` (a gloo group over the same ranks) or ``group`` itself when it
     is a CPU group: no device involved. Otherwise it falls back to an all-reduce on
-    the device and a read of its result (a device wait), warning once.
+    the device and a read of its result (a device wait), warning once. The wait on the
+    CPU group is bounded by that group's own timeout, and names the ranks that never
+    came (``comm.bounded.settle``; ``label`` names the group).
     """
     via = cpu_group if cpu_group is not None else (group if is_cpu_group(group) else None)
     if via is not None:
         t = torch.tensor(list(values), dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=via)
+        if is_owned(via):  # the library's own gloo group: not in torch's registry
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            work = via.allreduce([t], opts)
+            bounded.observed("all_reduce")
+        else:
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=via, async_op=True)
+        bounded.settle(work, f"{metric}.accumulate()", via, group_timeout(via) or timedelta(minutes=30),
+                       label or f"group {group_ranks(via)}")
         with host_reads():
             return [int(v) for v in t.tolist()]
     if metric not in _warned:

@@ -45,7 +45,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from parallel.groups import private_twins
+from parallel.groups import private_twins, private_twins_ready, world_size
+from twinkle_metrics.comm import bounded, lifecycle
 from twinkle_metrics.comm.fused import sync_and_compute
 
 #: seconds that pending asynchronous syncs get at interpreter exit
@@ -105,7 +106,10 @@ class _Worker:
 
     def _run(self) -> None:
         while True:
-            job, handle, stream_guard, handed = self._jobs.get()
+            item = self._jobs.get()
+            if item is None:  # stop (``shutdown``): every job before it has run
+                return
+            job, handle, stream_guard, handed = item
             try:
                 with stream_guard():
                     try:
@@ -125,6 +129,11 @@ class _Worker:
     def drain(self, timeout: float) -> bool:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def stop(self, timeout: float) -> None:
+        """Run what is queued (up to ``timeout`` seconds), then end the thread."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
 
 
 _WORKER: Optional[_Worker] = None
@@ -146,6 +155,17 @@ def _drain_at_exit() -> None:
         _WORKER.drain(EXIT_WAIT_S)
 
 
+def shutdown() -> None:
+    """Let pending syncs finish (``EXIT_WAIT_S`` seconds at most) and stop the thread; the
+    next asynchronous ``calculate()`` starts a new one. Before the groups are destroyed
+    (``comm.lifecycle``)."""
+    global _WORKER
+    with _WORKER_LOCK:
+        worker, _WORKER = _WORKER, None
+    if worker is not None and worker.pid == os.getpid():
+        worker.stop(EXIT_WAIT_S)
+
+
 def submit(metrics: Sequence, finish: Callable[[List[Dict[str, Any]]], Dict[str, Any]], reset: bool,
            what: str) -> CalculateHandle:
     """Hand the interval of ``metrics`` off and sync it in the background; ``finish``
@@ -156,7 +176,16 @@ def submit(metrics: Sequence, finish: Callable[[List[Dict[str, Any]]], Dict[str,
         mesh.check_live("calculate()")
         for group in (m.data_group(), mesh.result_group):
             originals.setdefault(id(group), group)
-    # On the caller's thread: creating the twins (once) is collective, in program order.
+    # On the caller's thread: creating the twins (once) is collective, in program order,
+    # and so is creating the group of the worker's arrival checks (``comm.bounded``).
+    lifecycle.ensure()
+    what = "calculate(async_op=True)"
+    for m in metrics:  # the first time: the worker's arrival groups (bounded, named)
+        mesh = m.resolve_mesh()
+        bounded.prepare_mesh(what, mesh, m.data_group(), mesh.result_group, "async")
+    if not private_twins_ready(list(originals.values())):  # creating them is collective over WORLD
+        bounded.meet(what, tuple(range(world_size())), metrics[0].resolve_mesh().wait_timeout(),
+                     "world", "async-twins")
     twins = private_twins(list(originals.values()))
 
     def groups(data_group, share_group):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+from twinkle_metrics.comm import bounded
+
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                 "_all_gather_base", "all_gather_object", "all_gather_coalesced", "reduce",
                 "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "gather",
@@ -19,17 +21,23 @@ class CollectiveCounter:
     collectives (``all_gather_object`` = an all_gather of sizes + one of data)
     count their inner collectives too. ``wire`` counts only the innermost calls
     (those that issue no further wrapped collective): what goes over the network.
-    ``api`` counts the outermost calls a library made.
+    ``api`` counts the outermost calls a library made. Collectives on the gloo groups
+    the library owns for its arrival checks are not ``torch.distributed`` calls; ``checks``
+    counts them.
     """
 
     def __init__(self):
         self.wire: Dict[str, int] = {}
         self.api: Dict[str, int] = {}
+        self._barriers0 = 0
         self._stack: List[List[bool]] = []
         self._saved = []
 
     def __enter__(self):
         import torch.distributed as dist
+
+        self._barriers0 = bounded.BARRIERS
+        bounded.OBSERVERS.append(self._owned)
         import torch.distributed.distributed_c10d as c10d
 
         originals = {}
@@ -45,7 +53,15 @@ class CollectiveCounter:
                     setattr(mod, name, wrapped)
         return self
 
+    def _owned(self, name: str) -> None:
+        """A collective on a group the library owns (``comm.bounded``): one on the wire."""
+        self.wire[name] = self.wire.get(name, 0) + 1
+        if not self._stack:
+            self.api[name] = self.api.get(name, 0) + 1
+
     def __exit__(self, *exc):
+        if self._owned in bounded.OBSERVERS:
+            bounded.OBSERVERS.remove(self._owned)
         for mod, name, fn in reversed(self._saved):
             setattr(mod, name, fn)
         self._saved = []
@@ -73,6 +89,13 @@ class CollectiveCounter:
     def reset(self):
         self.wire.clear()
         self.api.clear()
+        self._barriers0 = bounded.BARRIERS
+
+    @property
+    def checks(self) -> int:
+        """Arrival barriers of ``calculate()`` (``comm.bounded``) run inside: host-side
+        checks on gloo groups the library owns, outside ``wire``, ``api`` and ``total``."""
+        return bounded.BARRIERS - self._barriers0
 
     @property
     def total(self) -> int:

@@ -11,6 +11,7 @@ from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import floating_tensor, int_tensor, right_align
 from twinkle_metrics.inputs.microbatch import has_field, host_array, join, microbatches
+from twinkle_metrics.inputs.vocab import check_reach, reach
 from twinkle_metrics.kernels.argmax import INDEX_LIMIT, joined_hits, vocab_parallel_argmax
 
 _NAME = "Accuracy"
@@ -40,6 +41,11 @@ class Accuracy(Metric):
     stages that never produce logits should call it on all of their TP ranks or
     on none.
 
+    Labels past the logits' last dimension (vocab-sharded logits without
+    ``vocab_parallel=True``, or ids out of range) make ``calculate()`` raise on every
+    rank, from the first interval: the largest counted label id and the logits' width
+    are two ``"max"`` states of the same fused sync (``inputs.vocab``).
+
     Memory: the argmax reads the logits once in their own dtype; no softmax and no
     fp32 copy of ``[b, s, V]`` is made (only ``[b, s]`` values and indices).
 
@@ -58,6 +64,9 @@ class Accuracy(Metric):
 
     correct = State("sum", torch.int64)
     total = State("sum", torch.int64)
+    label_reach = State("max", torch.int64, optional=True)  # the largest label id counted
+    vocab_width = State("max", torch.int64, optional=True)  # the logits' last dimension
+    unsliced_states = ("label_reach", "vocab_width")  # checked in compute (inputs.vocab)
 
     def __init__(self, device_mesh=None, process_group=None, *, vocab_parallel: bool = False,
                  ignore_index: int = -100, **kwargs):
@@ -79,7 +88,10 @@ class Accuracy(Metric):
             return None
         # every microbatch's tokens at once: a fixed number of launches beyond the kernels
         mask = join([m for _, _, m in work])
-        return {"correct": (hits & mask).sum(), "total": mask.sum()}
+        out = {"correct": (hits & mask).sum(), "total": mask.sum()}
+        out.update(reach([lab for _, lab, _ in work], [m for _, _, m in work],
+                         [int(x.shape[-1]) for x, _, _ in work]))
+        return out
 
     def _agree_shapes(self, group, logits: List[torch.Tensor]) -> None:
         """Agree over TP; TP peers must hold the same tokens, vocab shard width and
@@ -149,6 +161,7 @@ class Accuracy(Metric):
         return join([pred == labels for pred, (_, labels, _) in zip(preds, work)]) if work else None
 
     def compute(self, s):
+        check_reach(_NAME, s, self.vocab_parallel, self.resolve_mesh().tp_size, "the accuracy")
         if not s["total"]:
             return {}
         return {"accuracy": s["correct"] / s["total"], "correct_tokens": s["correct"],

@@ -1,0 +1,207 @@
+"""Bounded, named waits on every group source (8 real gloo ranks).
+
+Each case leaves some ranks out of a call and checks that the ranks that came raise
+``MetricSyncError`` within the bound, naming the ranks that did not, with the groups'
+own timeouts left long (Megatron's ``distributed_timeout_minutes`` default, DeepSpeed's).
+Every case ends with ``lifecycle.release()`` on every rank, so the doors a failed wait
+closed do not reach the next test.
+"""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import DeviceMesh
+from parallel import groups as G
+from twinkle_metrics import Accuracy, LossMetric
+from twinkle_metrics.comm import lifecycle
+from twinkle_metrics.core.compat import skip_deepspeed_shm_op
+from twinkle_metrics.testing import CollectiveCounter
+
+pytestmark = pytest.mark.xdist_group("dist")
+
+BOUND_S = 3
+#: the ranks that came must raise within this (the bound, then the store's answer, on 2 busy cores)
+LIMIT_S = BOUND_S + 12
+
+
+def _loss(mesh):
+    """Megatron's [loss sum, tokens] for 4 tokens per data rank; TP replicas alike."""
+    m = LossMetric(mesh, loss_reduction="sum")
+    m.accumulate(None, [{"lm loss": torch.tensor([2.0 * (mesh.dp_rank + 1), 4.0], dtype=torch.float64)}])
+    return m
+
+
+def _only(ranks, call):
+    """``call()`` on ``ranks`` only: (error type, message, seconds) there, None elsewhere."""
+    if dist.get_rank() not in ranks:
+        return None
+    start = time.monotonic()
+    try:
+        call()
+        return None, "", time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+def _with_bound(fn):
+    """Run ``fn`` with ``TWINKLE_METRICS_TIMEOUT_S`` set, then release what it left."""
+    os.environ["TWINKLE_METRICS_TIMEOUT_S"] = str(BOUND_S)
+    try:
+        return fn()
+    finally:
+        del os.environ["TWINKLE_METRICS_TIMEOUT_S"]
+        lifecycle.release()
+
+
+def case_megatron_only_rank0_calculates():
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                 create_gloo_process_groups=False)  # distributed_timeout_minutes: 30
+    try:
+        mesh = DeviceMesh.from_megatron()
+        held = G.group_timeout(mesh.data_group)
+        return held, _with_bound(lambda: _only({0}, _loss(mesh).calculate))
+    finally:
+        ps.destroy_model_parallel()
+
+
+def case_deepspeed_engine_only_rank0_calculates():
+    import deepspeed
+
+    skip_deepspeed_shm_op()
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = torch.nn.Linear(4, 4)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+                "zero_allow_untested_optimizer": True})
+    mesh = DeviceMesh.from_deepspeed(engine)
+    return G.group_timeout(mesh.data_group), _with_bound(lambda: _only({0}, _loss(mesh).calculate))
+
+
+def case_agreement_in_accumulate_with_a_rank_missing():
+    """TP2 x DP4 with vocab-parallel accuracy: rank 1 (the TP peer of rank 0) skips one call."""
+    def run():
+        mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4, timeout=60)  # groups wait 60 s ...
+        m = Accuracy(mesh, vocab_parallel=True)
+        logits = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(dist.get_rank() // 2))
+        return _only(set(range(8)) - {1}, lambda: m.accumulate({"labels": torch.tensor([[1, 2, 3]])},
+                                                                {"logits": logits}))
+    os.environ["TWINKLE_METRICS_TIMEOUT_S"] = str(BOUND_S)  # ... the library's waits 3 s
+    try:
+        return run()
+    finally:
+        del os.environ["TWINKLE_METRICS_TIMEOUT_S"]
+        lifecycle.release()
+
+
+def case_async_with_a_rank_missing():
+    """One asynchronous interval on every rank, then one that rank 5 never hands off: the
+    others' handles raise naming it, and the interval comes back to the metric."""
+    def run():
+        mesh = DeviceMesh.from_sizes(dp_size=8, timeout=BOUND_S)
+        m = _loss(mesh)
+        first = m.calculate(async_op=True).wait()
+        m.accumulate(None, [{"lm loss": torch.tensor([1.0, 1.0], dtype=torch.float64)}])
+
+        def second():
+            m.calculate(async_op=True).wait()
+        out = _only(set(range(8)) - {5}, second)
+        kept = m.state_dict()
+        return first, out, {k: v for k, v in kept.items() if "sum" in k or "count" in k}
+    try:
+        return run()
+    finally:
+        lifecycle.release()
+
+
+def case_every_rank_calls():
+    """The healthy path: results as before, the device budget unchanged, one host check."""
+    def run():
+        mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4, timeout=BOUND_S)
+        m = _loss(mesh)
+        m.calculate()  # the first call negotiates
+        m = _loss(mesh)
+        with CollectiveCounter() as counter:
+            out = m.calculate()
+        return out, counter.total, counter.checks
+    try:
+        return run()
+    finally:
+        lifecycle.release()
+
+
+def _check_only_rank0(out):
+    kind, text, seconds = out[0][1]
+    assert kind == "MetricSyncError", text
+    assert "calculate()" in text and "ranks 1-7" in text and "did not arrive" in text, text
+    assert seconds < LIMIT_S, f"rank 0 waited {seconds:.1f} s with a bound of {BOUND_S} s"
+    assert all(o[1] is None for o in out[1:])
+
+
+def test_megatron_groups_only_rank0_calculates_raises_in_seconds_naming_the_others(dist_pool):
+    out = dist_pool.run(case_megatron_only_rank0_calculates, timeout=120)
+    held = out[0][0]
+    assert held is None or held.total_seconds() >= 600, held  # Megatron's long default stays
+    _check_only_rank0(out)
+
+
+def test_deepspeed_engine_groups_only_rank0_calculates_raises_in_seconds(dist_pool):
+    out = dist_pool.run(case_deepspeed_engine_only_rank0_calculates, timeout=180)
+    _check_only_rank0(out)
+
+
+def test_agreement_inside_accumulate_names_the_missing_peer(dist_pool):
+    out = dist_pool.run(case_agreement_in_accumulate_with_a_rank_missing, timeout=120)
+    kind, text, seconds = out[0]
+    assert kind == "MetricSyncError" and "rank 1 " in text and "Accuracy.accumulate()" in text, text
+    assert "TP group [0, 1]" in text, text
+    assert seconds < LIMIT_S, seconds
+    assert out[1] is None
+    assert all(o == (None, "", o[2]) for o in out[2:]), out[2:]  # the other TP pairs went on
+
+
+def test_async_calculate_with_a_rank_missing_raises_and_keeps_the_interval(dist_pool):
+    out = dist_pool.run(case_async_with_a_rank_missing, timeout=120)
+    for rank, (first, result, kept) in enumerate(out):
+        assert first == {"loss": 72.0 / 32, "num_tokens": 32}
+        if rank == 5:
+            assert result is None
+            continue
+        kind, text, seconds = result
+        assert kind == "MetricSyncError" and "rank 5 " in text, text
+        assert seconds < LIMIT_S, seconds
+        assert kept and any(v for v in kept.values()), kept  # the interval came back
+
+
+def test_every_rank_calling_keeps_results_and_the_device_budget(dist_pool):
+    out = dist_pool.run(case_every_rank_calls, timeout=120)
+    for result, total, checks in out:
+        assert result == {"loss": 20.0 / 16, "num_tokens": 16}
+        assert total == 2 and checks == 1, (total, checks)  # data group, TP x PP; one barrier
+
+
+def case_vocab_parallel_forgotten():
+    """TP2 x DP4, Megatron's vocab shards given without vocab_parallel=True; the shard-only
+    hit counts of the two TP replicas agree (no label falls in either shard's argmax)."""
+    mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4)
+    m = Accuracy(mesh)  # vocab_parallel forgotten
+    vocab, shard = 8, 4
+    full = torch.zeros(1, 3, vocab)
+    full[..., 0] = 1.0  # every token's argmax is id 0 (in shard 0), the labels are 5, 6, 7
+    local = full[..., mesh.tp_rank * shard:(mesh.tp_rank + 1) * shard]
+    m.accumulate({"labels": torch.tensor([[5, 6, 7]])}, {"logits": local})
+    try:
+        return m.calculate()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc)
+
+
+def test_vocab_sharded_logits_without_vocab_parallel_raise_from_the_first_interval(dist_pool):
+    for out in dist_pool.run(case_vocab_parallel_forgotten):
+        kind, text = out
+        assert kind == "ValueError" and "vocab_parallel=True" in text and "reach id 7" in text, out

@@ -1,0 +1,60 @@
+"""How far the labels reach into the logits' vocab: the check that catches vocab-sharded
+logits given without ``vocab_parallel=True`` from the first interval.
+
+A metric that reads logits keeps two ``"max"`` states (``VOCAB_STATES``): the largest
+label id it counted and the logits' last dimension. Both ride in the fused sync; in
+``accumulate`` the first is a device reduction (no host read), the second a shape.
+``check_reach`` in ``compute`` sees the reduced numbers, the same on every rank, so
+every rank raises alike: labels past the last dimension mean the logits hold part of
+the vocab (TP shards) or the labels are out of range, and no accuracy or entropy
+computed from them is right, whether or not the TP replicas' counts happen to agree.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.microbatch import join
+
+
+def vocab_states() -> Dict[str, State]:
+    """The two states, added after checkpoints were written (``optional``)."""
+    return {"label_reach": State("max", torch.int64, optional=True),
+            "vocab_width": State("max", torch.int64, optional=True)}
+
+
+def reach(labels: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], widths: Sequence[int]
+          ) -> Optional[Dict[str, object]]:
+    """Contributions of one call: the largest counted label id (a device scalar) and the
+    widest logits' last dimension (a host int); ``None`` with no microbatch."""
+    if not widths:
+        return None
+    lab, mask = join(list(labels)), join(list(masks))
+    if lab.numel() == 0:
+        return {"vocab_width": max(widths)}
+    counted = torch.where(mask, lab.to(torch.int64), torch.full_like(lab, -1, dtype=torch.int64))
+    return {"label_reach": counted.amax(), "vocab_width": max(widths)}
+
+
+def check_reach(metric: str, s, vocab_parallel: bool, tp_size: int, what: str) -> None:
+    """Raise when the counted labels run past the logits' vocab (on every rank: ``s`` is
+    the reduced states). ``what`` names the number that would be wrong."""
+    top, width = s.get("label_reach"), s.get("vocab_width")
+    if top is None or width is None or width <= 0 or top < 0:
+        return
+    vocab = width * tp_size if vocab_parallel else width
+    if top < vocab:
+        return
+    if not vocab_parallel and tp_size > 1:
+        fix = (f"the logits look vocab-sharded over the TP group of {tp_size} ranks (Megatron's "
+               "[b, s, v/tp] shards): pass vocab_parallel=True")
+    elif vocab_parallel:
+        fix = (f"with vocab_parallel=True the vocab is {width} x {tp_size} TP ranks = {vocab}; check the "
+               "labels (and that the TP group is the logits' vocab-parallel group)")
+    else:
+        fix = ("labels must be token ids below the vocab size (or ignore_index); if the logits are a "
+               "vocab shard, pass vocab_parallel=True with the mesh's TP group")
+    raise ValueError(f"{metric}: labels reach id {top} but the logits' last dimension is {width}, so "
+                     f"{what} cannot be right; {fix}. The interval is kept")
