@@ -185,23 +185,29 @@ def test_every_rank_calling_keeps_results_and_the_device_budget(dist_pool):
         assert total == 2 and checks == 1, (total, checks)  # data group, TP x PP; one barrier
 
 
-def case_vocab_parallel_forgotten():
-    """TP2 x DP4, Megatron's vocab shards given without vocab_parallel=True; the shard-only
-    hit counts of the two TP replicas agree (no label falls in either shard's argmax)."""
+def case_vocab_parallel_forgotten(kind):
+    """TP2 x DP4, Megatron's vocab shards given without vocab_parallel=True; the two TP
+    replicas' shard-only numbers agree (equal shards: no label in either shard's argmax,
+    equal entropies), so only the labels' reach can tell."""
+    from twinkle_metrics import GRPOMetric
+
     mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4)
-    m = Accuracy(mesh)  # vocab_parallel forgotten
-    vocab, shard = 8, 4
-    full = torch.zeros(1, 3, vocab)
-    full[..., 0] = 1.0  # every token's argmax is id 0 (in shard 0), the labels are 5, 6, 7
-    local = full[..., mesh.tp_rank * shard:(mesh.tp_rank + 1) * shard]
-    m.accumulate({"labels": torch.tensor([[5, 6, 7]])}, {"logits": local})
+    local = torch.zeros(1, 3, 4)  # this TP rank's half of an 8-entry vocab
+    labels = {"labels": torch.tensor([[5, 6, 7]])}
+    if kind == "accuracy":
+        m = Accuracy(mesh)  # vocab_parallel forgotten
+        m.accumulate(labels, {"logits": local})
+    else:
+        m = GRPOMetric(mesh, entropy_from_logits=True)
+        m.accumulate(labels, {"logits": local, "logps": torch.full((1, 3), -0.5)})
     try:
         return m.calculate()
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return type(exc).__name__, str(exc)
 
 
-def test_vocab_sharded_logits_without_vocab_parallel_raise_from_the_first_interval(dist_pool):
-    for out in dist_pool.run(case_vocab_parallel_forgotten):
-        kind, text = out
-        assert kind == "ValueError" and "vocab_parallel=True" in text and "reach id 7" in text, out
+@pytest.mark.parametrize("kind", ["accuracy", "grpo_entropy"])
+def test_vocab_sharded_logits_without_vocab_parallel_raise_from_the_first_interval(dist_pool, kind):
+    for out in dist_pool.run(case_vocab_parallel_forgotten, kind):
+        kind_, text = out
+        assert kind_ == "ValueError" and "vocab_parallel=True" in text and "reach id 7" in text, out

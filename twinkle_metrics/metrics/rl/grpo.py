@@ -10,7 +10,9 @@ from parallel import group_size
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.checks import as_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.vocab import check_reach, reach, vocab_states
 from twinkle_metrics.kernels import entropy
 from twinkle_metrics.metrics.rl.policy_sums import (  # noqa: F401 - the histograms are part of this module's names
     ENTROPY_HISTOGRAM,
@@ -260,6 +262,10 @@ class GRPOMetric(PolicySums, Metric):
         # sequence completion): the groups every update agrees on, in that order
         self.agree_over = (("tp",) if self.entropy_from_logits and self.vocab_parallel else ()) + (
             ("cp",) if self.sequence_level_clip or self._per_sequence else ())
+        if self.entropy_from_logits:  # labels past the logits' vocab: checked in compute
+            for state_name, state in vocab_states().items():
+                self.add_state(state_name, state)
+            self.unsliced_states = type(self).unsliced_states + tuple(vocab_states())
         if self.entropy_from_logits and not self.vocab_parallel:  # why TP replicas could differ
             self.tp_mismatch_hint = ("with entropy_from_logits, logits that are vocab-sharded over the TP "
                                      "group need vocab_parallel=True")
@@ -346,7 +352,23 @@ class GRPOMetric(PolicySums, Metric):
         acc, parts, rows = self._sums(batch, ents)
         if parts is not None or rows is not None:
             acc.update(self._sequence_stats(parts, rows))
+        if jobs:
+            acc.update(self._reach(batch["items"], jobs))
         return acc
+
+    @staticmethod
+    def _reach(items, jobs):
+        """How far the labels of the microbatches with logits reach (``inputs.vocab``)."""
+        labels, masks = [], []
+        for i, _, m in jobs:
+            lab = items[i]["feat"].get("labels")
+            if lab is None:
+                continue
+            lab = as_tensor(lab, m.device)
+            lab = (lab.unsqueeze(0) if lab.dim() == 1 else lab).expand(m.shape[0], -1)[:, :m.shape[1]]
+            labels.append(lab)
+            masks.append(m[:, :lab.shape[1]])
+        return reach(labels, masks, [int(logits.shape[-1]) for _, logits, _ in jobs]) or {}
 
 
 
@@ -367,6 +389,9 @@ class GRPOMetric(PolicySums, Metric):
 
     # ---------------------------------------------------------------- compute
     def compute(self, s):
+        if self.entropy_from_logits:
+            check_reach(type(self).__name__, s, self.vocab_parallel, self.resolve_mesh().tp_size,
+                        "the entropy from logits")
         out: Dict[str, Any] = {"train/nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
         if not s["n_tok"]:
             return out
