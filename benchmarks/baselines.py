@@ -215,6 +215,113 @@ CASES = {"RolloutMismatchMetric": (rollout_mismatch, 12, 10),  # (builder, block
          "MoERoutingMetric": (moe_routing, 10, 5)}
 
 
+# -------------------------------------------------------------------------- PassAtKMetric
+def pass_at_k(seed: int = 0, prompts: int = 256, samples: int = 16) -> Dict[str, Any]:
+    from twinkle_metrics.metrics.rl.pass_at_k import PassAtKMetric
+
+    g = torch.Generator().manual_seed(seed)
+    n = prompts * samples
+    index = torch.randperm(n, generator=g) % prompts  # each prompt's samples spread over the batch
+    ids = index.tolist()  # host prompt ids, as an eval loop has them
+    correct = torch.rand(n, generator=g) < 0.4
+    metric = PassAtKMetric(k=(1, 4, 8))
+
+    def ours():
+        metric.accumulate(None, None, prompt_ids=ids, correct=correct)
+
+    def scatter():
+        # the unavoidable work: per-prompt sample and correct counts, by prompt index
+        counts = torch.zeros(prompts, 2, dtype=torch.int64)
+        return counts.index_add_(0, index, torch.stack([torch.ones_like(index), correct.long()], 1))
+
+    def host_index_scatter():
+        # the same, with the host ids mapped to row indices first (a dict, as a user would)
+        rows: Dict[Any, int] = {}
+        idx = torch.tensor([rows.setdefault(p, len(rows)) for p in ids])
+        counts = torch.zeros(len(rows), 2, dtype=torch.int64)
+        return counts.index_add_(0, idx, torch.stack([torch.ones_like(idx), correct.long()], 1))
+
+    return {"workload": f"{prompts} prompts x {samples} samples per call (host int ids, bool correct), "
+                        "k=(1, 4, 8), max_prompts=1024",
+            "fns": {"ours": ours, "scatter-add by prompt index": scatter,
+                    "host id->index + scatter-add": host_index_scatter},
+            "reset": metric.reset, "notes": {}}
+
+
+CASES["PassAtKMetric"] = (pass_at_k, 10, 5)
+
+
+# ------------------------------------------------------------------------ StalenessMetric
+def staleness(seed: int = 0) -> Dict[str, Any]:
+    from twinkle_metrics.metrics.rl.staleness import StalenessMetric
+
+    g = torch.Generator().manual_seed(seed)
+    b, s, policy = 16, 2048, 100
+    labels = _completion_labels(g, b, s)
+    # partial rollouts: each token's behaviour-policy version, up to 8 behind
+    versions = policy - torch.randint(0, 9, (b, s), generator=g)
+    metric = StalenessMetric(max_staleness=4)
+
+    def ours():
+        metric.accumulate({"labels": labels}, None, policy_version=policy, rollout_versions=versions, in_flight=3)
+
+    def naive():
+        # masked mean / min / max of policy - versions: what a user would write over the same tokens
+        mask = labels != -100
+        st = policy - versions
+        return torch.stack([torch.where(mask, st, 0).sum() / mask.sum(), torch.where(mask, st, policy).amin(),
+                            torch.where(mask, st, -1).amax()])
+
+    return {"workload": f"[{b}, {s}] int64 per-token rollout versions (completion labels), max_staleness=4, "
+                        "p50/p90/p99 histogram",
+            "fns": {"ours": ours, "masked mean/min/max": naive}, "reset": metric.reset, "notes": {}}
+
+
+CASES["StalenessMetric"] = (staleness, 10, 5)
+
+
+# ---------------------------------------------------------- GRPOMetric:seq-mean-token-mean
+def grpo_seq_mean(seed: int = 0) -> Dict[str, Any]:
+    from benchmarks.bench_accumulate import workloads
+    from twinkle_metrics import GRPOMetric
+
+    w = workloads(seed)["GRPOMetric"]  # the GRPOMetric benchmark's tensors
+    inputs, outputs, kw = w["inputs"], w["outputs"], w["kwargs"]
+    seq, token = GRPOMetric(loss_agg_mode="seq-mean-token-mean"), GRPOMetric()
+
+    def ours():
+        seq.accumulate(inputs, outputs, **kw)
+
+    def default():
+        token.accumulate(inputs, outputs, **kw)
+
+    def naive():
+        # per-sequence token means of the mode's main keys, then their mean over sequences:
+        # what a user would write over the same tokens (no mergeable states, no NaN accounting)
+        m = inputs["labels"] != -100
+        n = m.sum(1)
+        live = n > 0
+        d = torch.where(m, outputs["logps"].double() - kw["old_logps"].double(), 0.0)
+        r = torch.exp(d)
+        adv = kw["advantages"][:, None]
+        clip = ((r < 0.8) & (adv < 0)) | ((r > 1.2) & (adv > 0))
+        cols = torch.stack([(clip & m).sum(1).double(), torch.where(m, r - d - 1, 0.0).sum(1),
+                            torch.where(m, r, 0.0).sum(1), d.sum(1),
+                            torch.where(m, outputs["entropies"].double(), 0.0).sum(1),
+                            torch.where(m, outputs["logps"].double(), 0.0).sum(1)], 1)
+        per_seq = cols / n.clamp(min=1)[:, None]
+        return torch.where(live[:, None], per_seq, 0.0).sum(0) / live.sum()
+
+    return {"workload": f"[16, 2048] fp32 logps, old logps, entropies, per-sequence advantages (the "
+                        f"GRPOMetric case's), {int((inputs['labels'] != -100).sum())} counted tokens",
+            "fns": {"ours": ours, "GRPOMetric token-mean (default)": default,
+                    "plain torch per-sequence means": naive},
+            "reset": lambda: (seq.reset(), token.reset()), "notes": {}}
+
+
+CASES["GRPOMetric:seq-mean-token-mean"] = (grpo_seq_mean, 10, 5)
+
+
 # ---------------------------------------------------------------------------- measuring
 class _OpCounter(TorchDispatchMode):
     """aten operators dispatched, views excluded (they launch nothing)."""

@@ -226,7 +226,8 @@ def main(argv=None):
         sys.stdout.flush()
     if base:
         payload["baseline_cases"] = base
-        payload["baseline_implementation"] = {n: c.__module__ for n, c in suite.ours_classes(list(base)).items()}
+        payload["baseline_implementation"] = {  # "Class:variant" cases name their class first
+            n: suite.ours_classes([n.split(":")[0]])[n.split(":")[0]].__module__ for n in base}
     python = os.path.relpath(sys.executable, common.ROOT) if sys.executable.startswith(common.ROOT + os.sep) \
         else sys.executable
     command = f"{python} -m benchmarks.bench_accumulate " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -119,19 +119,25 @@ def case_async_with_a_rank_missing():
         lifecycle.release()
 
 
-def case_every_rank_calls():
-    """The healthy path: results as before, the device budget unchanged, one host check."""
+def case_every_rank_calls(group_timeout_s):
+    """The healthy path: results as before, the device budget unchanged. Groups within
+    the bound carry their own named waits (no check added); groups that wait longer
+    (Megatron's, DeepSpeed's) get one arrival barrier on the library's gloo group."""
     def run():
-        mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4, timeout=BOUND_S)
+        # timeout= sets the groups' timeout and the bound; None: the groups take the pool's
+        # init timeout, longer than the environment's bound
+        mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4, timeout=group_timeout_s)
         m = _loss(mesh)
         m.calculate()  # the first call negotiates
         m = _loss(mesh)
         with CollectiveCounter() as counter:
             out = m.calculate()
         return out, counter.total, counter.checks
+    os.environ["TWINKLE_METRICS_TIMEOUT_S"] = str(BOUND_S)
     try:
         return run()
     finally:
+        del os.environ["TWINKLE_METRICS_TIMEOUT_S"]
         lifecycle.release()
 
 
@@ -178,11 +184,12 @@ def test_async_calculate_with_a_rank_missing_raises_and_keeps_the_interval(dist_
         assert kept and any(v for v in kept.values()), kept  # the interval came back
 
 
-def test_every_rank_calling_keeps_results_and_the_device_budget(dist_pool):
-    out = dist_pool.run(case_every_rank_calls, timeout=120)
+@pytest.mark.parametrize("group_timeout_s,barriers", [(BOUND_S, 0), (None, 1)])
+def test_every_rank_calling_keeps_results_and_the_device_budget(dist_pool, group_timeout_s, barriers):
+    out = dist_pool.run(case_every_rank_calls, group_timeout_s, timeout=120)
     for result, total, checks in out:
         assert result == {"loss": 20.0 / 16, "num_tokens": 16}
-        assert total == 2 and checks == 1, (total, checks)  # data group, TP x PP; one barrier
+        assert total == 2 and checks == barriers, (total, checks)  # data group, TP x PP
 
 
 def case_vocab_parallel_forgotten(kind):

@@ -62,6 +62,7 @@ class _Door:
         self.calls = 0
         self.group = None
         self.world = None  # the default group the door's group was made under
+        self.met = False  # the ranks met once in the store (``arrive_mesh``'s inline case)
         self.closed: Optional[str] = None
 
     def ready(self) -> bool:
@@ -120,13 +121,42 @@ def arrive(what: str, ranks: Sequence[int], timeout: timedelta, label: str, purp
     _finish(door.group.barrier(), door, what, timeout, label)
 
 
-def arrive_mesh(what: str, mesh, data_group, share_group, purpose: str = "calculate") -> None:
-    """``arrive`` over every rank a ``calculate()`` on ``(data_group, share_group)``
-    involves: the whole mesh in one barrier when it spans WORLD, else each group's ranks
-    in turn."""
+def arrive_mesh(what: str, mesh, data_group, share_group, purpose: str = "calculate") -> bool:
+    """Bound the waits of a ``calculate()`` on ``(data_group, share_group)``.
+
+    When both are CPU groups whose own timeout is within the bound, their collectives
+    are bounded already: the ranks meet once in the store (the first time, bounded and
+    named), and the caller runs its collectives through ``all_gather_rows`` (returns
+    True: nothing added in the steady state). Else ``arrive`` over every rank the call
+    involves: the whole mesh in one barrier when it spans WORLD, else each group's
+    ranks in turn (returns False).
+    """
     timeout = mesh.wait_timeout()
+    held = [g for g in (data_group, share_group) if g is not None]
+    inline = all(G.is_cpu_group(g) and not G.is_owned(g) and G.within(g, timeout) for g in held)
     for ranks, label in _spans(mesh, data_group, share_group):
-        arrive(what, ranks, timeout, label, purpose)
+        if not inline:
+            arrive(what, ranks, timeout, label, purpose)
+        elif len(ranks) > 1 and not _door(purpose, ranks, timeout).met:
+            door = _door(purpose, ranks, timeout)
+            _open(door, what, timeout, label, create=False)
+            door.met = True
+    return inline
+
+
+def all_gather_rows(buf, group, what: str, label: str):
+    """``groups.all_gather_rows`` on a CPU ``group`` within the bound, its wait named
+    like ``arrive``'s (``settle``)."""
+    import torch
+
+    n = G.group_size(group)
+    if n == 1:
+        return buf.unsqueeze(0)
+    out = torch.empty(n * buf.numel(), dtype=buf.dtype, device=buf.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(out, buf.contiguous(), group=group, async_op=True)
+    settle(work, what, group, G.group_timeout(group) or timedelta(minutes=30), label)
+    return out.view(n, buf.numel())
 
 
 def prepare_mesh(what: str, mesh, data_group, share_group, purpose: str) -> bool:

@@ -173,12 +173,13 @@ def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
     mesh.check_live("calculate()")
     data_group = lead.data_group()
     share_group = mesh.result_group
-    if data_group is not None or share_group is not None:
-        lifecycle.ensure()
-        bounded.arrive_mesh("calculate()", mesh, data_group, share_group,
-                            "calculate" if groups is None else "async")
     if groups is not None:
         data_group, share_group = groups(data_group, share_group)
+    inline = False
+    if data_group is not None or share_group is not None:
+        lifecycle.ensure()
+        inline = bounded.arrive_mesh("calculate()", mesh, data_group, share_group,
+                                     "calculate" if groups is None else "async")
     configs = tuple(m.sync_fingerprint() for m in metrics)
     if data_group is None and share_group is None:
         plan = _local_plan(metrics, configs)
@@ -192,7 +193,7 @@ def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
         if plan is None and not ch.plans:  # nothing agreed on these groups yet, on any rank
             plan = _negotiate(metrics, configs, ch, data_group, share_group, _path(data_group))
         need = plan is None or not plan.covers(metrics)
-        host = _data_phase(metrics, plan, need, ch, data_group, share_group, mesh)
+        host = _data_phase(metrics, plan, need, ch, data_group, share_group, mesh, inline)
         if host is not None:
             return host
         _negotiate(metrics, configs, ch, data_group, share_group, _path(data_group))
@@ -212,8 +213,15 @@ def _local_plan(metrics, configs) -> _Plan:
 
 # ------------------------------------------------------------------------ data phase
 def _data_phase(metrics, plan: Optional[_Plan], need: bool, ch: _Channel, data_group, share_group,
-                mesh) -> Optional[List[Dict[str, Any]]]:
-    """Pack, gather (or all-reduce), merge, share; None when some rank asked for a new plan."""
+                mesh, inline: bool = False) -> Optional[List[Dict[str, Any]]]:
+    """Pack, gather (or all-reduce), merge, share; None when some rank asked for a new plan.
+    ``inline``: the groups are CPU groups within the wait bound, and their gathers' waits
+    are named (``bounded.all_gather_rows``)."""
+    def gather(buf, group):
+        if inline and group is not None:
+            return bounded.all_gather_rows(buf, group, "calculate()", mesh.group_label(group))
+        return all_gather_rows(buf, group)
+
     lead = metrics[0]
     comm = data_group if data_group is not None else share_group
     device = comm_device(comm)
@@ -224,7 +232,7 @@ def _data_phase(metrics, plan: Optional[_Plan], need: bool, ch: _Channel, data_g
     if _reduces(data_group):  # the same size on every rank of the group: all take this branch
         vec = _reduce_data(usable, metrics, buf, ch.reduce_sizes, data_group)
     else:
-        rows = all_gather_rows(buf, data_group)                  # collective 1
+        rows = gather(buf, data_group)                           # collective 1
         vec = _merge(usable, metrics, rows) if usable is not None else rows[0].clone()
         vec[_H_NEED] = torch.maximum(rows[:, _H_NEED].amax(),
                                      (rows[:, _H_PLAN] != rows[0, _H_PLAN]).any().to(torch.float64))
@@ -233,7 +241,7 @@ def _data_phase(metrics, plan: Optional[_Plan], need: bool, ch: _Channel, data_g
     if share_group is None:
         host = vec.unsqueeze(0).cpu()                            # the one device-to-host copy
     else:
-        host = all_gather_rows(vec, share_group).cpu()           # collective 2, then the copy
+        host = gather(vec, share_group).cpu()                    # collective 2, then the copy
     if bool((host[:, _H_NEED] != 0).any()):
         return None
     if share_group is not None:

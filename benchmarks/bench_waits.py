@@ -1,0 +1,111 @@
+"""What the bounded waits add to a steady-state calculate() (issue: bounded, named waits).
+
+    .venv/bin/python -m benchmarks.bench_waits [--world 8] [--iters 60] [--layout dp|tp2]
+
+On ``--world`` gloo ranks (one process each, one intra-op thread), one collection
+(LossMetric, Accuracy, GRPOMetric, CompletionRewardMetric with quantiles) is
+calculated in alternating iterations with the bounded waits (``comm.bounded``) and
+without them (``bounded.arrive_mesh`` replaced by a no-op in this process only: the
+sync of before), on the same metrics and tensors, after a barrier. The mesh's groups
+wait 120 s (the pool's ``init_process_group`` timeout). ``--bound`` (seconds,
+``TWINKLE_METRICS_TIMEOUT_S``) at or above that takes the inline path: the gathers on
+the CPU groups carry the named waits themselves; below it (as with Megatron's and
+DeepSpeed's 30-minute groups, or device groups) the arrival barrier runs first. An iteration's latency is the slowest
+rank's; the ratio is taken per pair of neighbouring iterations and summarised by its
+median (p10, p90). Collectives on the metrics' groups and arrival checks are counted
+in one steady-state call (``testing.CollectiveCounter``: ``total`` and ``checks``).
+Writes ``benchmarks/results/waits.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def _rank(layout: str, iters: int, bound: float):
+    import torch
+    import torch.distributed as dist
+
+    from parallel import DeviceMesh
+    from twinkle_metrics import Accuracy, CompletionRewardMetric, GRPOMetric, LossMetric, MetricCollection
+    from twinkle_metrics.comm import bounded
+    from twinkle_metrics.testing import CollectiveCounter
+
+    world = dist.get_world_size()
+    os.environ["TWINKLE_METRICS_TIMEOUT_S"] = str(bound)
+    mesh = (DeviceMesh.from_sizes(dp_size=world) if layout == "dp"
+            else DeviceMesh.from_sizes(tp_size=2, dp_size=world // 2))
+    coll = MetricCollection({"loss": LossMetric(loss_reduction="sum"), "acc": Accuracy(),
+                             "grpo": GRPOMetric(), "rew": CompletionRewardMetric(quantiles=(0.5, 0.9))},
+                            device_mesh=mesh)
+    g = torch.Generator().manual_seed(mesh.dp_rank)
+    labels = torch.randint(0, 64, (4, 32), generator=g)
+    logits, lp = torch.randn(4, 32, 64, generator=g), -torch.rand(4, 32, generator=g)
+
+    def step():
+        coll.accumulate({"labels": labels}, {"logits": logits, "logps": lp, "lm loss": torch.tensor([3.0, 4.0])},
+                        old_logps=lp + 0.01, advantages=torch.ones(4), rewards=[0.1, 0.2, 0.3, 0.4])
+
+    real = bounded.arrive_mesh
+    for _ in range(3):  # negotiation and first doors
+        step()
+        coll.calculate()
+    step()
+    with CollectiveCounter() as counter:
+        coll.calculate()
+    counts = (counter.total, counter.checks)
+    times = {"on": [], "off": []}
+    for it in range(2 * iters):
+        mode = "on" if it % 2 == 0 else "off"
+        bounded.arrive_mesh = real if mode == "on" else (lambda *a, **k: None)
+        step()
+        dist.barrier()
+        t0 = time.perf_counter()
+        coll.calculate()
+        times[mode].append(time.perf_counter() - t0)
+    bounded.arrive_mesh = real
+    everyone = [None] * world
+    dist.all_gather_object(everyone, times)
+    return counts, everyone
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--layout", choices=("dp", "tp2"), default="dp")
+    ap.add_argument("--bound", type=float, default=120,
+                    help="TWINKLE_METRICS_TIMEOUT_S; below the groups' 120 s: the barrier path")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from twinkle_metrics.testing.pool import DistPool
+
+    pool = DistPool(args.world, timeout_s=120)
+    try:
+        out = pool.run(_rank, args.layout, args.iters, args.bound, timeout=900)
+    finally:
+        pool.close()
+    (total, checks), everyone = out[0]
+    slow = {m: [max(r[m][i] for r in everyone) for i in range(args.iters)] for m in ("on", "off")}
+    ratios = sorted(a / b for a, b in zip(slow["on"], slow["off"]))
+    q = statistics.quantiles(ratios, n=10)
+    path_name = "inline" if args.bound >= 120 else "barrier"
+    report = {"world": args.world, "layout": args.layout, "iters": args.iters, "path": path_name,
+              "median_ms_bounded": 1e3 * statistics.median(slow["on"]),
+              "median_ms_without": 1e3 * statistics.median(slow["off"]),
+              "ratio_median": statistics.median(ratios), "ratio_p10": q[0], "ratio_p90": q[-1],
+              "collectives_on_metric_groups": total, "arrival_checks": checks}
+    print(f"calculate() on {args.world} gloo ranks ({args.layout}, {path_name} path): bounded "
+          f"{report['median_ms_bounded']:.2f} ms, unbounded {report['median_ms_without']:.2f} ms; "
+          f"ratio {report['ratio_median']:.3f} (p10 {q[0]:.3f}, p90 {q[-1]:.3f}); "
+          f"collectives on the metrics' groups {total}, arrival checks {checks}")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"waits_{args.layout}_{path_name}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
