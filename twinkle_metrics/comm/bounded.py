@@ -121,7 +121,7 @@ def arrive(what: str, ranks: Sequence[int], timeout: timedelta, label: str, purp
     _finish(door.group.barrier(), door, what, timeout, label)
 
 
-def arrive_mesh(what: str, mesh, data_group, share_group, purpose: str = "calculate") -> bool:
+def arrive_mesh(what: str, mesh, data_group, share_group, purpose: str = "calculate", used=None) -> bool:
     """Bound the waits of a ``calculate()`` on ``(data_group, share_group)``.
 
     When both are CPU groups whose own timeout is within the bound, their collectives
@@ -129,10 +129,11 @@ def arrive_mesh(what: str, mesh, data_group, share_group, purpose: str = "calcul
     named), and the caller runs its collectives through ``all_gather_rows`` (returns
     True: nothing added in the steady state). Else ``arrive`` over every rank the call
     involves: the whole mesh in one barrier when it spans WORLD, else each group's
-    ranks in turn (returns False).
+    ranks in turn (returns False). ``used``: the groups the collectives run on, when
+    not these (an asynchronous calculate's private twins); the ranks come from these.
     """
     timeout = mesh.wait_timeout()
-    held = [g for g in (data_group, share_group) if g is not None]
+    held = [g for g in (used or (data_group, share_group)) if g is not None]
     inline = all(G.is_cpu_group(g) and not G.is_owned(g) and G.within(g, timeout) for g in held)
     for ranks, label in _spans(mesh, data_group, share_group):
         if not inline:
@@ -250,8 +251,8 @@ def _open(door: _Door, what: str, timeout: timedelta, label: str, create: bool =
         try:
             if store.add(count_key, 1) >= len(door.ranks):
                 store.set(all_key, "1")
-            store.wait([all_key], timeout)
-        except (RuntimeError, dist.DistError) as exc:
+            _poll(store, all_key, start + timeout.total_seconds())
+        except (RuntimeError, TimeoutError, dist.DistError) as exc:
             _fail(door, what, timeout, label, time.monotonic() - start, exc)
     if not create:
         return
@@ -260,6 +261,19 @@ def _open(door: _Door, what: str, timeout: timedelta, label: str, create: bool =
         door.world = dist.group.WORLD
     except (RuntimeError, dist.DistError) as exc:
         _fail(door, what, timeout, label, time.monotonic() - start, exc)
+
+
+def _poll(store, key: str, deadline: float) -> None:
+    """Until ``key`` is set or ``deadline`` passes (``TimeoutError``). Short requests, not
+    ``store.wait``: a store client serves one request at a time, so a blocking wait on
+    one thread (the asynchronous calculate's) would hold back another's (the training
+    loop's) arrival, and two ranks waiting for each other's other thread never meet."""
+    pause = 0.001
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"store key {key} not set in time")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def _mark(door: _Door) -> None:

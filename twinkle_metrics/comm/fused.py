@@ -171,15 +171,15 @@ def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
     lead = metrics[0]
     mesh = lead.resolve_mesh()
     mesh.check_live("calculate()")
-    data_group = lead.data_group()
-    share_group = mesh.result_group
+    own_data, own_share = lead.data_group(), mesh.result_group
+    data_group, share_group = own_data, own_share
     if groups is not None:
         data_group, share_group = groups(data_group, share_group)
     inline = False
     if data_group is not None or share_group is not None:
         lifecycle.ensure()
-        inline = bounded.arrive_mesh("calculate()", mesh, data_group, share_group,
-                                     "calculate" if groups is None else "async")
+        inline = bounded.arrive_mesh("calculate()", mesh, own_data, own_share,
+                                     "calculate" if groups is None else "async", (data_group, share_group))
     configs = tuple(m.sync_fingerprint() for m in metrics)
     if data_group is None and share_group is None:
         plan = _local_plan(metrics, configs)

@@ -25,11 +25,13 @@ def vocab_states() -> Dict[str, State]:
             "vocab_width": State("max", torch.int64, optional=True)}
 
 
-def reach(labels: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], widths: Sequence[int]
-          ) -> Optional[Dict[str, object]]:
+def reach(labels: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], widths: Sequence[int],
+          vocab_parallel: bool = False) -> Optional[Dict[str, object]]:
     """Contributions of one call: the largest counted label id (a device scalar) and the
-    widest logits' last dimension (a host int); ``None`` with no microbatch."""
-    if not widths:
+    widest logits' last dimension (a host int); ``None`` with no microbatch, or with
+    ``vocab_parallel`` (shards may be uneven, so TP replicas' widths differ, and the
+    vocab-parallel collectives see the whole vocab: nothing to catch)."""
+    if not widths or vocab_parallel:
         return None
     lab, mask = join(list(labels)), join(list(masks))
     if lab.numel() == 0:
@@ -42,17 +44,11 @@ def check_reach(metric: str, s, vocab_parallel: bool, tp_size: int, what: str) -
     """Raise when the counted labels run past the logits' vocab (on every rank: ``s`` is
     the reduced states). ``what`` names the number that would be wrong."""
     top, width = s.get("label_reach"), s.get("vocab_width")
-    if top is None or width is None or width <= 0 or top < 0:
+    if vocab_parallel or top is None or width is None or width <= 0 or top < 0 or top < width:
         return
-    vocab = width * tp_size if vocab_parallel else width
-    if top < vocab:
-        return
-    if not vocab_parallel and tp_size > 1:
+    if tp_size > 1:
         fix = (f"the logits look vocab-sharded over the TP group of {tp_size} ranks (Megatron's "
                "[b, s, v/tp] shards): pass vocab_parallel=True")
-    elif vocab_parallel:
-        fix = (f"with vocab_parallel=True the vocab is {width} x {tp_size} TP ranks = {vocab}; check the "
-               "labels (and that the TP group is the logits' vocab-parallel group)")
     else:
         fix = ("labels must be token ids below the vocab size (or ignore_index); if the logits are a "
                "vocab shard, pass vocab_parallel=True with the mesh's TP group")

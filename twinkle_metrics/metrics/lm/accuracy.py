@@ -90,7 +90,7 @@ class Accuracy(Metric):
         mask = join([m for _, _, m in work])
         out = {"correct": (hits & mask).sum(), "total": mask.sum()}
         out.update(reach([lab for _, lab, _ in work], [m for _, _, m in work],
-                         [int(x.shape[-1]) for x, _, _ in work]))
+                         [int(x.shape[-1]) for x, _, _ in work], self.vocab_parallel) or {})
         return out
 
     def _agree_shapes(self, group, logits: List[torch.Tensor]) -> None:

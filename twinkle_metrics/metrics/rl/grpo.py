@@ -352,7 +352,7 @@ class GRPOMetric(PolicySums, Metric):
         acc, parts, rows = self._sums(batch, ents)
         if parts is not None or rows is not None:
             acc.update(self._sequence_stats(parts, rows))
-        if jobs:
+        if jobs and not self.vocab_parallel:
             acc.update(self._reach(batch["items"], jobs))
         return acc
 
