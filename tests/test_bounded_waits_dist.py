@@ -56,19 +56,6 @@ def _with_bound(fn):
         lifecycle.release()
 
 
-def case_megatron_only_rank0_calculates():
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                 create_gloo_process_groups=False)  # distributed_timeout_minutes: 30
-    try:
-        mesh = DeviceMesh.from_megatron()
-        held = G.group_timeout(mesh.data_group)
-        return held, _with_bound(lambda: _only({0}, _loss(mesh).calculate))
-    finally:
-        ps.destroy_model_parallel()
-
-
 def case_deepspeed_engine_only_rank0_calculates():
     import deepspeed
 
@@ -149,13 +136,6 @@ def _check_only_rank0(out):
     assert all(o[1] is None for o in out[1:])
 
 
-def test_megatron_groups_only_rank0_calculates_raises_in_seconds_naming_the_others(dist_pool):
-    out = dist_pool.run(case_megatron_only_rank0_calculates, timeout=120)
-    held = out[0][0]
-    assert held is None or held.total_seconds() >= 600, held  # Megatron's long default stays
-    _check_only_rank0(out)
-
-
 def test_deepspeed_engine_groups_only_rank0_calculates_raises_in_seconds(dist_pool):
     out = dist_pool.run(case_deepspeed_engine_only_rank0_calculates, timeout=180)
     _check_only_rank0(out)
@@ -218,3 +198,66 @@ def test_vocab_sharded_logits_without_vocab_parallel_raise_from_the_first_interv
     for out in dist_pool.run(case_vocab_parallel_forgotten, kind):
         kind_, text = out
         assert kind_ == "ValueError" and "vocab_parallel=True" in text and "reach id 7" in text, out
+
+
+SOURCES = ("megatron", "megatron_collection", "deepspeed_grid", "deepspeed_topology", "torch", "twinkle", "current")
+
+
+def _source_mesh(source):
+    if source == "megatron":  # parallel_state, distributed_timeout_minutes left at 30
+        return DeviceMesh.from_megatron()
+    if source == "megatron_collection":
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        return DeviceMesh.from_megatron(ProcessGroupCollection.use_mpu_process_groups())
+    if source.startswith("deepspeed"):
+        import deepspeed
+        from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
+
+        skip_deepspeed_shm_op()
+        deepspeed.init_distributed(dist_backend="gloo")
+        topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+        return DeviceMesh.from_deepspeed(PipelineParallelGrid(topology=topo) if source == "deepspeed_grid" else topo)
+    if source == "torch":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return DeviceMesh.from_torch(init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp")))
+    if source == "twinkle":
+        from tests.test_twinkle_compat import TwinkleLikeMesh
+
+        return DeviceMesh.from_twinkle(TwinkleLikeMesh.from_sizes(dp_size=4, tp_size=2))
+    return DeviceMesh.current()
+
+
+def case_every_source_only_rank0_calculates():
+    """One mesh of each group source in turn (Megatron's groups with their 30-minute
+    default); rank 0 alone calls calculate(). Also: the Megatron data group's own timeout."""
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,  # 30-min groups
+                                 create_gloo_process_groups=False)
+    try:
+        for source in SOURCES:
+            if source == "current":
+                ps.destroy_model_parallel()  # current(): WORLD as pure data parallel
+            mesh = _source_mesh(source)
+            if source == "megatron":
+                out["held"] = G.group_timeout(mesh.data_group)
+            out[source] = _with_bound(lambda: _only({0}, _loss(mesh).calculate))  # noqa: B023
+            dist.barrier()  # every rank past the release before the next source's groups
+    finally:
+        ps.destroy_model_parallel()
+    return out
+
+
+def test_every_group_source_bounds_and_names_a_missing_rank(dist_pool):
+    out = dist_pool.run(case_every_source_only_rank0_calculates, timeout=240)
+    held = out[0]["held"]
+    assert held is None or held.total_seconds() >= 600, held  # Megatron's long default stays
+    for source in SOURCES:
+        kind, text, seconds = out[0][source]
+        assert kind == "MetricSyncError" and "did not arrive" in text and "calculate()" in text, (source, text)
+        assert "ranks 1-7" in text, (source, text)
+        assert seconds < LIMIT_S, (source, seconds)
+        assert all(o[source] is None for o in out[1:]), source  # theirs to time out later
