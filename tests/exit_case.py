@@ -1,6 +1,7 @@
 """A 4-rank script that returns without ``destroy_process_group()`` (as many training
 scripts do): sliced Accuracy, CompletionReward with quantiles and GRPO in one collection,
-three intervals, synchronous or (``EXIT_CASE_ASYNC=1``) asynchronous calculate.
+three intervals, synchronous or (``EXIT_CASE_ASYNC=1``) asynchronous calculate;
+``EXIT_CASE_DESTROY=1``: the script calls ``destroy_process_group()`` before waiting.
 
 Run by ``tests/test_clean_exit_e2e.py`` as 4 processes with ``env://`` rendezvous; each
 rank writes its results to ``$EXIT_CASE_OUT.<rank>`` and its last line is ``done``.
@@ -39,6 +40,8 @@ def main():
             handles.append(coll.calculate(async_op=True))
         else:
             results.append(coll.calculate())
+    if os.environ.get("EXIT_CASE_DESTROY") == "1":  # with the handles still pending
+        dist.destroy_process_group()
     results += [h.wait() for h in handles]
     with open(f"{os.environ['EXIT_CASE_OUT']}.{rank}", "w") as f:
         f.write(json.dumps([sorted(r) for r in results]) + "\ndone\n")

@@ -20,14 +20,15 @@ RUNS = int(os.environ.get("TWINKLE_METRICS_EXIT_RUNS", "3"))
 WORLD = 4
 
 
-def _launch(tmp_path, asynchronous: bool, run: int):
+def _launch(tmp_path, asynchronous: bool, run: int, destroy: bool = False):
     port = free_port()
     out = tmp_path / f"run{run}"
     procs = []
     for rank in range(WORLD):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   EXIT_CASE_OUT=str(out), EXIT_CASE_ASYNC="1" if asynchronous else "0")
+                   EXIT_CASE_OUT=str(out), EXIT_CASE_ASYNC="1" if asynchronous else "0",
+                   EXIT_CASE_DESTROY="1" if destroy else "0")
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "exit_case.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     codes, logs = [], []
@@ -42,10 +43,11 @@ def _launch(tmp_path, asynchronous: bool, run: int):
     return codes, logs, [out.with_name(f"{out.name}.{r}") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_scripts_without_destroy_process_group_exit_zero(tmp_path, asynchronous):
-    for run in range(RUNS):
-        codes, logs, files = _launch(tmp_path, asynchronous, run)
+@pytest.mark.parametrize("asynchronous,destroy", [(False, False), (True, False), (True, True)],
+                         ids=["sync", "async", "async-destroy-pending"])
+def test_scripts_exit_zero_with_or_without_destroy_process_group(tmp_path, asynchronous, destroy):
+    for run in range(RUNS if not destroy else 1):
+        codes, logs, files = _launch(tmp_path, asynchronous, run, destroy)
         for rank, (code, log, path) in enumerate(zip(codes, logs, files)):
             assert code == 0, f"run {run} rank {rank} exited {code}:\n{log[-2000:]}"
             lines = path.read_text().splitlines()
