@@ -25,6 +25,8 @@ if importlib.util.find_spec("triton") is None:
 from tests.interpreted import INTERPRETED, interpreted, run_child  # noqa: E402
 
 kernel_test = interpreted
+#: a test that starts its own ``TRITON_INTERPRET=1`` process: run by the parent, beside the child
+beside_the_child = pytest.mark.skipif(INTERPRETED, reason="runs in the parent, beside this child")
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the child")
@@ -736,7 +738,7 @@ def test_row_sums_kernel_long_rows_and_views():
     torch.testing.assert_close(TD.masked_row_sums(a, m), want[:, :1], rtol=1e-13, atol=1e-13)
 
 
-@kernel_test
+@beside_the_child  # its own interpreted subprocess: in parallel with the child
 def test_gpu_bench_script_runs_end_to_end_dry():
     """The GPU benchmark, whole, at tiny shapes on the CPU: the one GPU call must not be
     the first time it runs. Its results are compared between the two paths."""
@@ -759,7 +761,7 @@ def test_gpu_bench_script_runs_end_to_end_dry():
     assert set(out["rl_max_rel_diff"]) == {"grpo", "dpo", "rollout", "ppo"} and out["moe_max_rel_diff"] < 1e-5
 
 
-@kernel_test
+@beside_the_child  # its own interpreted subprocess: in parallel with the child
 def test_gpu_tune_script_runs_end_to_end_dry():
     """The GPU tuning sweep, whole, at tiny shapes on the CPU (as gpu_bench above): every
     kernel variant it times runs, and every accumulate it profiles takes the kernel path."""
