@@ -10,7 +10,9 @@ sync of before), on the same metrics and tensors, after a barrier. The mesh's gr
 wait 120 s (the pool's ``init_process_group`` timeout). ``--bound`` (seconds,
 ``TWINKLE_METRICS_TIMEOUT_S``) at or above that takes the inline path: the gathers on
 the CPU groups carry the named waits themselves; below it (as with Megatron's and
-DeepSpeed's 30-minute groups, or device groups) the arrival barrier runs first. An iteration's latency is the slowest
+DeepSpeed's 30-minute gloo groups) the gathers run on gloo twins created with the bound
+("twins"). ``--partial`` builds the mesh over half of the world (4 + 4 ranks), which takes
+the arrival-barrier path that device (NCCL) groups take. An iteration's latency is the slowest
 rank's; the ratio is taken per pair of neighbouring iterations and summarised by its
 median (p10, p90). Collectives on the metrics' groups and arrival checks are counted
 in one steady-state call (``testing.CollectiveCounter``: ``total`` and ``checks``).
@@ -25,7 +27,7 @@ import statistics
 import time
 
 
-def _rank(layout: str, iters: int, bound: float):
+def _rank(layout: str, iters: int, bound: float, partial: bool = False):
     import torch
     import torch.distributed as dist
 
@@ -36,8 +38,12 @@ def _rank(layout: str, iters: int, bound: float):
 
     world = dist.get_world_size()
     os.environ["TWINKLE_METRICS_TIMEOUT_S"] = str(bound)
-    mesh = (DeviceMesh.from_sizes(dp_size=world) if layout == "dp"
-            else DeviceMesh.from_sizes(tp_size=2, dp_size=world // 2))
+    if partial:
+        halves = [dist.new_group(list(range(world // 2))), dist.new_group(list(range(world // 2, world)))]
+        mesh = DeviceMesh({"dp": halves[dist.get_rank() * 2 // world]})
+    else:
+        mesh = (DeviceMesh.from_sizes(dp_size=world) if layout == "dp"
+                else DeviceMesh.from_sizes(tp_size=2, dp_size=world // 2))
     coll = MetricCollection({"loss": LossMetric(loss_reduction="sum"), "acc": Accuracy(),
                              "grpo": GRPOMetric(), "rew": CompletionRewardMetric(quantiles=(0.5, 0.9))},
                             device_mesh=mesh)
@@ -78,21 +84,22 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--layout", choices=("dp", "tp2"), default="dp")
     ap.add_argument("--bound", type=float, default=120,
-                    help="TWINKLE_METRICS_TIMEOUT_S; below the groups' 120 s: the barrier path")
+                    help="TWINKLE_METRICS_TIMEOUT_S; below the groups' 120 s: bounded twins")
+    ap.add_argument("--partial", action="store_true", help="a mesh over half of the world: the barrier path")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from twinkle_metrics.testing.pool import DistPool
 
     pool = DistPool(args.world, timeout_s=120)
     try:
-        out = pool.run(_rank, args.layout, args.iters, args.bound, timeout=900)
+        out = pool.run(_rank, args.layout, args.iters, args.bound, args.partial, timeout=900)
     finally:
         pool.close()
     (total, checks), everyone = out[0]
     slow = {m: [max(r[m][i] for r in everyone) for i in range(args.iters)] for m in ("on", "off")}
     ratios = sorted(a / b for a, b in zip(slow["on"], slow["off"]))
     q = statistics.quantiles(ratios, n=10)
-    path_name = "inline" if args.bound >= 120 else "barrier"
+    path_name = "barrier" if args.partial else ("inline" if args.bound >= 120 else "twins")
     report = {"world": args.world, "layout": args.layout, "iters": args.iters, "path": path_name,
               "median_ms_bounded": 1e3 * statistics.median(slow["on"]),
               "median_ms_without": 1e3 * statistics.median(slow["off"]),

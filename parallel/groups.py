@@ -233,7 +233,7 @@ def release_owned() -> None:
     """Destroy what this module created (twins, private twins, owned groups), newest first,
     and forget it; groups already destroyed are skipped. Call it before the groups'
     backends go (``destroy_process_group()`` of WORLD, interpreter exit)."""
-    made = list(_twins.values()) + list(_private.values())
+    made = list(_twins.values()) + [g for cache in _private.values() for g in cache.values()]
     _owned.clear()  # unregistered: dropping the last reference ends them
     _twins.clear()
     _private.clear()
@@ -251,26 +251,30 @@ def release_owned() -> None:
                 pass
 
 
-_private = {}  # tuple(ranks) -> group used by nothing but background metric syncs
+_private: dict = {}  # (purpose, timeout) -> {tuple(ranks): group used by one user only}
 
 
-def private_twins_ready(groups) -> bool:
-    """Whether ``private_twins(groups)`` has every twin already (then it is not collective)."""
+def private_twins_ready(groups, purpose: str = "async", timeout=None) -> bool:
+    """Whether ``private_twins(groups, purpose, timeout)`` has every twin already (then it
+    is not collective)."""
+    cache = _private.setdefault((purpose, timeout), {})
     for g in groups:
         if g is None or group_size(g) <= 1:
             continue
-        twin = _private.get(tuple(group_ranks(g)))
+        twin = cache.get(tuple(group_ranks(g)))
         if twin is None or not group_alive(twin):
             return False
     return True
 
 
-def private_twins(groups) -> dict:
+def private_twins(groups, purpose: str = "async", timeout=None) -> dict:
     """Second groups over the ranks of each of ``groups``, with their backends, that only
-    one user issues collectives on (the background thread of an asynchronous
-    calculate): their collectives cannot interleave with the training loop's on the
-    originals, whatever the timing. Returns ``{id(group): twin}`` (``None`` for groups
-    of one rank); cached.
+    one user issues collectives on: the background thread of an asynchronous calculate
+    (``purpose="async"``: their collectives cannot interleave with the training loop's
+    on the originals, whatever the timing), or the library's waits on CPU groups whose
+    own timeout is longer than its bound (``"bounded"``, with ``timeout``). Returns
+    ``{id(group): twin}`` (``None`` for groups of one rank); cached per purpose and
+    timeout (``None``: the default group's).
 
     Creating groups is collective over WORLD: when this rank lacks a twin, every rank
     lists its own groups (one ``all_gather_object`` over WORLD) and all create the
@@ -278,25 +282,17 @@ def private_twins(groups) -> dict:
     rank must come here at the same point of its program, the first time it uses a
     set of groups (meshes are built alike on every rank, and so are the calls).
     """
-    out, missing = {}, False
-    for g in groups:
-        if g is None or group_size(g) <= 1:
-            out[id(g)] = None
-            continue
-        twin = _private.get(tuple(group_ranks(g)))
-        if twin is None or not group_alive(twin):
-            missing = True
-        out[id(g)] = twin
-    if not missing:
-        return out
+    cache = _private.setdefault((purpose, timeout), {})
+    if private_twins_ready(groups, purpose, timeout):
+        return {id(g): None if g is None or group_size(g) <= 1 else cache[tuple(group_ranks(g))]
+                for g in groups}
     mine = [(tuple(group_ranks(g)), str(dist.get_backend(g))) for g in groups
             if g is not None and group_size(g) > 1]
     everyone: list = [None] * world_size()
     dist.all_gather_object(everyone, mine)
-    timeout = default_timeout()
     for ranks, backend in sorted({entry for entries in everyone for entry in entries}):
-        twin = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+        twin = dist.new_group(list(ranks), backend=backend, timeout=timeout or default_timeout())
         if global_rank() in ranks:
-            _private[ranks] = twin
-    return {id(g): None if g is None or group_size(g) <= 1 else _private[tuple(group_ranks(g))]
+            cache[ranks] = twin
+    return {id(g): None if g is None or group_size(g) <= 1 else cache[tuple(group_ranks(g))]
             for g in groups}

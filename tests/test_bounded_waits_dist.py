@@ -106,14 +106,19 @@ def case_async_with_a_rank_missing():
         lifecycle.release()
 
 
-def case_every_rank_calls(group_timeout_s):
+def case_every_rank_calls(kind):
     """The healthy path: results as before, the device budget unchanged. Groups within
-    the bound carry their own named waits (no check added); groups that wait longer
-    (Megatron's, DeepSpeed's) get one arrival barrier on the library's gloo group."""
+    the bound carry their own named waits; CPU groups that wait longer are replaced by
+    gloo twins with the bound (no barrier either); a mesh over part of the world gets
+    one arrival barrier on the library's gloo group (the path device groups take)."""
     def run():
-        # timeout= sets the groups' timeout and the bound; None: the groups take the pool's
-        # init timeout, longer than the environment's bound
-        mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4, timeout=group_timeout_s)
+        if kind == "within":  # timeout= sets the groups' timeout and the bound
+            mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4, timeout=BOUND_S)
+        elif kind == "longer":  # the groups take the pool's init timeout, longer than the bound
+            mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4)
+        else:  # DP4 over half of the world, its groups with the init timeout
+            halves = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]
+            mesh = DeviceMesh({"dp": halves[dist.get_rank() // 4]})
         m = _loss(mesh)
         m.calculate()  # the first call negotiates
         m = _loss(mesh)
@@ -164,12 +169,12 @@ def test_async_calculate_with_a_rank_missing_raises_and_keeps_the_interval(dist_
         assert kept and any(v for v in kept.values()), kept  # the interval came back
 
 
-@pytest.mark.parametrize("group_timeout_s,barriers", [(BOUND_S, 0), (None, 1)])
-def test_every_rank_calling_keeps_results_and_the_device_budget(dist_pool, group_timeout_s, barriers):
-    out = dist_pool.run(case_every_rank_calls, group_timeout_s, timeout=120)
+@pytest.mark.parametrize("kind,collectives,barriers", [("within", 2, 0), ("longer", 2, 0), ("partial", 1, 1)])
+def test_every_rank_calling_keeps_results_and_the_device_budget(dist_pool, kind, collectives, barriers):
+    out = dist_pool.run(case_every_rank_calls, kind, timeout=120)
     for result, total, checks in out:
         assert result == {"loss": 20.0 / 16, "num_tokens": 16}
-        assert total == 2 and checks == barriers, (total, checks)  # data group, TP x PP
+        assert (total, checks) == (collectives, barriers)  # data group (and TP x PP); barriers
 
 
 def case_vocab_parallel_forgotten(kind):

@@ -145,6 +145,25 @@ def arrive_mesh(what: str, mesh, data_group, share_group, purpose: str = "calcul
     return inline
 
 
+def bounded_groups(what: str, mesh, data_group, share_group):
+    """The groups a ``calculate()`` on ``(data_group, share_group)`` runs its collectives
+    on: these, or, when they are CPU groups and some waits longer than the bound
+    (Megatron's and DeepSpeed's 30-minute gloo groups), gloo twins over the same ranks
+    created with the bound (``groups.private_twins(..., "bounded")``; the first time, the
+    ranks meet in the store before creating them, bounded and named), so that the
+    gathers themselves are the bounded waits and no arrival barrier is added. Device
+    groups (NCCL) are returned as they are (``arrive_mesh`` then adds the barrier)."""
+    held = [g for g in (data_group, share_group) if g is not None]
+    limit = mesh.wait_timeout()
+    if (not held or not all(G.is_cpu_group(g) for g in held) or all(G.within(g, limit) for g in held)
+            or mesh.member_ranks() is None):  # twins are made over WORLD: a mesh over all of it
+        return data_group, share_group
+    if not G.private_twins_ready(held, "bounded", limit):  # creating them is collective over WORLD
+        meet(what, tuple(range(G.world_size())), limit, "world", "bounded-twins")
+    twins = G.private_twins(held, "bounded", limit)
+    return tuple(None if g is None else twins[id(g)] for g in (data_group, share_group))
+
+
 def all_gather_rows(buf, group, what: str, label: str):
     """``groups.all_gather_rows`` on a CPU ``group`` within the bound, its wait named
     like ``arrive``'s (``settle``)."""

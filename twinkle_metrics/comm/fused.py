@@ -175,6 +175,8 @@ def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
     data_group, share_group = own_data, own_share
     if groups is not None:
         data_group, share_group = groups(data_group, share_group)
+    elif data_group is not None or share_group is not None:
+        data_group, share_group = bounded.bounded_groups("calculate()", mesh, data_group, share_group)
     inline = False
     if data_group is not None or share_group is not None:
         lifecycle.ensure()

@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from parallel.groups import private_twins, private_twins_ready, world_size
+from parallel.groups import is_cpu_group, private_twins, private_twins_ready, world_size
 from twinkle_metrics.comm import bounded, lifecycle
 from twinkle_metrics.comm.fused import sync_and_compute
 
@@ -180,13 +180,18 @@ def submit(metrics: Sequence, finish: Callable[[List[Dict[str, Any]]], Dict[str,
     # and so is creating the group of the worker's arrival checks (``comm.bounded``).
     lifecycle.ensure()
     what = "calculate(async_op=True)"
-    for m in metrics:  # the first time: the worker's arrival groups (bounded, named)
-        mesh = m.resolve_mesh()
-        bounded.prepare_mesh(what, mesh, m.data_group(), mesh.result_group, "async")
-    if not private_twins_ready(list(originals.values())):  # creating them is collective over WORLD
-        bounded.meet(what, tuple(range(world_size())), metrics[0].resolve_mesh().wait_timeout(),
-                     "world", "async-twins")
-    twins = private_twins(list(originals.values()))
+    held = list(originals.values())
+    limit = metrics[0].resolve_mesh().wait_timeout()
+    # on CPU groups the twins take the bound, so their gathers are the bounded waits;
+    # on device groups the worker runs an arrival barrier first, on a group made here
+    timeout = limit if all(g is None or is_cpu_group(g) for g in held) else None
+    if timeout is None:
+        for m in metrics:
+            mesh = m.resolve_mesh()
+            bounded.prepare_mesh(what, mesh, m.data_group(), mesh.result_group, "async")
+    if not private_twins_ready(held, "async", timeout):  # creating them is collective over WORLD
+        bounded.meet(what, tuple(range(world_size())), limit, "world", "async-twins")
+    twins = private_twins(held, "async", timeout)
 
     def groups(data_group, share_group):
         return tuple(None if g is None else twins[id(g)] for g in (data_group, share_group))
