@@ -85,10 +85,11 @@ def comm_device(group: ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_rows(buf: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def all_gather_rows(buf: torch.Tensor, group: ProcessGroup, wait=None) -> torch.Tensor:
     """Gather a 1-D buffer from every rank of ``group`` into ``[group size, len]``.
 
-    One collective; none for a group of one rank.
+    One collective; none for a group of one rank. ``wait``: run it asynchronously and
+    hand its work to ``wait(work)``, which returns once it is done (a bounded wait).
     """
     n = group_size(group)
     if n == 1:
@@ -96,7 +97,9 @@ def all_gather_rows(buf: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     out = torch.empty(n * buf.numel(), dtype=buf.dtype, device=buf.device)
     # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, buf.contiguous(), group=group)
+    work = gather(out, buf.contiguous(), group=group, async_op=wait is not None)
+    if wait is not None:
+        wait(work)
     return out.view(n, buf.numel())
 
 
@@ -192,10 +195,8 @@ def cpu_twin(group: ProcessGroup, timeout=None) -> ProcessGroup:
 
 
 def within(group: ProcessGroup, timeout) -> bool:
-    """Whether a collective on ``group`` gives up within ``timeout`` (a ``timedelta``;
-    ``None``: any group does). A group of unknown timeout has torch's 30 minutes."""
-    if timeout is None:
-        return True
+    """Whether a collective on ``group`` gives up within ``timeout`` (a ``timedelta``). A
+    group of unknown timeout has torch's 30 minutes."""
     own = group_timeout(group)
     return own is not None and own <= timeout
 

@@ -78,12 +78,7 @@ def case_agreement_in_accumulate_with_a_rank_missing():
         logits = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(dist.get_rank() // 2))
         return _only(set(range(8)) - {1}, lambda: m.accumulate({"labels": torch.tensor([[1, 2, 3]])},
                                                                 {"logits": logits}))
-    os.environ["TWINKLE_METRICS_TIMEOUT_S"] = str(BOUND_S)  # ... the library's waits 3 s
-    try:
-        return run()
-    finally:
-        del os.environ["TWINKLE_METRICS_TIMEOUT_S"]
-        lifecycle.release()
+    return _with_bound(run)  # ... the library's waits BOUND_S
 
 
 def case_async_with_a_rank_missing():
@@ -125,12 +120,7 @@ def case_every_rank_calls(kind):
         with CollectiveCounter() as counter:
             out = m.calculate()
         return out, counter.total, counter.checks
-    os.environ["TWINKLE_METRICS_TIMEOUT_S"] = str(BOUND_S)
-    try:
-        return run()
-    finally:
-        del os.environ["TWINKLE_METRICS_TIMEOUT_S"]
-        lifecycle.release()
+    return _with_bound(run)
 
 
 def _check_only_rank0(out):

@@ -1,22 +1,29 @@
 """Bounded, named waits: every wait the library adds to a training step ends within the
 mesh's ``wait_timeout()``, and the ranks left waiting name the ranks that never came.
 
-Three kinds of wait, whatever created the groups (the mesh, Megatron, DeepSpeed, torch):
+Whatever created the groups (the mesh, Megatron, DeepSpeed, torch), ``calculate()`` (and
+the background thread of an asynchronous one) takes one of three paths:
 
-* ``arrive``: at ``calculate()`` (and in the background thread of an asynchronous one),
-  before any collective on the device groups, one barrier over the mesh's ranks on a
-  gloo group the library owns, created with the wait bound. Steady state: that one
-  host-side barrier and nothing else (``benchmarks/bench_calculate.py --waits``).
-  The first time, the ranks meet in the default store instead (a counter and one
-  key per rank, every step of it bounded), then create the group together.
-* ``settle``: the host-side collectives inside ``accumulate`` (agreements, host sizes)
-  run on CPU groups whose own timeout is within the bound (a twin is made where the
-  group's is longer); ``settle`` waits for them and names the absent ranks.
-* every wait goes through ``_finish``: a first short wait (``EARLY_S``); a rank still
-  waiting then writes one key, ``twinkle_metrics/<door>/<rank> = <call number>``, to
-  the default store and waits out the rest. When the wait fails, the ranks of the
-  group with no key for this call are the ones that did not arrive. So a healthy
-  step writes nothing; only a wait longer than ``EARLY_S`` costs one store write.
+* CPU groups whose own timeout is within the bound: their gathers are the waits
+  (``all_gather_rows``, waited on through ``settle``); the first time, the ranks meet in
+  the default store (a counter and one key per rank, every step of it bounded).
+* CPU groups that wait longer (Megatron's and DeepSpeed's 30-minute gloo groups): the
+  same gathers on gloo twins over the same ranks, created with the bound
+  (``bounded_groups``).
+* device groups (NCCL), or a mesh over part of the world: ``arrive``, one barrier over
+  the mesh's ranks on a gloo group the library owns, created with the bound, before
+  the device collectives.
+
+Steady-state cost of each: ``benchmarks/bench_waits.py``. The host-side collectives
+inside ``accumulate`` (agreements, host sizes) run on CPU groups within the bound
+(``host_group``: a group the library owns where the group's own timeout is longer) and
+are waited on through ``settle``.
+
+Every wait goes through ``_finish``: a first short wait (``EARLY_S``); a rank still
+waiting then writes one key, ``twinkle_metrics/<door>/<rank> = <call number>``, to the
+default store and waits out the rest. When the wait fails, the ranks of the group with
+no key for this call are the ones that did not arrive. So a healthy step writes nothing;
+only a wait longer than ``EARLY_S`` costs one store write.
 
 A failed wait leaves the group's collectives out of step (the ranks that never came
 may enter later), so the door is closed: later waits on it raise at once, naming the
@@ -38,16 +45,15 @@ from twinkle_metrics.comm.plan import MetricSyncError
 
 #: seconds a wait runs before the rank writes its arrival key (a healthy step ends sooner)
 EARLY_S = 1.0
-#: arrival barriers this process ran (``testing.CollectiveCounter.checks`` reads it)
-BARRIERS = 0
-#: callables told ``name`` for each collective run on a group the library owns (those
-#: are not ``torch.distributed`` calls, which ``testing.CollectiveCounter`` wraps)
+#: callables told ``(name, check)`` for each collective run on a group the library owns
+#: (not ``torch.distributed`` calls, which ``testing.CollectiveCounter`` wraps); ``check``:
+#: an arrival barrier, not part of the metrics' own collectives
 OBSERVERS: list = []
 
 
-def observed(name: str) -> None:
+def observed(name: str, check: bool = False) -> None:
     for fn in list(OBSERVERS):
-        fn(name)
+        fn(name, check)
 
 
 class _Door:
@@ -116,9 +122,9 @@ def arrive(what: str, ranks: Sequence[int], timeout: timedelta, label: str, purp
         return
     _check_open(door)
     door.calls += 1
-    global BARRIERS
-    BARRIERS += 1
-    _finish(door.group.barrier(), door, what, timeout, label)
+    work = door.group.barrier()
+    observed("barrier", check=True)
+    _finish(work, door, what, timeout, label)
 
 
 def arrive_mesh(what: str, mesh, data_group, share_group, purpose: str = "calculate", used=None) -> bool:
@@ -134,12 +140,13 @@ def arrive_mesh(what: str, mesh, data_group, share_group, purpose: str = "calcul
     """
     timeout = mesh.wait_timeout()
     held = [g for g in (used or (data_group, share_group)) if g is not None]
-    inline = all(G.is_cpu_group(g) and not G.is_owned(g) and G.within(g, timeout) for g in held)
+    inline = all(G.is_cpu_group(g) and G.within(g, timeout) for g in held)
     for ranks, label in _spans(mesh, data_group, share_group):
         if not inline:
             arrive(what, ranks, timeout, label, purpose)
-        elif len(ranks) > 1 and not _door(purpose, ranks, timeout).met:
-            door = _door(purpose, ranks, timeout)
+            continue
+        door = _door(purpose, ranks, timeout)
+        if len(ranks) > 1 and not door.met:
             _open(door, what, timeout, label, create=False)
             door.met = True
     return inline
@@ -167,28 +174,17 @@ def bounded_groups(what: str, mesh, data_group, share_group):
 def all_gather_rows(buf, group, what: str, label: str):
     """``groups.all_gather_rows`` on a CPU ``group`` within the bound, its wait named
     like ``arrive``'s (``settle``)."""
-    import torch
-
-    n = G.group_size(group)
-    if n == 1:
-        return buf.unsqueeze(0)
-    out = torch.empty(n * buf.numel(), dtype=buf.dtype, device=buf.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = gather(out, buf.contiguous(), group=group, async_op=True)
-    settle(work, what, group, G.group_timeout(group) or timedelta(minutes=30), label)
-    return out.view(n, buf.numel())
+    return G.all_gather_rows(buf, group, wait=lambda work: settle(work, what, group, label))
 
 
-def prepare_mesh(what: str, mesh, data_group, share_group, purpose: str) -> bool:
-    """``prepare`` the doors ``arrive_mesh`` with these arguments will use; True when
-    one had to be created. Before creating, the ranks meet in the store (bounded and
-    named), so the collective creation never waits for a rank that is not coming."""
+def prepare_mesh(what: str, mesh, data_group, share_group, purpose: str) -> None:
+    """``prepare`` the doors ``arrive_mesh`` with these arguments will use. Before creating
+    a group, the ranks meet in the store (bounded and named), so the collective creation
+    never waits for a rank that is not coming."""
     timeout = mesh.wait_timeout()
-    spans = [(r, lab) for r, lab in _spans(mesh, data_group, share_group) if len(r) > 1]
-    missing = [(r, lab) for r, lab in spans if not _door(purpose, r, timeout).ready()]
-    for ranks, label in missing:
-        prepare(what, ranks, timeout, label, purpose)
-    return bool(missing)
+    for ranks, label in _spans(mesh, data_group, share_group):
+        if len(ranks) > 1:
+            prepare(what, ranks, timeout, label, purpose)
 
 
 def meet(what: str, ranks: Sequence[int], timeout: timedelta, label: str, purpose: str) -> None:
@@ -224,9 +220,11 @@ def host_group(mesh, group, what: str):
     return door.group
 
 
-def settle(work, what: str, group, timeout: timedelta, label: str) -> None:
+def settle(work, what: str, group, label: str) -> None:
     """Wait for ``work``, a collective on ``group`` (a CPU group whose own timeout is
-    within ``timeout``), raising ``MetricSyncError`` named like ``arrive`` when it fails."""
+    within the bound), raising ``MetricSyncError`` named like ``arrive`` when it fails
+    (after the group's own timeout, which ends the work)."""
+    timeout = G.group_timeout(group) or timedelta(minutes=30)
     door = _door("collective", tuple(G.group_ranks(group)), timeout)
     _check_open(door)
     door.calls += 1

@@ -11,13 +11,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from datetime import timedelta
 from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
 
-from parallel.groups import group_ranks, group_timeout, is_cpu_group, is_owned
+from parallel.groups import group_ranks, is_cpu_group, is_owned
 from twinkle_metrics.comm import bounded
 
 _state = threading.local()
@@ -59,8 +58,7 @@ def host_max(metric: str, values: Sequence[int], group, cpu_group=None, label: s
             bounded.observed("all_reduce")
         else:
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=via, async_op=True)
-        bounded.settle(work, f"{metric}.accumulate()", via, group_timeout(via) or timedelta(minutes=30),
-                       label or f"group {group_ranks(via)}")
+        bounded.settle(work, f"{metric}.accumulate()", via, label or f"group {group_ranks(via)}")
         with host_reads():
             return [int(v) for v in t.tolist()]
     if metric not in _warned:

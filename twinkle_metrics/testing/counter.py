@@ -22,23 +22,23 @@ class CollectiveCounter:
     count their inner collectives too. ``wire`` counts only the innermost calls
     (those that issue no further wrapped collective): what goes over the network.
     ``api`` counts the outermost calls a library made. Collectives on the gloo groups
-    the library owns for its arrival checks are not ``torch.distributed`` calls; ``checks``
-    counts them.
+    the library owns (``comm.bounded``) are not ``torch.distributed`` calls: the library
+    reports them, host exchanges into ``wire`` and ``api``, arrival barriers into
+    ``checks`` (outside ``wire``, ``api`` and ``total``).
     """
 
     def __init__(self):
         self.wire: Dict[str, int] = {}
         self.api: Dict[str, int] = {}
-        self._barriers0 = 0
+        self.checks = 0
         self._stack: List[List[bool]] = []
         self._saved = []
 
     def __enter__(self):
         import torch.distributed as dist
-
-        self._barriers0 = bounded.BARRIERS
-        bounded.OBSERVERS.append(self._owned)
         import torch.distributed.distributed_c10d as c10d
+
+        bounded.OBSERVERS.append(self._owned)
 
         originals = {}
         for name in _COLLECTIVES:
@@ -53,8 +53,11 @@ class CollectiveCounter:
                     setattr(mod, name, wrapped)
         return self
 
-    def _owned(self, name: str) -> None:
-        """A collective on a group the library owns (``comm.bounded``): one on the wire."""
+    def _owned(self, name: str, check: bool) -> None:
+        """A collective on a group the library owns (``comm.bounded``)."""
+        if check:
+            self.checks += 1
+            return
         self.wire[name] = self.wire.get(name, 0) + 1
         if not self._stack:
             self.api[name] = self.api.get(name, 0) + 1
@@ -89,13 +92,7 @@ class CollectiveCounter:
     def reset(self):
         self.wire.clear()
         self.api.clear()
-        self._barriers0 = bounded.BARRIERS
-
-    @property
-    def checks(self) -> int:
-        """Arrival barriers of ``calculate()`` (``comm.bounded``) run inside: host-side
-        checks on gloo groups the library owns, outside ``wire``, ``api`` and ``total``."""
-        return bounded.BARRIERS - self._barriers0
+        self.checks = 0
 
     @property
     def total(self) -> int:

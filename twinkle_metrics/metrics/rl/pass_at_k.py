@@ -529,17 +529,22 @@ def _check_length(field: str, got: int, n: Optional[int]) -> None:
         raise ValueError(f"{_NAME}: {field} has {got} entries but prompt_ids has {n}; pass one per sample")
 
 
+def _per_sample(field: str, value: torch.Tensor, n: Optional[int], holds: str, each: str) -> torch.Tensor:
+    """A tensor of one entry per sample ([n] or [n, 1]) as [n], left where it is."""
+    if value.is_complex():
+        raise TypeError(f"{_NAME}: {field} must hold {holds}, got a {value.dtype} tensor")
+    if not (value.dim() == 1 or (value.dim() == 2 and value.shape[1] == 1)):
+        raise ValueError(f"{_NAME}: {field} has shape {list(value.shape)}; expected one {each} per sample: "
+                         "[n] or [n, 1]")
+    value = value.reshape(-1)
+    _check_length(field, value.shape[0], n)
+    return value
+
+
 def _flags(value, n: int):
     """``correct`` as a host list of 0/1 ints, or a tensor ([n] or [n, 1]) left where it is."""
     if isinstance(value, torch.Tensor):
-        if value.is_complex():
-            raise TypeError(f"{_NAME}: correct must hold bools or 0/1, got a {value.dtype} tensor")
-        if not (value.dim() == 1 or (value.dim() == 2 and value.shape[1] == 1)):
-            raise ValueError(f"{_NAME}: correct has shape {list(value.shape)}; expected one flag per sample: "
-                             "[n] or [n, 1]")
-        value = value.reshape(-1)
-        _check_length("correct", value.shape[0], n)
-        return value
+        return _per_sample("correct", value, n, "bools or 0/1", "flag")
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise TypeError(f"{_NAME}: correct must be a list of bools / 0-1 or a tensor, got "
                         f"{type(value).__name__}")
@@ -567,14 +572,7 @@ def _flags(value, n: int):
 def _rewards(value, n: int):
     """``rewards`` as a float64 tensor ([n]), on the device it came on."""
     if isinstance(value, torch.Tensor):
-        if value.is_complex():
-            raise TypeError(f"{_NAME}: rewards must hold real numbers, got a {value.dtype} tensor")
-        if not (value.dim() == 1 or (value.dim() == 2 and value.shape[1] == 1)):
-            raise ValueError(f"{_NAME}: rewards has shape {list(value.shape)}; expected one number per "
-                             "sample: [n] or [n, 1]")
-        value = value.reshape(-1)
-        _check_length("rewards", value.shape[0], n)
-        return value.to(torch.float64)
+        return _per_sample("rewards", value, n, "real numbers", "number").to(torch.float64)
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise TypeError(f"{_NAME}: rewards must be a list of numbers or a tensor, got {type(value).__name__}")
     _check_length("rewards", len(value), n)
