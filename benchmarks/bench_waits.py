@@ -4,19 +4,19 @@
 
 On ``--world`` gloo ranks (one process each, one intra-op thread), one collection
 (LossMetric, Accuracy, GRPOMetric, CompletionRewardMetric with quantiles) is
-calculated in alternating iterations with the bounded waits (``comm.bounded``) and
-without them (``bounded.arrive_mesh`` replaced by a no-op in this process only: the
-sync of before), on the same metrics and tensors, after a barrier. The mesh's groups
-wait 120 s (the pool's ``init_process_group`` timeout). ``--bound`` (seconds,
-``TWINKLE_METRICS_TIMEOUT_S``) at or above that takes the inline path: the gathers on
-the CPU groups carry the named waits themselves; below it (as with Megatron's and
-DeepSpeed's 30-minute gloo groups) the gathers run on gloo twins created with the bound
-("twins"). ``--partial`` builds the mesh over half of the world (4 + 4 ranks), which takes
-the arrival-barrier path that device (NCCL) groups take. An iteration's latency is the slowest
+calculated in alternating iterations with the bounded waits (``comm.waits``) and
+without them (in this process only: ``waits.wait`` replaced by a plain ``work.wait()``
+and ``fused.sync_groups`` by the mesh's own groups: the sync of before), on the same
+metrics and tensors, after a barrier. The mesh's groups wait 120 s (the pool's
+``init_process_group`` timeout). ``--bound`` (seconds, ``TWINKLE_METRICS_TIMEOUT_S``)
+at or above that takes the inline path: the collectives run on the mesh's own CPU groups,
+their waits bounded by ``Work.wait``; below it (as with Megatron's and DeepSpeed's
+30-minute gloo groups, and device groups) they run on the gloo groups the mesh made with
+the bound when it was built ("twins"). ``--partial`` builds the mesh over half of the
+world (4 + 4 ranks), where no twins can be made. An iteration's latency is the slowest
 rank's; the ratio is taken per pair of neighbouring iterations and summarised by its
-median (p10, p90). Collectives on the metrics' groups and arrival checks are counted
-in one steady-state call (``testing.CollectiveCounter``: ``total`` and ``checks``).
-Writes ``benchmarks/results/waits.json``.
+median (p10, p90). Collectives are counted in one steady-state call
+(``testing.CollectiveCounter``). Writes ``benchmarks/results/waits_<layout>_<path>.json``.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _rank(layout: str, iters: int, bound: float, partial: bool = False):
 
     from parallel import DeviceMesh
     from twinkle_metrics import Accuracy, CompletionRewardMetric, GRPOMetric, LossMetric, MetricCollection
-    from twinkle_metrics.comm import bounded
+    from twinkle_metrics.comm import fused, waits
     from twinkle_metrics.testing import CollectiveCounter
 
     world = dist.get_world_size()
@@ -55,24 +55,27 @@ def _rank(layout: str, iters: int, bound: float, partial: bool = False):
         coll.accumulate({"labels": labels}, {"logits": logits, "logps": lp, "lm loss": torch.tensor([3.0, 4.0])},
                         old_logps=lp + 0.01, advantages=torch.ones(4), rewards=[0.1, 0.2, 0.3, 0.4])
 
-    real = bounded.arrive_mesh
-    for _ in range(3):  # negotiation and first doors
-        step()
-        coll.calculate()
+    real = (waits.wait, fused.sync_groups)
+    plain = (lambda work, *a, **k: work.wait(), lambda mesh, data, share: (data, share))
+    for mode in (plain, real):  # the negotiation on either path's groups
+        waits.wait, fused.sync_groups = mode
+        for _ in range(2):
+            step()
+            coll.calculate()
     step()
     with CollectiveCounter() as counter:
         coll.calculate()
-    counts = (counter.total, counter.checks)
+    counts = (counter.total, 0)
     times = {"on": [], "off": []}
     for it in range(2 * iters):
         mode = "on" if it % 2 == 0 else "off"
-        bounded.arrive_mesh = real if mode == "on" else (lambda *a, **k: None)
+        waits.wait, fused.sync_groups = real if mode == "on" else plain
         step()
         dist.barrier()
         t0 = time.perf_counter()
         coll.calculate()
         times[mode].append(time.perf_counter() - t0)
-    bounded.arrive_mesh = real
+    waits.wait, fused.sync_groups = real
     everyone = [None] * world
     dist.all_gather_object(everyone, times)
     return counts, everyone
@@ -85,7 +88,7 @@ def main(argv=None):
     ap.add_argument("--layout", choices=("dp", "tp2"), default="dp")
     ap.add_argument("--bound", type=float, default=120,
                     help="TWINKLE_METRICS_TIMEOUT_S; below the groups' 120 s: bounded twins")
-    ap.add_argument("--partial", action="store_true", help="a mesh over half of the world: the barrier path")
+    ap.add_argument("--partial", action="store_true", help="a mesh over half of the world: no twins")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from twinkle_metrics.testing.pool import DistPool
@@ -95,20 +98,20 @@ def main(argv=None):
         out = pool.run(_rank, args.layout, args.iters, args.bound, args.partial, timeout=900)
     finally:
         pool.close()
-    (total, checks), everyone = out[0]
+    (total, _), everyone = out[0]
     slow = {m: [max(r[m][i] for r in everyone) for i in range(args.iters)] for m in ("on", "off")}
     ratios = sorted(a / b for a, b in zip(slow["on"], slow["off"]))
     q = statistics.quantiles(ratios, n=10)
-    path_name = "barrier" if args.partial else ("inline" if args.bound >= 120 else "twins")
+    path_name = "partial" if args.partial else ("inline" if args.bound >= 120 else "twins")
     report = {"world": args.world, "layout": args.layout, "iters": args.iters, "path": path_name,
               "median_ms_bounded": 1e3 * statistics.median(slow["on"]),
               "median_ms_without": 1e3 * statistics.median(slow["off"]),
               "ratio_median": statistics.median(ratios), "ratio_p10": q[0], "ratio_p90": q[-1],
-              "collectives_on_metric_groups": total, "arrival_checks": checks}
+              "collectives": total}
     print(f"calculate() on {args.world} gloo ranks ({args.layout}, {path_name} path): bounded "
           f"{report['median_ms_bounded']:.2f} ms, unbounded {report['median_ms_without']:.2f} ms; "
           f"ratio {report['ratio_median']:.3f} (p10 {q[0]:.3f}, p90 {q[-1]:.3f}); "
-          f"collectives on the metrics' groups {total}, arrival checks {checks}")
+          f"collectives {total}")
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"waits_{args.layout}_{path_name}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)

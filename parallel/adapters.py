@@ -99,10 +99,8 @@ def from_deepspeed(obj=None, *, timeout: Optional[timedelta] = None) -> DeviceMe
         layout = Layout(tp=sizes.get("model", 1), dp=sizes.get("data", 1),
                         pp=sizes.get("pipe", 1), order="tp-cp-ep-dp-pp")
         _check_topology(obj, layout)
-        found, twins = create_layout_groups(layout, None, timeout)
-        mesh = DeviceMesh(found, layout=layout, source="deepspeed")
-        mesh._cpu_twins.update(twins)
-        return mesh
+        found = create_layout_groups(layout, None, timeout)
+        return DeviceMesh(found, layout=layout, source="deepspeed", timeout=timeout)
     # Ulysses sequence parallelism through deepspeed.initialize(config with
     # sequence_parallel_size) keeps a torch DeviceMesh ("data_parallel", "sequence_parallel").
     mesh_device = getattr(obj, "mesh_device", None) or getattr(ds_groups, "mesh_device", None)

@@ -22,15 +22,17 @@ Without torch.distributed, or with one rank, every size is 1 and no collective r
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 from datetime import timedelta
 from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
+from . import bounded, sizes
 from . import groups as G
-from . import sizes
 from .layout import DEFAULT_ORDER, Layout
 from .sizes import GROUP_NAMES, LAYOUT_AXES, create_layout_groups
 
@@ -89,7 +91,20 @@ class DeviceMesh:
         self.layout = layout
         self.vpp_size = int(vpp_size or 1)
         self.source = source
-        self._cpu_twins: Dict[Tuple[int, ...], G.ProcessGroup] = {}  # ranks -> gloo group
+        self._cpu_twins: Dict[Tuple[int, ...], G.ProcessGroup] = {}  # ranks -> gloo group within the bound
+        self._bound_made: Optional[timedelta] = None
+        if not getattr(_BUILDING, "deferred", False):
+            self._make_cpu_groups()
+
+    def _make_cpu_groups(self) -> None:
+        """Make the gloo groups the library's waits need (``parallel.bounded``): collective
+        over WORLD, on every rank as the mesh is built."""
+        if self._layout_only or not G.dist_ready():
+            return
+        bound = self.wait_timeout()
+        if self._bound_made != bound:
+            self._cpu_twins.update(bounded.make(self, bound))
+            self._bound_made = bound
 
     def _check_orthogonal(self) -> None:
         """Groups of different axes meet in this rank only: a data group that shares a
@@ -138,12 +153,14 @@ class DeviceMesh:
         The groups created here take ``timeout`` (default: the timeout given to
         ``init_process_group``, not torch's 30-minute default for new groups).
         """
-        return _timed(sizes.from_sizes(cls, dp_size=dp_size, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size,
-                                ep_size=ep_size, etp_size=etp_size, vpp_size=vpp_size, world_size=world_size,
-                                order=order, create_groups=create_groups, backend=backend, fsdp_size=fsdp_size,
-                                ulysses_size=ulysses_size, sequence_parallel=sequence_parallel,
-                                device_type=device_type, timeout=_as_timedelta(timeout),
-                                unsupported=unsupported), timeout)
+        with _deferred():
+            mesh = sizes.from_sizes(cls, dp_size=dp_size, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size,
+                                    ep_size=ep_size, etp_size=etp_size, vpp_size=vpp_size, world_size=world_size,
+                                    order=order, create_groups=create_groups, backend=backend, fsdp_size=fsdp_size,
+                                    ulysses_size=ulysses_size, sequence_parallel=sequence_parallel,
+                                    device_type=device_type, timeout=_as_timedelta(timeout),
+                                    unsupported=unsupported)
+        return _timed(mesh, timeout)
 
     @classmethod
     def layout_only(cls, layout: Layout, source: str = "layout") -> "DeviceMesh":
@@ -160,28 +177,36 @@ class DeviceMesh:
         ``distributed_timeout_minutes`` Megatron gave its groups."""
         from . import adapters
 
-        return _timed(adapters.from_megatron(pg_collection), timeout)
+        with _deferred():
+            mesh = adapters.from_megatron(pg_collection)
+        return _timed(mesh, timeout)
 
     @classmethod
     def from_deepspeed(cls, obj=None, *, timeout=None) -> "DeviceMesh":
         """From a DeepSpeed engine, grid or topology (``parallel.adapters.from_deepspeed``)."""
         from . import adapters
 
-        return _timed(adapters.from_deepspeed(obj, timeout=_as_timedelta(timeout)), timeout)
+        with _deferred():
+            mesh = adapters.from_deepspeed(obj, timeout=_as_timedelta(timeout))
+        return _timed(mesh, timeout)
 
     @classmethod
     def from_torch(cls, device_mesh, *, timeout=None) -> "DeviceMesh":
         """From a named torch ``DeviceMesh`` (``parallel.adapters.from_torch``)."""
         from . import adapters
 
-        return _timed(adapters.from_torch(device_mesh, timeout=_as_timedelta(timeout)), timeout)
+        with _deferred():
+            mesh = adapters.from_torch(device_mesh, timeout=_as_timedelta(timeout))
+        return _timed(mesh, timeout)
 
     @classmethod
     def from_twinkle(cls, twinkle_mesh, *, timeout=None) -> "DeviceMesh":
         """From ModelScope Twinkle's ``DeviceMesh`` (``parallel.adapters.from_twinkle``)."""
         from . import adapters
 
-        return _timed(adapters.from_twinkle(twinkle_mesh, timeout=_as_timedelta(timeout)), timeout)
+        with _deferred():
+            mesh = adapters.from_twinkle(twinkle_mesh, timeout=_as_timedelta(timeout))
+        return _timed(mesh, timeout)
 
     @classmethod
     def current(cls, *, timeout=None) -> "DeviceMesh":
@@ -269,8 +294,8 @@ class DeviceMesh:
 
     @property
     def cpu_data_group(self) -> G.ProcessGroup:
-        """A CPU (gloo) group over the data-group ranks, or None."""
-        return self._groups["dp_cp_cpu"]
+        """A CPU (gloo) group over the data-group ranks (``cpu_group``), or None."""
+        return self.cpu_group(self._groups["dp_cp"], create=False)
 
     @property
     def mp_group(self) -> G.ProcessGroup:
@@ -446,26 +471,31 @@ class DeviceMesh:
 
     # ------------------------------------------------- host-side exchanges
     def cpu_group(self, group: G.ProcessGroup, create: bool = True) -> G.ProcessGroup:
-        """A CPU (gloo) group over the ranks of ``group``, for host-side exchanges.
+        """The CPU (gloo) group the library's collectives over the ranks of ``group`` run
+        on, whose own timeout is within ``wait_timeout()`` where the mesh could make one.
 
-        ``group`` itself when it is a CPU group (gloo, mpi); the gloo twin made by
-        ``from_sizes`` (TP, CP, DP x CP) or Megatron's gloo data group; else a twin
-        created on first use over the ranks of ``group`` only (every rank of
-        ``group`` must ask at the same point, as for a collective over it), unless
-        ``create=False`` (then ``None``). ``None`` for a group of one rank, or when no
-        gloo group can be made. The library's own waits on these are bounded by
-        ``comm.bounded.host_group``, which takes one only within ``wait_timeout()``.
+        ``group`` itself when it is such a group; else the gloo group over its ranks the
+        mesh made when it was built (``parallel.bounded``), or the source's own gloo data
+        group; else ``group`` itself when it is a CPU group (its waits are then bounded
+        by ``Work.wait`` only); else a gloo twin created on first use over the ranks of
+        ``group`` only (every rank of ``group`` must ask at the same point, as for a
+        collective over it), unless ``create=False``. ``None`` for a group of one rank,
+        or when no gloo group can be made.
         """
         if group is None or G.group_size(group) <= 1:
             return None
-        if G.is_cpu_group(group):
+        bound = self.wait_timeout()
+        if not bounded.needs_twin(group, bound):
             return group
-        if group is self._groups["dp_cp"] and self._groups["dp_cp_cpu"] is not None:
-            return self._groups["dp_cp_cpu"]
+        cpu_data = self._groups["dp_cp_cpu"]
+        if group is self._groups["dp_cp"] and cpu_data is not None and not bounded.needs_twin(cpu_data, bound):
+            return cpu_data
         key = tuple(G.group_ranks(group))
         twin = self._cpu_twins.get(key)
+        if twin is None and G.is_cpu_group(group):
+            return group
         if twin is None and create:
-            twin = G.cpu_twin(group, G.group_timeout(group))
+            twin = G.cpu_twin(group, bound)
             if twin is not None:
                 self._cpu_twins[key] = twin
         return twin
@@ -499,10 +529,27 @@ def _as_timedelta(value, name: str = "timeout") -> Optional[timedelta]:
     return timedelta(seconds=seconds)
 
 
+_BUILDING = threading.local()
+
+
+@contextlib.contextmanager
+def _deferred():
+    """Meshes built inside make their CPU groups only in ``_timed``, once their bound is set."""
+    before = getattr(_BUILDING, "deferred", False)
+    _BUILDING.deferred = True
+    try:
+        yield
+    finally:
+        _BUILDING.deferred = before
+
+
 def _timed(mesh: "DeviceMesh", timeout) -> "DeviceMesh":
-    """``mesh`` with the library's wait bound ``timeout`` (kept when ``None``)."""
+    """``mesh`` with the library's wait bound ``timeout`` (kept when ``None``), and the
+    CPU groups its waits need within it."""
     if timeout is not None:
         mesh.timeout = _as_timedelta(timeout)
+    if not getattr(_BUILDING, "deferred", False):
+        mesh._make_cpu_groups()
     return mesh
 
 

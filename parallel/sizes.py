@@ -71,19 +71,15 @@ def from_sizes(cls, *, dp_size: Optional[int] = None, tp_size: Optional[int] = N
     if not ready:
         raise RuntimeError("DeviceMesh.from_sizes(create_groups=True) needs torch.distributed "
                            "to be initialised first (init_process_group)")
-    found, twins = create_layout_groups(layout, backend, timeout)
-    mesh = cls(found, layout=layout, vpp_size=layout.vpp, source="sizes")
-    mesh._cpu_twins.update(twins)
-    return mesh
+    found = create_layout_groups(layout, backend, timeout)
+    return cls(found, layout=layout, vpp_size=layout.vpp, source="sizes", timeout=timeout)
 
 
 def create_layout_groups(layout: Layout, backend, timeout=None):
     """Create every group of the layout, on every rank, in one fixed order.
 
-    Returns ``({name: group of this rank}, {ranks: gloo twin})``: the twins are CPU
-    groups over the TP, CP and DP x CP ranks for host-side exchanges (none needed when
-    WORLD is itself a CPU group). Every group takes ``timeout``, by default the one
-    given to ``init_process_group``.
+    Returns ``{name: group of this rank}``. Every group takes ``timeout``, by default the
+    one given to ``init_process_group``.
     """
     timeout = timeout or G.default_timeout()
     me, world = G.global_rank(), G.world_size()
@@ -107,16 +103,4 @@ def create_layout_groups(layout: Layout, backend, timeout=None):
             if me in ranks:
                 mine = group
         out[name] = mine
-    twins: Dict[tuple, G.ProcessGroup] = {}
-    if not G.is_cpu_group(dist.group.WORLD):
-        made_twins = set()
-        for axes in ("dp-cp", "tp", "cp"):
-            for ranks in layout.all_groups(axes):
-                if len(ranks) > 1 and tuple(ranks) not in made_twins:
-                    made_twins.add(tuple(ranks))
-                    group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-                    if me in ranks:
-                        twins[tuple(ranks)] = group
-                        if axes == "dp-cp":
-                            out["dp_cp_cpu"] = group
-    return out, twins
+    return out

@@ -1,11 +1,18 @@
-"""A 4-rank script that returns without ``destroy_process_group()`` (as many training
-scripts do): sliced Accuracy, CompletionReward with quantiles and GRPO in one collection,
-three intervals, synchronous or (``EXIT_CASE_ASYNC=1``) asynchronous calculate;
-``EXIT_CASE_DESTROY=1``: the script calls ``destroy_process_group()`` before waiting.
+"""A 4-rank script that ends as torch asks scripts to end, with ``destroy_process_group()``:
+sliced Accuracy, CompletionReward with quantiles and GRPO in one collection, three
+intervals, synchronous or (``EXIT_CASE_ASYNC=1``) asynchronous calculate.
 
-Run by ``tests/test_clean_exit_e2e.py`` as 4 processes with ``env://`` rendezvous; each
-rank writes its results to ``$EXIT_CASE_OUT.<rank>`` and its last line is ``done``.
+``EXIT_CASE_DESTROY``: ``end`` (default) destroys the default group after the results;
+``pending`` destroys it with the asynchronous handles still pending, then waits on them:
+each gives its results (its sync finished first) or raises (``MetricSyncError``, or the
+mesh's check that its groups are gone); ``atexit`` leaves it to an ``atexit`` handler the script registers before
+it imports the library, which first runs a collective of its own (a checkpoint barrier)
+and writes ``$EXIT_CASE_OUT.<rank>.atexit``.
+
+Run by ``tests/test_clean_exit_e2e.py`` as 4 processes; each rank writes its results to
+``$EXIT_CASE_OUT.<rank>`` and its last line is ``done``.
 """
+import atexit
 import json
 import os
 import sys
@@ -14,6 +21,21 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+HOW = os.environ.get("EXIT_CASE_DESTROY", "end")
+OUT = os.environ["EXIT_CASE_OUT"]
+
+
+def _user_exit_handler():
+    """The script's own: a last collective on the default group, then destroy it."""
+    dist.barrier()
+    with open(f"{OUT}.{dist.get_rank()}.atexit", "w") as f:
+        f.write("barrier\n")
+    dist.destroy_process_group()
+
+
+if HOW == "atexit":
+    atexit.register(_user_exit_handler)  # before the library is imported
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel import DeviceMesh  # noqa: E402
@@ -21,7 +43,13 @@ from twinkle_metrics import Accuracy, CompletionRewardMetric, GRPOMetric, Metric
 
 
 def main():
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if "EXIT_CASE_STORE_PORT" in os.environ:  # the test keeps the store's listening socket
+        store = dist.TCPStore("127.0.0.1", int(os.environ["EXIT_CASE_STORE_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=60))
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     coll = MetricCollection({"acc": Accuracy(slice_by="source"),
                              "rew": CompletionRewardMetric(quantiles=(0.5, 0.9)),
@@ -40,11 +68,19 @@ def main():
             handles.append(coll.calculate(async_op=True))
         else:
             results.append(coll.calculate())
-    if os.environ.get("EXIT_CASE_DESTROY") == "1":  # with the handles still pending
+    if HOW == "pending":
         dist.destroy_process_group()
-    results += [h.wait() for h in handles]
-    with open(f"{os.environ['EXIT_CASE_OUT']}.{rank}", "w") as f:
-        f.write(json.dumps([sorted(r) for r in results]) + "\ndone\n")
+    for h in handles:
+        try:
+            results.append(h.wait())
+        except RuntimeError:  # the groups went (here, or a peer's first): MetricSyncError, check_live
+            if HOW != "pending":
+                raise
+    keys = [sorted(r) for r in results] if HOW != "pending" else "destroyed"
+    with open(f"{OUT}.{rank}", "w") as f:
+        f.write(json.dumps(keys) + "\ndone\n")
+    if HOW == "end":
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
 """Bounded, named waits on every group source (8 real gloo ranks).
 
 Each case leaves some ranks out of a call and checks that the ranks that came raise
-``MetricSyncError`` within the bound, naming the ranks that did not, with the groups'
-own timeouts left long (Megatron's ``distributed_timeout_minutes`` default, DeepSpeed's).
-Every case ends with ``lifecycle.release()`` on every rank, so the doors a failed wait
-closed do not reach the next test.
+``MetricSyncError``, naming the ranks that did not, long before the groups' own timeouts
+(Megatron's ``distributed_timeout_minutes`` default, DeepSpeed's, the pool's 60 s). The
+bound is set before each case builds its meshes, as a training script sets it.
 """
 import os
 import time
@@ -16,15 +15,15 @@ import torch.distributed as dist
 from parallel import DeviceMesh
 from parallel import groups as G
 from twinkle_metrics import Accuracy, LossMetric
-from twinkle_metrics.comm import lifecycle
 from twinkle_metrics.core.compat import skip_deepspeed_shm_op
 from twinkle_metrics.testing import CollectiveCounter
 
 pytestmark = pytest.mark.xdist_group("dist")
 
 BOUND_S = 2
-#: the ranks that came must raise within this (the bound, then the store's answer, on 2 busy cores)
-LIMIT_S = BOUND_S + 12
+#: the pool's groups give up after 60 s (``DistPool``), Megatron's after 30 minutes: a rank
+#: that raised before this did so through the library's bound, not a group's own timeout
+GROUPS_S = 50
 
 
 def _loss(mesh):
@@ -47,13 +46,12 @@ def _only(ranks, call):
 
 
 def _with_bound(fn):
-    """Run ``fn`` with ``TWINKLE_METRICS_TIMEOUT_S`` set, then release what it left."""
+    """Run ``fn`` (which builds its meshes) with ``TWINKLE_METRICS_TIMEOUT_S`` set."""
     os.environ["TWINKLE_METRICS_TIMEOUT_S"] = str(BOUND_S)
     try:
         return fn()
     finally:
         del os.environ["TWINKLE_METRICS_TIMEOUT_S"]
-        lifecycle.release()
 
 
 def case_deepspeed_engine_only_rank0_calculates():
@@ -66,8 +64,10 @@ def case_deepspeed_engine_only_rank0_calculates():
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
                 "zero_allow_untested_optimizer": True})
-    mesh = DeviceMesh.from_deepspeed(engine)
-    return G.group_timeout(mesh.data_group), _with_bound(lambda: _only({0}, _loss(mesh).calculate))
+    def run():
+        mesh = DeviceMesh.from_deepspeed(engine)
+        return G.group_timeout(mesh.data_group), _only({0}, _loss(mesh).calculate)
+    return _with_bound(run)
 
 
 def case_agreement_in_accumulate_with_a_rank_missing():
@@ -95,17 +95,14 @@ def case_async_with_a_rank_missing():
         out = _only(set(range(8)) - {5}, second)
         kept = m.state_dict()
         return first, out, {k: v for k, v in kept.items() if "sum" in k or "count" in k}
-    try:
-        return run()
-    finally:
-        lifecycle.release()
+    return run()
 
 
 def case_every_rank_calls(kind):
-    """The healthy path: results as before, the device budget unchanged. Groups within
-    the bound carry their own named waits; CPU groups that wait longer are replaced by
-    gloo twins with the bound (no barrier either); a mesh over part of the world gets
-    one arrival barrier on the library's gloo group (the path device groups take)."""
+    """The healthy path: results as before, the collective budget unchanged, nothing
+    added. Groups within the bound are used as they are; CPU groups that wait longer run
+    the sync on the gloo groups the mesh made with the bound; a mesh over part of the
+    world (no twins) bounds its waits by ``Work.wait`` only."""
     def run():
         if kind == "within":  # timeout= sets the groups' timeout and the bound
             mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4, timeout=BOUND_S)
@@ -119,7 +116,7 @@ def case_every_rank_calls(kind):
         m = _loss(mesh)
         with CollectiveCounter() as counter:
             out = m.calculate()
-        return out, counter.total, counter.checks
+        return out, counter.total
     return _with_bound(run)
 
 
@@ -127,7 +124,7 @@ def _check_only_rank0(out):
     kind, text, seconds = out[0][1]
     assert kind == "MetricSyncError", text
     assert "calculate()" in text and "ranks 1-7" in text and "did not arrive" in text, text
-    assert seconds < LIMIT_S, f"rank 0 waited {seconds:.1f} s with a bound of {BOUND_S} s"
+    assert seconds < GROUPS_S, f"rank 0 waited {seconds:.1f} s: the groups' own timeout, not the bound"
     assert all(o[1] is None for o in out[1:])
 
 
@@ -141,7 +138,7 @@ def test_agreement_inside_accumulate_names_the_missing_peer(dist_pool):
     kind, text, seconds = out[0]
     assert kind == "MetricSyncError" and "rank 1 " in text and "Accuracy.accumulate()" in text, text
     assert "TP group [0, 1]" in text, text
-    assert seconds < LIMIT_S, seconds
+    assert seconds < GROUPS_S, seconds
     assert out[1] is None
     assert all(o == (None, "", o[2]) for o in out[2:]), out[2:]  # the other TP pairs went on
 
@@ -155,16 +152,16 @@ def test_async_calculate_with_a_rank_missing_raises_and_keeps_the_interval(dist_
             continue
         kind, text, seconds = result
         assert kind == "MetricSyncError" and "rank 5 " in text, text
-        assert seconds < LIMIT_S, seconds
+        assert seconds < GROUPS_S, seconds
         assert kept and any(v for v in kept.values()), kept  # the interval came back
 
 
-@pytest.mark.parametrize("kind,collectives,barriers", [("within", 2, 0), ("longer", 2, 0), ("partial", 1, 1)])
-def test_every_rank_calling_keeps_results_and_the_device_budget(dist_pool, kind, collectives, barriers):
+@pytest.mark.parametrize("kind,collectives", [("within", 2), ("longer", 2), ("partial", 1)])
+def test_every_rank_calling_keeps_results_and_the_collective_budget(dist_pool, kind, collectives):
     out = dist_pool.run(case_every_rank_calls, kind, timeout=120)
-    for result, total, checks in out:
+    for result, total in out:
         assert result == {"loss": 20.0 / 16, "num_tokens": 16}
-        assert (total, checks) == (collectives, barriers)  # data group (and TP x PP); barriers
+        assert total == collectives  # data group (and TP x PP); nothing added
 
 
 def case_vocab_parallel_forgotten(kind):
@@ -236,11 +233,13 @@ def case_every_source_only_rank0_calculates():
         for source in SOURCES:
             if source == "current":
                 ps.destroy_model_parallel()  # current(): WORLD as pure data parallel
-            mesh = _source_mesh(source)
-            if source == "megatron":
-                out["held"] = G.group_timeout(mesh.data_group)
-            out[source] = _with_bound(lambda: _only({0}, _loss(mesh).calculate))  # noqa: B023
-            dist.barrier()  # every rank past the release before the next source's groups
+            def run():
+                mesh = _source_mesh(source)  # noqa: B023
+                if source == "megatron":  # noqa: B023
+                    out["held"] = G.group_timeout(mesh.data_group)
+                return _only({0}, _loss(mesh).calculate)
+            out[source] = _with_bound(run)
+            dist.barrier()  # every rank here before the next source's groups
     finally:
         ps.destroy_model_parallel()
     return out
@@ -254,5 +253,5 @@ def test_every_group_source_bounds_and_names_a_missing_rank(dist_pool):
         kind, text, seconds = out[0][source]
         assert kind == "MetricSyncError" and "did not arrive" in text and "calculate()" in text, (source, text)
         assert "ranks 1-7" in text, (source, text)
-        assert seconds < LIMIT_S, (source, seconds)
+        assert seconds < GROUPS_S, (source, seconds)
         assert all(o[source] is None for o in out[1:]), source  # theirs to time out later

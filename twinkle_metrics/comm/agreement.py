@@ -40,7 +40,6 @@ import contextlib
 from typing import List, Optional, Sequence
 
 from parallel.groups import group_rank, group_size
-from twinkle_metrics.comm import bounded
 from twinkle_metrics.comm.fused import MetricSyncError
 from twinkle_metrics.comm.host import host_max
 
@@ -88,12 +87,13 @@ def agree(metric, group, *, error: Optional[BaseException] = None, values: Seque
         return values
     import torch.distributed as dist
 
+    mesh = metric.resolve_mesh()
     if cpu_group is None:
-        cpu_group = bounded.host_group(metric.resolve_mesh(), group, f"{type(metric).__name__}.accumulate()")
+        cpu_group = mesh.cpu_group(group)
     bad = dist.get_rank() + 1 if error is not None else 0
     name = type(metric).__name__
     reduced = host_max(name, [bad] + values + [0] * (_SLOTS - len(values)), group, cpu_group,
-                       _label(metric, group))
+                       _label(metric, group), mesh.wait_timeout())
     if reduced[0]:
         if error is not None:
             raise error

@@ -66,8 +66,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from parallel import comm_device
-from parallel.groups import all_gather_rows, group_ranks, group_size
-from twinkle_metrics.comm import bounded, lifecycle
+from parallel.groups import group_ranks, group_size
+from twinkle_metrics.comm import waits
 from twinkle_metrics.comm.plan import (  # noqa: F401 - the plan's names, used here and by tests
     _H_NEED,
     _H_PLAN,
@@ -171,17 +171,12 @@ def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
     lead = metrics[0]
     mesh = lead.resolve_mesh()
     mesh.check_live("calculate()")
-    own_data, own_share = lead.data_group(), mesh.result_group
-    data_group, share_group = own_data, own_share
+    data_group, share_group = lead.data_group(), mesh.result_group
+    bound = waits.Bound("calculate()" if groups is None else "calculate(async_op=True)", mesh,
+                        (data_group, share_group))
+    data_group, share_group = sync_groups(mesh, data_group, share_group)
     if groups is not None:
         data_group, share_group = groups(data_group, share_group)
-    elif data_group is not None or share_group is not None:
-        data_group, share_group = bounded.bounded_groups("calculate()", mesh, data_group, share_group)
-    inline = False
-    if data_group is not None or share_group is not None:
-        lifecycle.ensure()
-        inline = bounded.arrive_mesh("calculate()", mesh, own_data, own_share,
-                                     "calculate" if groups is None else "async", (data_group, share_group))
     configs = tuple(m.sync_fingerprint() for m in metrics)
     if data_group is None and share_group is None:
         plan = _local_plan(metrics, configs)
@@ -193,14 +188,22 @@ def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
     for _ in range(2):
         plan = ch.plans.get(configs)
         if plan is None and not ch.plans:  # nothing agreed on these groups yet, on any rank
-            plan = _negotiate(metrics, configs, ch, data_group, share_group, _path(data_group))
+            plan = _negotiate(metrics, configs, ch, data_group, share_group, _path(data_group), bound)
         need = plan is None or not plan.covers(metrics)
-        host = _data_phase(metrics, plan, need, ch, data_group, share_group, mesh, inline)
+        host = _data_phase(metrics, plan, need, ch, data_group, share_group, mesh, bound)
         if host is not None:
             return host
-        _negotiate(metrics, configs, ch, data_group, share_group, _path(data_group))
+        _negotiate(metrics, configs, ch, data_group, share_group, _path(data_group), bound)
     raise MetricSyncError("calculate(): ranks still disagree on the metrics' states after a "
                           "negotiation; a state was added during calculate()")
+
+
+def sync_groups(mesh, data_group, share_group) -> Tuple:
+    """The groups the sync of ``(data group, TP x PP group)`` runs on: the mesh's CPU
+    groups over their ranks, within its wait bound (``DeviceMesh.cpu_group``), so every
+    wait gives up in time and the user's device groups are left alone; the groups
+    themselves where none can be made."""
+    return tuple(g if g is None else (mesh.cpu_group(g) or g) for g in (data_group, share_group))
 
 
 def _local_plan(metrics, configs) -> _Plan:
@@ -215,15 +218,10 @@ def _local_plan(metrics, configs) -> _Plan:
 
 # ------------------------------------------------------------------------ data phase
 def _data_phase(metrics, plan: Optional[_Plan], need: bool, ch: _Channel, data_group, share_group,
-                mesh, inline: bool = False) -> Optional[List[Dict[str, Any]]]:
+                mesh, bound) -> Optional[List[Dict[str, Any]]]:
     """Pack, gather (or all-reduce), merge, share; None when some rank asked for a new plan.
-    ``inline``: the groups are CPU groups within the wait bound, and their gathers' waits
-    are named (``bounded.all_gather_rows``)."""
-    def gather(buf, group):
-        if inline and group is not None:
-            return bounded.all_gather_rows(buf, group, "calculate()", mesh.group_label(group))
-        return all_gather_rows(buf, group)
-
+    Every wait is bounded and named by ``bound`` (``comm.waits.Bound``)."""
+    gather = bound.gather
     lead = metrics[0]
     comm = data_group if data_group is not None else share_group
     device = comm_device(comm)
@@ -232,7 +230,7 @@ def _data_phase(metrics, plan: Optional[_Plan], need: bool, ch: _Channel, data_g
     buf = _pack(plan, metrics, ch.width, lead._device, device, need=usable is None,
                 is_source=is_source, pp_rank=pp_rank)
     if _reduces(data_group):  # the same size on every rank of the group: all take this branch
-        vec = _reduce_data(usable, metrics, buf, ch.reduce_sizes, data_group)
+        vec = _reduce_data(usable, metrics, buf, ch.reduce_sizes, data_group, bound)
     else:
         rows = gather(buf, data_group)                           # collective 1
         vec = _merge(usable, metrics, rows) if usable is not None else rows[0].clone()

@@ -11,13 +11,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from typing import List, Sequence
+from datetime import timedelta
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from parallel.groups import group_ranks, is_cpu_group, is_owned
-from twinkle_metrics.comm import bounded
+from parallel import comm_device
+from parallel.groups import group_ranks, is_cpu_group
+from twinkle_metrics.comm import waits
 
 _state = threading.local()
 
@@ -39,37 +41,29 @@ def host_reads():
 _warned = set()
 
 
-def host_max(metric: str, values: Sequence[int], group, cpu_group=None, label: str = "") -> List[int]:
+def host_max(metric: str, values: Sequence[int], group, cpu_group=None, label: str = "",
+             timeout: Optional[timedelta] = None) -> List[int]:
     """Element-wise MAX of small host integers over ``group``; one collective.
 
     Uses ``cpu_group`` (a gloo group over the same ranks) or ``group`` itself when it
     is a CPU group: no device involved. Otherwise it falls back to an all-reduce on
-    the device and a read of its result (a device wait), warning once. The wait on the
-    CPU group is bounded by that group's own timeout, and names the ranks that never
-    came (``comm.bounded.settle``; ``label`` names the group).
+    the device and a read of its result (a device wait), warning once. The wait is
+    bounded by ``timeout`` (torch's ``Work.wait``) and names the ranks that never came
+    (``comm.waits``; ``label`` names the group).
     """
     via = cpu_group if cpu_group is not None else (group if is_cpu_group(group) else None)
-    if via is not None:
-        t = torch.tensor(list(values), dtype=torch.int64)
-        if is_owned(via):  # the library's own gloo group: not in torch's registry
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.MAX
-            work = via.allreduce([t], opts)
-            bounded.observed("all_reduce")
-        else:
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=via, async_op=True)
-        bounded.settle(work, f"{metric}.accumulate()", via, label or f"group {group_ranks(via)}")
-        with host_reads():
-            return [int(v) for v in t.tolist()]
-    if metric not in _warned:
-        _warned.add(metric)
-        warnings.warn(f"{metric}: the group is not a CPU group and no gloo group over its ranks "
-                      "could be made, so host-known sizes are exchanged on the device and read back "
-                      "(one device wait per accumulate); make gloo available, or pass a gloo group "
-                      "(EmbeddingMetric: size_group=, e.g. megatron's "
-                      "get_data_parallel_group_gloo(with_context_parallel=True))", stacklevel=2)
-    from parallel import comm_device
-
-    t = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [int(v) for v in t.tolist()]
+    if via is None:
+        if metric not in _warned:
+            _warned.add(metric)
+            warnings.warn(f"{metric}: the group is not a CPU group and no gloo group over its ranks "
+                          "could be made, so host-known sizes are exchanged on the device and read back "
+                          "(one device wait per accumulate); make gloo available, or pass a gloo group "
+                          "(EmbeddingMetric: size_group=, e.g. megatron's "
+                          "get_data_parallel_group_gloo(with_context_parallel=True))", stacklevel=2)
+        via = group
+    t = torch.tensor(list(values), dtype=torch.int64, device=comm_device(via))
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=via, async_op=True)
+    waits.wait(work, via, f"{metric}.accumulate()", label or f"group {group_ranks(via)}",
+               timeout or timedelta(minutes=30))
+    with host_reads():
+        return [int(v) for v in t.tolist()]

@@ -30,27 +30,24 @@ its live states on the caller's thread at the next ``calculate()``, hand-off,
 ``accumulate`` folds a call (``Metric._fold_under``): fix the cause and calculate again,
 and both intervals are reported, as one. ``reset()`` and loads drop intervals handed
 off before them (each metric counts them in ``_epoch``).
-At interpreter exit, pending syncs get ``EXIT_WAIT_S`` seconds to finish; the
-thread is a daemon, so a sync whose peers are gone cannot hold the process.
+The thread runs only while syncs are queued: interpreter exit waits for the ones
+still running (as for any thread), each bounded by its mesh's ``wait_timeout()``.
 """
 from __future__ import annotations
 
-import atexit
+import collections
 import contextlib
 import copy
 import os
-import queue
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from parallel.groups import is_cpu_group, private_twins, private_twins_ready, world_size
-from twinkle_metrics.comm import bounded, lifecycle
-from twinkle_metrics.comm.fused import sync_and_compute
-
-#: seconds that pending asynchronous syncs get at interpreter exit
-EXIT_WAIT_S = float(os.environ.get("TWINKLE_METRICS_EXIT_WAIT_S", "10"))
+from parallel.bounded import twins
+from twinkle_metrics.comm.fused import sync_and_compute, sync_groups
+from twinkle_metrics.comm.waits import Bound
 
 
 class CalculateHandle:
@@ -87,29 +84,36 @@ class CalculateHandle:
 
 
 class _Worker:
-    """One daemon thread running jobs in submission order."""
+    """Runs jobs in submission order on one thread, started when a job comes and ended
+    when none is left: no thread outlives the syncs, so interpreter exit (which waits
+    for it, as for any non-daemon thread) waits only for syncs still running, each
+    bounded by its mesh's ``wait_timeout()``."""
 
     def __init__(self):
-        self._jobs: "queue.Queue" = queue.Queue()
-        self._pending = 0
-        self._idle = threading.Condition()
-        self.pid = os.getpid()
-        self._thread = threading.Thread(target=self._run, name="twinkle-metrics-calculate", daemon=True)
-        self._thread.start()
+        self._jobs: "collections.deque" = collections.deque()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._pid = os.getpid()
 
     def submit(self, job: Callable[[], Dict[str, Any]], handle: CalculateHandle, stream_guard,
                handed: Sequence = ()) -> None:
         """``handed``: (metric, snapshot) pairs whose interval returns if the job fails."""
-        with self._idle:
-            self._pending += 1
-        self._jobs.put((job, handle, stream_guard, handed))
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+                self._jobs.clear()
+                self._pid, self._thread = os.getpid(), None
+            self._jobs.append((job, handle, stream_guard, handed))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="twinkle-metrics-calculate")
+                self._thread.start()
 
     def _run(self) -> None:
         while True:
-            item = self._jobs.get()
-            if item is None:  # stop (``shutdown``): every job before it has run
-                return
-            job, handle, stream_guard, handed = item
+            with self._lock:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                job, handle, stream_guard, handed = self._jobs.popleft()
             try:
                 with stream_guard():
                     try:
@@ -122,48 +126,22 @@ class _Worker:
             else:
                 _done(handed)
                 handle._finish(result=result)
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
-
-    def drain(self, timeout: float) -> bool:
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
-
-    def stop(self, timeout: float) -> None:
-        """Run what is queued (up to ``timeout`` seconds), then end the thread."""
-        self._jobs.put(None)
-        self._thread.join(timeout)
 
 
-_WORKER: Optional[_Worker] = None
-_WORKER_LOCK = threading.Lock()
+_WORKER = _Worker()
 _SIDE_STREAMS: Dict[Any, Any] = {}
+_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its twin for the worker
 
 
-def _worker() -> _Worker:
-    global _WORKER
-    with _WORKER_LOCK:
-        if _WORKER is None or _WORKER.pid != os.getpid():  # a forked child needs its own thread
-            _WORKER = _Worker()
-        return _WORKER
-
-
-@atexit.register
-def _drain_at_exit() -> None:
-    if _WORKER is not None and _WORKER.pid == os.getpid():
-        _WORKER.drain(EXIT_WAIT_S)
-
-
-def shutdown() -> None:
-    """Let pending syncs finish (``EXIT_WAIT_S`` seconds at most) and stop the thread; the
-    next asynchronous ``calculate()`` starts a new one. Before the groups are destroyed
-    (``comm.lifecycle``)."""
-    global _WORKER
-    with _WORKER_LOCK:
-        worker, _WORKER = _WORKER, None
-    if worker is not None and worker.pid == os.getpid():
-        worker.stop(EXIT_WAIT_S)
+def _twins(groups, bound) -> Dict[int, Any]:
+    """The worker's twin of each of ``groups`` (``{id(group): twin}``), made the first time
+    (collective over WORLD: ``parallel.bounded.twins``, its exchange bounded by ``bound``)."""
+    held = [g for g in groups if g is not None]
+    if not all(g in _TWINS for g in held):
+        made = twins(held, bound.timeout, bound.what)
+        for g in held:
+            _TWINS[g] = made[id(g)]
+    return {id(g): _TWINS[g] for g in held}
 
 
 def submit(metrics: Sequence, finish: Callable[[List[Dict[str, Any]]], Dict[str, Any]], reset: bool,
@@ -174,27 +152,14 @@ def submit(metrics: Sequence, finish: Callable[[List[Dict[str, Any]]], Dict[str,
     for m in metrics:
         mesh = m.resolve_mesh()
         mesh.check_live("calculate()")
-        for group in (m.data_group(), mesh.result_group):
+        for group in sync_groups(mesh, m.data_group(), mesh.result_group):
             originals.setdefault(id(group), group)
-    # On the caller's thread: creating the twins (once) is collective, in program order,
-    # and so is creating the group of the worker's arrival checks (``comm.bounded``).
-    lifecycle.ensure()
+    # On the caller's thread: creating the twins (once) is collective, in program order.
     what = "calculate(async_op=True)"
-    held = list(originals.values())
-    limit = metrics[0].resolve_mesh().wait_timeout()
-    # on CPU groups the twins take the bound, so their gathers are the bounded waits;
-    # on device groups the worker runs an arrival barrier first, on a group made here
-    timeout = limit if all(g is None or is_cpu_group(g) for g in held) else None
-    if timeout is None:
-        for m in metrics:
-            mesh = m.resolve_mesh()
-            bounded.prepare_mesh(what, mesh, m.data_group(), mesh.result_group, "async")
-    if not private_twins_ready(held, "async", timeout):  # creating them is collective over WORLD
-        bounded.meet(what, tuple(range(world_size())), limit, "world", "async-twins")
-    twins = private_twins(held, "async", timeout)
+    twins_of = _twins(list(originals.values()), Bound(what, metrics[0].resolve_mesh()))
 
     def groups(data_group, share_group):
-        return tuple(None if g is None else twins[id(g)] for g in (data_group, share_group))
+        return tuple(None if g is None else twins_of[id(g)] for g in (data_group, share_group))
 
     with _RETURN_LOCK:  # no interval given back between the settle and the hand-off
         for m in metrics:
@@ -205,8 +170,8 @@ def submit(metrics: Sequence, finish: Callable[[List[Dict[str, Any]]], Dict[str,
             m._in_flight.append(snap)
     guard = _stream_guard(snapshots)
     handle = CalculateHandle(what)
-    _worker().submit(lambda: finish(sync_and_compute(snapshots, reset=False, groups=groups)), handle, guard,
-                     handed)
+    _WORKER.submit(lambda: finish(sync_and_compute(snapshots, reset=False, groups=groups)), handle, guard,
+                   handed)
     return handle
 
 

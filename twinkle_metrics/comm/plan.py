@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from parallel import comm_device
-from parallel.groups import all_gather_rows, group_ranks
+from parallel.groups import group_ranks
 
 _HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
 _H_PLAN, _H_NEED, _H_SOURCE, _H_PP = 0, 1, 2, 3
@@ -173,7 +173,7 @@ def _merge_own(custom, metrics, rows: torch.Tensor, vec: torch.Tensor) -> None:
             vec[dst:dst + spec.numel] = v.view(torch.float64) if spec.dtype == torch.int64 else v
 
 
-def _negotiate(metrics, configs: Tuple[str, ...], ch, data_group, share_group, path: str) -> _Plan:
+def _negotiate(metrics, configs: Tuple[str, ...], ch, data_group, share_group, path: str, bound) -> _Plan:
     """Agree with every rank on the plan of ``metrics``; collective over both groups.
 
     Each rank describes its metrics (fingerprints) and states (name, signature,
@@ -191,10 +191,10 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch, data_group, share_group, p
         for name, spec in m._specs.items():
             dynamic = m.state_spec(name) is not None
             desc["states"][f"{i}/{name}"] = {"sig": {spec.signature: [me]}, "dyn": dynamic}
-    summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(desc).encode(), data_group)])
+    summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(desc).encode(), data_group, bound)])
     if share_group is not None:
         summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(summary).encode(),
-                                                                    share_group)])
+                                                                    share_group, bound)])
     everyone = sorted(summary["ranks"])
     if len(summary["paths"]) > 1:
         sides = "; ".join(f"ranks {_ranges(rs)}: {p}" for p, rs in sorted(summary["paths"].items()))
@@ -254,17 +254,18 @@ def _unite(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def _all_gather_bytes(data: bytes, group) -> List[bytes]:
-    """Every rank's ``data`` over ``group``: two collectives (lengths, then bytes)."""
+def _all_gather_bytes(data: bytes, group, bound) -> List[bytes]:
+    """Every rank's ``data`` over ``group``: two collectives (lengths, then bytes), their
+    waits bounded by ``bound`` (``comm.waits.Bound``)."""
     if group is None:
         return [data]
     device = comm_device(group)
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = all_gather_rows(n, group).flatten().tolist()
+    sizes = bound.gather(n, group).flatten().tolist()
     width = max(sizes)
     buf = torch.zeros(width, dtype=torch.uint8)
     buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-    rows = all_gather_rows(buf.to(device), group).cpu()
+    rows = bound.gather(buf.to(device), group).cpu()
     return [bytes(rows[i, :s].tolist()) for i, s in enumerate(sizes)]
 
 

@@ -7,13 +7,12 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from parallel.groups import all_gather_rows
 from twinkle_metrics.comm.order import from_ordered_f64, ordered_f64
 from twinkle_metrics.comm.plan import _H_NEED, _H_PLAN, _I64_MIN, _KEYS_HEAD, _merge_own, _Plan
 
 
 def _reduce_data(plan: Optional[_Plan], metrics, buf: torch.Tensor, sizes: Tuple[int, int, int, int],
-                 group) -> torch.Tensor:
+                 group, bound) -> torch.Tensor:
     """The merged row ``_merge`` would make of the group's gathered rows, from all-reduces.
 
     What a rank receives no longer grows with the group: a ring all-reduce moves about
@@ -34,11 +33,11 @@ def _reduce_data(plan: Optional[_Plan], metrics, buf: torch.Tensor, sizes: Tuple
     then contributes identities, and the need flag sends every rank to negotiate.
     """
     top, sums_f, sums_i, own = _reduce_pack(plan, buf, sizes)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    bound.all_reduce(top, group, op=dist.ReduceOp.MAX)
     for t in (sums_f, sums_i):
         if t is not None:
-            dist.all_reduce(t, group=group)
-    rows = all_gather_rows(own, group) if own is not None else None
+            bound.all_reduce(t, group)
+    rows = bound.gather(own, group) if own is not None else None
     return _reduce_unpack(plan, metrics, buf, top, sums_f, sums_i, rows)
 
 

@@ -65,9 +65,6 @@ def _destroy_groups_since(before):
 
     import torch.distributed as dist
 
-    from twinkle_metrics.comm import lifecycle
-
-    lifecycle.release()  # the library's own groups and waits: every rank, every job
     for group in _groups() - before:
         try:
             dist.destroy_process_group(group)

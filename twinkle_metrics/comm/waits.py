@@ -1,0 +1,225 @@
+"""Bounded, named waits, on torch's own mechanism: ``Work.wait(timeout)``.
+
+Every collective the library issues (``calculate()``'s gathers and all-reduces, a plan's
+negotiation, the agreements inside ``accumulate``, the exchange that makes an
+asynchronous calculate's groups) runs with ``async_op=True`` and is waited on through
+:func:`wait`, with the mesh's ``wait_timeout()`` as the timeout. torch ends the wait
+there, whatever timeout the group itself has (Megatron's and DeepSpeed's 30 minutes),
+on every backend; no group, barrier or thread is added for it.
+
+Naming the ranks that never came uses the group's own store
+(``ProcessGroup.get_group_store()``), and only when a wait runs long:
+
+* a wait that ends within ``EARLY_S`` touches nothing else (the healthy step);
+* a rank still waiting then appends its rank to one key of the group's call,
+  ``twinkle_metrics/waits/<n>/<call>/in`` (one store request), and waits out the rest;
+* when the wait fails (the bound passed, or a peer that gave up closed the group's
+  connections), the rank appends too, gives the others ``EARLY_S`` to do the same, and
+  the first rank to fail reads that key once and writes the absent ranks
+  to ``.../absent`` (numbers, shown as ranges); the others read that answer.
+
+A failed wait leaves the group's collectives out of step (the work may still be in
+flight, the absent ranks may enter later), so the group is closed for the library: later
+waits on it raise at once, naming the first failure. Nothing accumulated is lost: a
+failed ``calculate()`` keeps the interval in the metrics (an asynchronous one gives it
+back), a failed ``accumulate`` adds nothing.
+
+Costs per wait, over a group of N ranks: healthy, nothing; slow (longer than
+``EARLY_S``), one store request per waiting rank; failed, about four store requests per
+rank and one read of O(N) bytes by the first rank to fail.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel import groups as G
+from twinkle_metrics.comm.plan import MetricSyncError
+
+#: seconds a wait runs before the rank writes its arrival (a healthy step ends sooner)
+EARLY_S = 1.0
+
+
+class _Group:
+    """The library's record of one group: its store, its calls so far, and why it was
+    closed."""
+
+    def __init__(self, group):
+        self.ranks = tuple(G.group_ranks(group))
+        self.store = G.group_store(group)
+        name = G.group_name(group)
+        # a group torch makes again under the same name (after one was destroyed) must not
+        # read the keys of the one before: every rank counts the incarnations alike
+        _SERIALS[name] = _SERIALS.get(name, 0) + 1
+        self.prefix = f"twinkle_metrics/waits/{_SERIALS[name]}"
+        self.calls = 0
+        self.closed: Optional[str] = None
+
+
+_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> _Group
+_SERIALS: Dict[str, int] = {}
+_CALLS: Dict[str, int] = {}  # calls of each mesh's (data, TP x PP) groups, for their rolls
+_LOCK = threading.Lock()
+
+
+def _record(group) -> _Group:
+    with _LOCK:
+        record = _GROUPS.get(group)
+        if record is None:
+            record = _GROUPS[group] = _Group(group)
+        return record
+
+
+def check_open(group) -> None:
+    """Raise ``MetricSyncError`` when an earlier wait on ``group`` failed."""
+    record = None if group is None else _GROUPS.get(group)
+    if record is not None and record.closed is not None:
+        raise MetricSyncError(f"{record.closed} (an earlier wait on these ranks failed, so their "
+                              "collectives are out of step; restart the job)")
+
+
+def wait(work, group, what: str, label: str, timeout: timedelta, roll: Optional["Roll"] = None) -> None:
+    """Return once ``work`` (a collective on ``group``) is done, or raise
+    ``MetricSyncError`` within about ``timeout`` naming the ranks that did not come:
+    of ``roll`` when given (every rank of a mesh), else of ``group``. ``what`` names the
+    call (``"calculate()"``), ``label`` the group."""
+    record = _record(group)
+    check_open(group)
+    record.calls += 1
+    me = G.global_rank()
+    if roll is None:
+        roll = Roll(record.store, f"{record.prefix}/{record.calls}", record.ranks, label)
+    start = time.monotonic()
+    early = min(EARLY_S, timeout.total_seconds() / 4)
+    marked = False
+    try:
+        work.wait(timedelta(seconds=early))
+        return
+    except RuntimeError as exc:
+        if work.is_completed():  # it failed (a peer gave up), not merely slow
+            _fail(record, roll, marked, what, timeout, time.monotonic() - start, exc, group, me)
+    marked = roll.mark()
+    try:
+        left = max(timeout.total_seconds() - (time.monotonic() - start), 0.001)
+        work.wait(timedelta(seconds=left))
+    except RuntimeError as exc:
+        _fail(record, roll, marked, what, timeout, time.monotonic() - start, exc, group, me)
+
+
+class Bound:
+    """The bound and names of one call's waits on a mesh: ``what`` (``"calculate()"``),
+    the mesh's ``wait_timeout()``, and the roll of its ranks.
+
+    A call that every rank of a mesh makes (``calculate()``) takes the roll of the whole
+    mesh, ``mesh.roll()``: every rank of a mesh that spans the world ends up waiting on
+    one of the call's collectives when some rank is missing (each TP x PP group holds a
+    rank of every data group), so the ranks that never marked it are the absent ones,
+    named in one message on every rank that came."""
+
+    def __init__(self, what: str, mesh, groups: Sequence = ()):
+        self.what, self.mesh, self.timeout = what, mesh, mesh.wait_timeout()
+        self.roll = None
+        ranks = mesh.member_ranks() if groups else None
+        if ranks is not None and len(ranks) > 1:
+            # the call's key: the same on every rank of the mesh, which all make the same
+            # calls on these groups in the same order
+            ident = f"{what}:{mesh.source}:" + ":".join(G.group_name(g) if g is not None else "-" for g in groups)
+            with _LOCK:
+                _CALLS[ident] = n = _CALLS.get(ident, 0) + 1
+            self.roll = Roll(G.group_store(dist.group.WORLD), f"twinkle_metrics/calls/{ident}/{n}", ranks,
+                             f"mesh from {mesh.source} (ranks {ranges(ranks)})")
+
+    def wait(self, work, group) -> None:
+        wait(work, group, self.what, self.mesh.group_label(group), self.timeout, self.roll)
+
+    def gather(self, buf: torch.Tensor, group) -> torch.Tensor:
+        return G.all_gather_rows(buf, group, wait=lambda work: self.wait(work, group))
+
+    def all_reduce(self, t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if G.group_size(group) > 1:
+            self.wait(dist.all_reduce(t, op=op, group=group, async_op=True), group)
+        return t
+
+
+# ------------------------------------------------------------------------ naming
+class Roll:
+    """Who came to one call: ``ranks`` that should, and one key of ``store`` they mark."""
+
+    def __init__(self, store, key: str, ranks: Sequence[int], label: str):
+        self.store, self.key, self.ranks, self.label = store, key, tuple(ranks), label
+
+    def mark(self) -> bool:
+        if self.store is None:
+            return False
+        try:
+            self.store.append(f"{self.key}/in", f"{G.global_rank()},")
+            return True
+        except (RuntimeError, dist.DistError):
+            return False
+
+    def absent(self, pause: float) -> Optional[list]:
+        """The ranks that did not mark; ``None`` when the store cannot say. The first
+        rank to ask reads the marks and writes the answer for the rest."""
+        if self.store is None:
+            return None
+        key = self.key
+        try:
+            if self.store.add(f"{key}/failed", 1) == 1:
+                came = {int(r) for r in self.store.get(f"{key}/in").decode().split(",") if r}
+                absent = [r for r in self.ranks if r not in came]
+                self.store.set(f"{key}/absent", ",".join(map(str, absent)))
+                return absent
+            self.store.wait([f"{key}/absent"], timedelta(seconds=max(pause, 1.0)))
+            return [int(r) for r in self.store.get(f"{key}/absent").decode().split(",") if r]
+        except (RuntimeError, ValueError, dist.DistError):
+            return None
+
+
+def ranges(ranks: Sequence[int]) -> str:
+    """``[1, 2, 3, 5]`` as ``"1-3, 5"`` (16k ranks must not make a 100 kB message)."""
+    out, run = [], []
+    for r in sorted(ranks):
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [r]
+    if run:
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ", ".join(out)
+
+
+def _fail(record: _Group, roll: Roll, marked: bool, what: str, timeout: timedelta, waited: float,
+          cause, group, me: int) -> None:
+    if not G.group_alive(group):
+        record.closed = (f"{what}: the process groups were destroyed (destroy_process_group()) while "
+                         f"it waited on them (rank {me}); nothing accumulated was lost")
+        raise MetricSyncError(record.closed) from cause
+    # A wait can also fail at once (a peer that gave up closed its connections); the
+    # ranks that came fail together: each marks, and gives the others as long as the
+    # first wait to mark before the answer is read.
+    if not marked:
+        roll.mark()
+    pause = min(EARLY_S, timeout.total_seconds() / 4)
+    time.sleep(pause)
+    absent = roll.absent(pause)
+    label = roll.label
+    if absent:
+        who = (f"rank{'s' if len(absent) > 1 else ''} {ranges(absent)} of the {label} did not arrive "
+               f"(this is rank {me}; every rank of the {label} must call {what} at the same point)")
+    elif absent is None:
+        who = f"some ranks of the {label} did not arrive (this is rank {me}; the store could not say which)"
+    else:
+        who = (f"every rank of the {label} arrived, but not within {timeout.total_seconds():g} s of "
+               f"each other (this is rank {me})")
+    msg = (f"{what}: waited {waited:.1f} s (the bound is {timeout.total_seconds():g} s: DeviceMesh "
+           f"timeout= or TWINKLE_METRICS_TIMEOUT_S); {who}. Nothing accumulated was lost")
+    record.closed = msg
+    raise MetricSyncError(msg) from cause
