@@ -227,3 +227,22 @@ def test_the_new_keys_take_the_torch_path_where_the_kernel_would_run(monkeypatch
     assert GSPOMetric()._fuses(_Microbatch(item, None))
     assert not GRPOMetric(clip_ratio_c=3.0)._fuses(_Microbatch(item, None))
     assert not GSPOMetric(token_clip_ratio=True)._fuses(_Microbatch(item, None))
+
+
+def test_sliced_new_keys_equal_a_metric_fed_only_that_slice():
+    b = _batch(per_token_adv=True)
+    sources = ["a", "b", "a", "a", "b", "b", "a", "b", "a", "b"]
+    for cls, kw in ((PPOMetric, {"clip_ratio_c": 1.25}), (GSPOMetric, {"epsilon": 0.02})):
+        sliced = cls(token_clip_ratio=True, slice_by="data_source", **kw)
+        sliced.accumulate({"labels": b["labels"], "data_source": sources}, {"logps": b["logps"]},
+                          old_logps=b["old"], advantages=b["adv"])
+        got = sliced.calculate()
+        for source in ("a", "b"):
+            rows = torch.tensor([i for i, s in enumerate(sources) if s == source])
+            alone = cls(token_clip_ratio=True, **kw)
+            alone.accumulate({"labels": b["labels"][rows]}, {"logps": b["logps"][rows]}, old_logps=b["old"][rows],
+                             advantages=b["adv"][rows])
+            want = alone.calculate()
+            assert "train/token_clip_ratio" in want
+            for key, value in want.items():
+                assert math.isclose(got[f"{key}/{source}"], value, rel_tol=1e-12), (cls, key)

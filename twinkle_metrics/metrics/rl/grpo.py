@@ -174,9 +174,9 @@ class GRPOMetric(PolicySums, Metric):
             6 int64 counts).
         loss_agg_norm: the constant divisor of ``'seq-mean-token-sum-norm'`` (> 0); None:
             each sequence's token capacity. Only with that mode.
-        clip_ratio_c: dual-clip PPO's bound c > 1 (verl's, 3.0 there), GRPO and PPO only:
-            adds ``train/clip_ratio_dual``. token_clip_ratio: adds ``train/token_clip_ratio``.
-            Both (GSPO's token counts) take the torch path, not the fused kernel.
+        clip_ratio_c: dual-clip PPO's bound c > 1 (verl's; 3.0 there), GRPO and PPO only:
+            adds ``train/clip_ratio_dual``; takes the torch path, not the fused kernel.
+        token_clip_ratio: adds ``train/token_clip_ratio`` (GSPO: takes the torch path).
 
     Example:
         >>> import torch
