@@ -221,3 +221,69 @@ def ref_rollout(labels, train, rollout, high=2.0, low=None):
         "rollout/ppl_ratio": math.exp(-mean_train) / math.exp(-mean_rollout),
         "rollout/log_ppl_abs_diff": statistics.fmean(abs(statistics.fmean(-x for x in s)) for s in seqs),
     }
+
+
+def verl_agg_loss(values, mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+                  loss_scale_factor=None):
+    """verl 0.9.1's ``agg_loss`` (``verl/trainer/ppo/core_algos.py``) on one rank's rows, with
+    Python floats: ``values`` and ``mask`` (0/1) are lists of equal-length rows. Over DP ranks
+    verl passes the global token count and batch size with ``dp_size``, and FSDP averages the
+    ranks' losses; in one process it passes neither (the batch's own counts)."""
+    width = len(mask[0])
+    sums = [sum(v * m for v, m in zip(vr, mr)) for vr, mr in zip(values, mask)]
+    counts = [sum(mr) for mr in mask]
+    if mode == "token-mean":
+        total_tokens = sum(counts) if batch_num_tokens is None else batch_num_tokens
+        return sum(sums) / total_tokens * dp_size
+    live = [1.0 if c > 0 else 0.0 for c in counts]
+    seqs = sum(live) if global_batch_size is None else global_batch_size
+    if mode == "seq-mean-token-mean":
+        per = [s / (c + 1e-8) for s, c in zip(sums, counts)]  # verl's epsilon
+        return sum(p * w for p, w in zip(per, live)) / seqs * dp_size
+    loss = sum(s * w for s, w in zip(sums, live)) / seqs * dp_size
+    if mode == "seq-mean-token-sum-norm":
+        loss /= width if loss_scale_factor is None else loss_scale_factor
+    return loss
+
+
+def verl_agg_loss_over_dp(values, mask, mode, shards, loss_scale_factor=None):
+    """``verl_agg_loss`` as verl's trainer runs it over DP ranks (``shards``: each rank's row
+    indices): each rank with the global counts and ``dp_size``, then the mean over ranks (the
+    gradient average); the global batch size counts the sequences that have a token (in a real
+    batch every response has one, so it is the configured mini-batch size)."""
+    dp = len(shards)
+    tokens = sum(sum(r) for r in mask)
+    seqs = sum(1 for r in mask if sum(r) > 0)
+    per_rank = [verl_agg_loss([values[i] for i in rows], [mask[i] for i in rows], mode, dp, tokens, seqs,
+                              loss_scale_factor) for rows in shards]
+    return sum(per_rank) / dp
+
+
+def verl_clip_tokens(kind, lp, old, adv, mask, eps=0.2, eps_high=None, clip_ratio_c=3.0):
+    """Per token (rows of 0/1), verl 0.9.1's ``pg_clipfrac`` and ``pg_clipfrac_lower`` indicators,
+    written as its policy losses compare them (``compute_policy_loss_vanilla`` for ``'ppo'``,
+    ``_gspo``, ``_cispo``): lists of rows of Python floats, advantages per token."""
+    eps_high = eps if eps_high is None else eps_high
+    clipped, lower = [], []
+    for i in range(len(mask)):
+        d = [x - o for x, o in zip(lp[i], old[i])]
+        if kind == "gspo":  # the sequence's mean log-ratio at every token, clamped above at 10
+            n = max(sum(mask[i]), 1)
+            seq = sum(x * m for x, m in zip(d, mask[i])) / n
+            ratios = [math.exp(min(seq, 10.0))] * len(d)
+        else:
+            ratios = [math.exp(min(max(x, -20.0), 20.0)) for x in d]
+        c_row, l_row = [], []
+        for r, a in zip(ratios, adv[i]):
+            r_clip = min(max(r, 1 - eps), 1 + eps_high)
+            if kind == "cispo":
+                c_row.append(float(r != r_clip))
+                l_row.append(0.0)
+                continue
+            pg1, pg2 = -a * r, -a * r_clip
+            c_row.append(float(pg2 > pg1))
+            pg3 = -a * clip_ratio_c
+            l_row.append(float(max(pg1, pg2) > pg3 and a < 0) if kind == "ppo" else 0.0)
+        clipped.append(c_row)
+        lower.append(l_row)
+    return clipped, lower

@@ -28,7 +28,8 @@ def _batch(seed=7):
 
 
 def _aggregate(mode, seqs, width, norm=None):
-    """verl's agg_loss over per-sequence lists of token values (Python floats)."""
+    """The modes' definitions over per-sequence lists of token values (Python floats): verl
+    0.9.1's agg_loss without its 1e-8 in the token-mean's divisor."""
     live = [v for v in seqs if v]
     if mode == "token-mean":
         return sum(sum(v) for v in live) / sum(len(v) for v in live)
@@ -36,7 +37,7 @@ def _aggregate(mode, seqs, width, norm=None):
         return sum(sum(v) / len(v) for v in live) / len(live)
     if mode == "seq-mean-token-sum":
         return sum(sum(v) for v in live) / len(live)
-    return sum(sum(v) for v in seqs) / (norm if norm is not None else width)
+    return sum(sum(v) / (norm if norm is not None else width) for v in live) / len(live)
 
 
 def _reference(b, mode, eps=0.2, by_sign=True, has_old=None, norm=None, per_token_adv=False):

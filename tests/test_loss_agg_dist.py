@@ -1,13 +1,15 @@
-"""loss_agg_mode= on real gloo ranks: sharded == whole on DP, TP, PP and CP layouts, with the
-per-sequence sums completed over CP before they are averaged."""
+"""loss_agg_mode= on real gloo ranks: sharded == whole on DP (4 ranks too), TP, PP and CP
+layouts, with the per-sequence sums completed over CP before they are averaged; the
+sequence-sum-norm mode and verl's dual-clip and token-weighted clip fractions equal verl
+0.9.1's definitions (``tests/rlref.py``) on every rank of 4 DP ranks."""
 import math
 
 import pytest
 import torch
 
 from tests.refmetric import cp_slice, dp_shards
-from tests.rlref import make_rl_batch, ragged
-from twinkle_metrics import CISPOMetric, GRPOMetric, GSPOMetric, MetricCollection, RolloutMismatchMetric
+from tests.rlref import make_rl_batch, ragged, verl_agg_loss, verl_clip_tokens
+from twinkle_metrics import CISPOMetric, GRPOMetric, GSPOMetric, MetricCollection, PPOMetric, RolloutMismatchMetric
 from twinkle_metrics.testing import assert_layout_invariant
 
 pytestmark = pytest.mark.xdist_group("dist")
@@ -27,6 +29,8 @@ def _metrics(mesh):
         "gspo": GSPOMetric(None, epsilon=0.05, loss_agg_mode="seq-mean-token-mean"),
         "cispo": CISPOMetric(None, loss_agg_mode="seq-mean-token-sum"),
         "roll": RolloutMismatchMetric(None, is_threshold=1.3, loss_agg_mode="seq-mean-token-mean"),
+        "dual": PPOMetric(None, clip_ratio_c=1.25, token_clip_ratio=True, loss_agg_mode="seq-mean-token-sum-norm"),
+        "gspo_tok": GSPOMetric(None, epsilon=0.05, token_clip_ratio=True),
     }, device_mesh=mesh)
 
 
@@ -69,9 +73,36 @@ def _clip_fraction_per_sequence(b, eps=0.2):
     return sum(fractions) / len(fractions)
 
 
+def _verl(b):
+    """verl 0.9.1's values of the batch: the norm mode's k3 KL and clip fraction (agg_loss over
+    the whole batch), the dual-clip and token-weighted clip fractions (masked means)."""
+    mask = [[float(b["labels"][i, t] != -100) for t in range(SEQ_LEN)] for i in range(N_SEQ)]
+    lp, old = b["logps"].tolist(), b["old"].tolist()
+    adv = [[a] * SEQ_LEN for a in b["adv"].tolist()]
+    d = [[x - o for x, o in zip(lr, orow)] for lr, orow in zip(lp, old)]
+    clipped, lower = verl_clip_tokens("ppo", lp, old, adv, mask, clip_ratio_c=1.25)
+    gspo, _ = verl_clip_tokens("gspo", lp, old, adv, mask, eps=0.05)
+    tokens = sum(map(sum, mask))
+
+    def mean(rows):
+        return sum(v * w for r, mr in zip(rows, mask) for v, w in zip(r, mr)) / tokens
+
+    norm = "seq-mean-token-sum-norm"
+    return {"dual/train/approx_kl": verl_agg_loss([[math.exp(x) - x - 1 for x in r] for r in d], mask, norm),
+            "dual/train/clip_ratio": verl_agg_loss(clipped, mask, norm),
+            "dual/train/clip_ratio_dual": mean(lower), "dual/train/token_clip_ratio": mean(clipped),
+            "gspo_tok/train/token_clip_ratio": mean(gspo)}
+
+
 def test_sequence_modes_are_layout_invariant_and_complete_sequences_over_cp(dist_pool):
-    report = assert_layout_invariant(_metrics, feed, ["dp2", "tp2xdp2", "pp2xdp2", "cp2xdp2"], pool=dist_pool)
+    report = assert_layout_invariant(_metrics, feed, ["dp2", "dp4", "tp2xdp2", "pp2xdp2", "cp2xdp2"],
+                                     pool=dist_pool)
     for interval, ref in enumerate(report.reference):
+        # verl 0.9.1's definitions, on every rank of 4 DP ranks (the acceptance reading)
+        for key, want in _verl(_batch(interval)).items():
+            assert 0 < want < 1, key
+            for rank in report.results["dp4"]:
+                assert math.isclose(rank[interval][key], want, rel_tol=1e-12), (key, rank[interval][key], want)
         want = _clip_fraction_per_sequence(_batch(interval))
         assert ref["mean/train/clip_ratio"] > 0
         assert math.isclose(ref["mean/train/clip_ratio"], want, rel_tol=1e-12)

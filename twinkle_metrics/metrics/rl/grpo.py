@@ -14,10 +14,10 @@ from twinkle_metrics.inputs.checks import as_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.vocab import check_reach, reach, vocab_states
 from twinkle_metrics.kernels import entropy
+from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg, keep_default_fingerprint, sequence_mean
 from twinkle_metrics.metrics.rl.policy_sums import (  # noqa: F401 - the histograms are part of this module's names
     ENTROPY_HISTOGRAM,
     KL_HISTOGRAM,
-    LOSS_AGG_MODES,
     RATIO_HISTOGRAM,
     SEQ_COUNT_OF,
     SEQ_COUNTS,
@@ -27,9 +27,6 @@ from twinkle_metrics.metrics.rl.policy_sums import (  # noqa: F401 - the histogr
     _k3,
     _nan_first,
     _topk_rows,
-    check_loss_agg,
-    keep_default_fingerprint,
-    sequence_mean,
 )
 from twinkle_metrics.stats.histogram import check_quantiles, quantile_keys
 
@@ -56,6 +53,9 @@ class GRPOMetric(PolicySums, Metric):
     * with ``advantages`` too: ``train/clip_ratio_low`` = [r < 1 - epsilon and A < 0],
       ``train/clip_ratio_high`` = [r > 1 + epsilon_high and A > 0], ``train/clip_ratio``,
       and ``train/advantage_mean`` / ``_min`` / ``_max`` over masked tokens (as verl);
+      ``train/clip_ratio_dual`` = [A < 0 and r > clip_ratio_c] (verl's ``pg_clipfrac_lower``)
+      and ``train/token_clip_ratio`` (verl's ``pg_clipfrac``) when asked for (Args): token
+      means whatever ``loss_agg_mode``, as verl logs them;
     * with ``ref_logps`` (or ``ref_outputs={'logps': ...}``): ``train/ref_kl`` = mean of
       k3 for KL(pi || ref), exp(ref - logp) - (ref - logp) - 1, TRL's GRPO estimator;
     * ``train/entropy`` from ``outputs['entropies']``, or, with
@@ -126,11 +126,13 @@ class GRPOMetric(PolicySums, Metric):
       and fingerprint);
     * ``'seq-mean-token-mean'``: the mean over sequences of S_i / n_i;
     * ``'seq-mean-token-sum'``: the mean over sequences of S_i;
-    * ``'seq-mean-token-sum-norm'``: sum_i S_i / H_i, with H_i = ``loss_agg_norm`` (verl's
-      ``loss_scale_factor``, e.g. the maximum response length) or, when None, the sequence's
-      token capacity: the length of its row of the mask (over CP, the sum of the ranks'
-      slices), which is verl's ``loss_mask.shape[-1]`` when every row has one length. As in
-      verl this is not divided by the number of sequences: it grows with the batch.
+    * ``'seq-mean-token-sum-norm'``: the mean over sequences of S_i / H_i, with H_i =
+      ``loss_agg_norm`` (verl's ``loss_scale_factor``, e.g. the maximum response length) or,
+      when None, the sequence's token capacity: the length of its row of the mask (over CP,
+      the sum of the ranks' slices), which is verl's ``loss_mask.shape[-1]`` when every row
+      has one length.
+
+    These are verl 0.9.1's ``agg_loss`` over the whole batch (``metrics.rl.loss_agg``).
 
     Sequences with no counted token for a key are left out of its sequence means (verl's
     ``seq_mask``). Rows of the batch are the sequences. Extremes, quantiles, top-k
@@ -172,6 +174,9 @@ class GRPOMetric(PolicySums, Metric):
             6 int64 counts).
         loss_agg_norm: the constant divisor of ``'seq-mean-token-sum-norm'`` (> 0); None:
             each sequence's token capacity. Only with that mode.
+        clip_ratio_c: dual-clip PPO's bound c > 1 (verl's; 3.0 there), GRPO and PPO only:
+            adds ``train/clip_ratio_dual``; takes the torch path, not the fused kernel.
+        token_clip_ratio: adds ``train/token_clip_ratio`` (GSPO: takes the torch path).
 
     Example:
         >>> import torch
@@ -232,10 +237,12 @@ class GRPOMetric(PolicySums, Metric):
                  top_k_kl: int = 0, entropy_from_logits: bool = False, vocab_parallel: bool = False,
                  entropy_chunk_size: Optional[int] = None, entropy_chunk_bytes: Optional[int] = None,
                  nan_policy: str = "propagate", quantiles: Optional[Sequence[float]] = None,
-                 loss_agg_mode: str = "token-mean", loss_agg_norm: Optional[float] = None, **kwargs):
+                 loss_agg_mode: str = "token-mean", loss_agg_norm: Optional[float] = None,
+                 clip_ratio_c: Optional[float] = None, token_clip_ratio: bool = False, **kwargs):
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.loss_agg_mode, self.loss_agg_norm = check_loss_agg(name, loss_agg_mode, loss_agg_norm)
+        self._init_clip(name, clip_ratio_c, token_clip_ratio)
         keep_default_fingerprint(self)
         self.nan_policy = check_nan_policy(name, nan_policy)
         self.quantiles = check_quantiles(name, quantiles)
@@ -423,16 +430,7 @@ class GRPOMetric(PolicySums, Metric):
             if self.quantiles:
                 out.update(quantile_keys("train/entropy", ENTROPY_HISTOGRAM, s["hist_entropy"], self.quantiles,
                                          self.nan_policy == "propagate"))
-        if s["clip_n"]:
-            poison = s["clip_nan"]  # 0.0, or NaN under 'propagate' when a gated token was non-finite
-            if agg is None or self.sequence_level_clip:  # GSPO's clip counts are over sequences
-                out["train/clip_ratio_low"] = s["clip_low"] / s["clip_n"] + poison
-                out["train/clip_ratio_high"] = s["clip_high"] / s["clip_n"] + poison
-                out["train/clip_ratio"] = (s["clip_low"] + s["clip_high"]) / s["clip_n"] + poison
-            else:
-                out["train/clip_ratio_low"] = agg("clip_low") + poison
-                out["train/clip_ratio_high"] = agg("clip_high") + poison
-                out["train/clip_ratio"] = agg("clip_low", "clip_high") + poison
+        out.update(self._clip_keys(s, agg))
         if s["n_adv"]:
             out["train/advantage_mean"] = s["sum_adv"] / s["n_adv"] if agg is None else agg("adv")
             out["train/advantage_min"] = s["adv_min"]
@@ -463,7 +461,7 @@ class GRPOMetric(PolicySums, Metric):
 
         def agg(*columns):
             idx = [SEQ_SUMS.index(c) for c in columns]
-            return sequence_mean(self.loss_agg_mode, sum(sums[i] for i in idx), counts[SEQ_COUNT_OF[idx[0]]])
+            return sequence_mean(sum(sums[i] for i in idx), counts[SEQ_COUNT_OF[idx[0]]])
 
         return agg
 
@@ -488,7 +486,10 @@ class GSPOMetric(GRPOMetric):
 
     Clip gates apply to each sequence's ratio exp(mean over its tokens of d), with
     the sequence's advantage (the mean over its tokens when given per token);
-    ``train/clip_ratio*`` count sequences (whatever ``loss_agg_mode``). Under CP the
+    ``train/clip_ratio*`` are fractions of sequences (whatever ``loss_agg_mode``). verl logs
+    a token-weighted fraction instead (``actor/pg_clipfrac``: tokens whose sequence ratio is
+    clipped, each gated by its own advantage's sign, over all tokens):
+    ``token_clip_ratio=True`` adds it as ``train/token_clip_ratio``. Under CP the
     per-sequence sums are completed over the CP group first (one agreement and one all_reduce in
     ``accumulate``; every CP rank must call it the same number of times). Other keys are as
     GRPOMetric.

@@ -1,15 +1,17 @@
 """The per-token sums of the GRPO family's ``update``: what one call contributes.
 
 ``PolicySums`` holds the computations ``GRPOMetric.update`` composes (inputs aligned per
-microbatch, token, advantage, reference and ratio sums, clip counts, top-k records, and
-the fused-kernel path), so that ``grpo.py`` reads as the metric: its states, ``update``,
-``merge`` and ``compute``. They read the call's inputs and the metric's configuration only.
+microbatch, token, advantage, reference and ratio sums, the per-sequence tables of
+``loss_agg_mode``), with the clip counts (``policy_clip``), the fused-kernel path
+(``policy_fused``) and the top-k records (``policy_records``) mixed in, so that ``grpo.py``
+reads as the metric: its states, ``update``, ``merge`` and ``compute``. They read the call's
+inputs and the metric's configuration only.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -28,8 +30,10 @@ from twinkle_metrics.inputs.rl import (
     split_side_input,
     token_mask,
 )
-from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.kernels import entropy
+from twinkle_metrics.metrics.rl.loss_agg import LOSS_AGG_MODES, sequence_table
+from twinkle_metrics.metrics.rl.policy_clip import PolicyClip
+from twinkle_metrics.metrics.rl.policy_fused import FusedSums
 from twinkle_metrics.metrics.rl.policy_records import TopKRecords, _topk_rows
 from twinkle_metrics.stats.histogram import Histogram
 
@@ -38,10 +42,6 @@ RATIO_HISTOGRAM = Histogram(1e-6, 1e6, signed=False)
 KL_HISTOGRAM = Histogram(1e-15, 1e6, signed=False)
 ENTROPY_HISTOGRAM = Histogram(1e-12, 1e3, signed=False)
 
-#: verl's ``agg_loss`` modes (``verl/trainer/ppo/core_algos.py``); the first is the default
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
 #: per-sequence columns of the sequence-aggregated modes: token sums, then token counts
 #: (then the sequence's token capacity); ``SEQ_COUNT_OF[f]`` is the count column of sum ``f``
 SEQ_SUMS = ("new", "ent", "adv", "ref_kl", "old", "diff", "kl", "ratio_m1", "ratio_one", "clip_low", "clip_high")
@@ -49,64 +49,7 @@ SEQ_COUNTS = ("n_tok", "n_ent", "n_adv", "n_ref", "n_old", "n_clip")
 SEQ_COUNT_OF = (0, 1, 2, 3, 4, 4, 4, 4, 4, 5, 5)
 
 
-def check_loss_agg(name: str, mode, norm) -> Tuple[str, Optional[float]]:
-    """``(loss_agg_mode, loss_agg_norm)`` validated; raises ``ValueError`` naming the metric."""
-    if not isinstance(mode, str) or mode not in LOSS_AGG_MODES:
-        raise ValueError(f"{name}: loss_agg_mode must be one of {', '.join(map(repr, LOSS_AGG_MODES))}, "
-                         f"got {mode!r}")
-    if norm is None:
-        return mode, None
-    if mode != "seq-mean-token-sum-norm":
-        raise ValueError(f"{name}: loss_agg_norm applies to loss_agg_mode='seq-mean-token-sum-norm' only, got "
-                         f"loss_agg_norm={norm!r} with loss_agg_mode={mode!r}; leave it None")
-    if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 < norm < math.inf:
-        raise ValueError(f"{name}: loss_agg_norm must be a finite number > 0 (verl's loss_scale_factor, e.g. "
-                         f"the maximum response length) or None (each sequence's token capacity), got {norm!r}")
-    return mode, float(norm)
-
-
-def keep_default_fingerprint(metric) -> None:
-    """Leave the aggregation arguments out of the fingerprint while they hold their
-    defaults, so checkpoints written before they existed still load (as ``slice_by=None``)."""
-    if metric.loss_agg_mode == LOSS_AGG_MODES[0]:
-        metric._arguments.pop("loss_agg_mode", None)
-    if metric.loss_agg_norm is None:
-        metric._arguments.pop("loss_agg_norm", None)
-
-
-def sequence_table(sums: torch.Tensor, counts: torch.Tensor, width: torch.Tensor, count_of: Sequence[int],
-                   mode: str, norm: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One call's contributions to the sequence-aggregated keys, from whole-sequence totals.
-
-    ``sums`` ``[B, F]`` (a quantity's token sum per sequence), ``counts`` ``[B, G]`` (token
-    counts per sequence), ``width`` ``[B]`` (each sequence's token capacity), all float64
-    and already summed over CP; ``count_of[f]``: the count column of sum column ``f``.
-    Returns ``(values [F], sequences [G])``: per column the sum over sequences that have a
-    counted token of the sequence's token mean (``seq-mean-token-mean``), token sum
-    (``seq-mean-token-sum``) or token sum / (``norm`` or its capacity)
-    (``seq-mean-token-sum-norm``); per count column the number of such sequences (int64).
-    """
-    live = counts > 0
-    c = counts[:, list(count_of)]
-    if mode == "seq-mean-token-mean":
-        per = sums / torch.where(c > 0, c, 1.0)
-    elif mode == "seq-mean-token-sum":
-        per = sums
-    else:
-        per = sums / (norm if norm is not None else torch.where(width > 0, width, 1.0)[:, None])
-    return torch.where(c > 0, per, 0.0).sum(0), live.sum(0)
-
-
-def sequence_mean(mode: str, total: float, sequences) -> float:
-    """A key's value from its reduced ``sequence_table`` sums: the mean over sequences,
-    or for ``seq-mean-token-sum-norm`` the sum itself (verl does not divide by the number
-    of sequences there)."""
-    if mode == "seq-mean-token-sum-norm":
-        return total
-    return total / sequences if sequences else math.nan
-
-
-class PolicySums(TopKRecords):
+class PolicySums(PolicyClip, FusedSums, TopKRecords):
     """The GRPO family's per-call computations (mixed into ``GRPOMetric``)."""
 
     def _prepare(self, name, inputs, outputs, old_logps, advantages, ref_logps, ref_outputs):
@@ -251,56 +194,6 @@ class PolicySums(TopKRecords):
         rows = torch.cat(tables) if per_seq and sum(batch["sizes"]) else None
         return acc, parts, rows
 
-    def _fuses(self, mb: "_Microbatch") -> bool:
-        """Whether this microbatch takes the one-kernel path (``kernels.triton_rl``): on CUDA
-        with the kernels enabled, no histograms, ``loss_agg_mode='token-mean'``, and every side
-        input covering exactly the counted tokens (aligned ``[b, s]``, or ``[b, 1]`` advantages)."""
-        m = mb.m
-        # the kernel makes no per-sequence table: a sequence-aggregated loss_agg_mode takes the
-        # torch path (same states and values, more launches)
-        if self._per_sequence or self.quantiles or not m.numel() or not _triton.device_ok(mb.lp):
-            return False
-        b, s = m.shape
-        if mb.lp.shape != m.shape:
-            return False
-        for x, has, widths in ((mb.old, mb.has_old, (s,)), (mb.ref, mb.has_ref, (s,)), (mb.ent, mb.em, (s,)),
-                               (mb.adv, mb.has_adv, (1, s))):
-            if x is not None and (has is not m or x.dim() != 2 or x.shape[0] != b or x.shape[1] not in widths
-                                  or x.device != m.device):
-                return False
-        return True
-
-    def _fused_sums(self, acc, mbs: List["_Microbatch"]) -> Tuple[Dict["_Microbatch", Any], Any]:
-        """Every per-token contribution of ``mbs`` from one kernel each
-        (``kernels.triton_rl``), folded into ``acc`` once: the same states and values as
-        the steps below. Returns ``({microbatch: GSPO rows or None}, the top-k record
-        buffer or None)``."""
-        if not mbs:
-            return {}, None
-        lo, hi = self._log_bounds
-        skip = self.nan_policy == "skip"
-        both = [mb.old is not None and mb.adv is not None for mb in mbs]
-
-        def launch():
-            from twinkle_metrics.kernels import rl_triton as triton_rl
-            keyed = bool(self.top_k_kl)
-            return triton_rl.token_stats(
-                [dict(lp=mb.lp, m=mb.m, old=mb.old, adv=mb.adv, ref=mb.ref, ent=mb.ent, seq0=mb.seq0,
-                      tok=self._feature_view(mb, "labels") if keyed else None,
-                      pos=self._feature_view(mb, "position_ids") if keyed else None) for mb in mbs],
-                lo=lo, hi=hi, token_clip=not self.sequence_level_clip, by_sign=self.clip_by_advantage_sign,
-                skip=skip, want_key=bool(self.top_k_kl), want_rows=self.sequence_level_clip and any(both))
-
-        result = _triton.attempt("RL token statistics", launch)
-        if result is None:
-            return {}, None  # every microbatch takes the torch path
-        totals, records, rows = result
-        # Every state the kernel writes, by its declared reduction; a column whose input no
-        # microbatch gave holds the reduction's identity (0, -inf, +inf) and changes nothing.
-        for name, value in totals.items():
-            fold.by(acc, name, value, self._specs[name].reduce)
-        return {mb: (r if ok else None) for mb, r, ok in zip(mbs, rows, both)}, records
-
     def _count_nonfinite(self, acc, mb: "_Microbatch") -> None:
         """Count the tokens that count and hold a NaN/inf in any input (padding at masked
         positions is not counted: every term is gated by the tokens the value belongs
@@ -405,8 +298,11 @@ class PolicySums(TopKRecords):
                 fold.add(acc, "clip_nan", torch.where(gate, d + adv, 0.0).sum() * 0.0)
             if self.sequence_level_clip:
                 g = gate.to(torch.float64)
-                seq_parts.append(torch.stack([(d * g).sum(1), g.sum(1),
-                                              torch.where(gate, adv.to(torch.float64), 0.0).sum(1)], 1))
+                cols = [(d * g).sum(1), g.sum(1), torch.where(gate, adv.to(torch.float64), 0.0).sum(1)]
+                if self.token_clip_ratio:  # each token's own advantage sign (verl's token-weighted clip)
+                    cols += [(gate & (adv < 0)).sum(1, dtype=torch.float64),
+                             (gate & (adv > 0)).sum(1, dtype=torch.float64)]
+                seq_parts.append(torch.stack(cols, 1))
             else:
                 extra = None if self._zero_unclipped else has_old
                 if has_adv is not m:
@@ -421,6 +317,8 @@ class PolicySums(TopKRecords):
                          mb.total("n_clip", gate))
                 fold.add(acc, "clip_low", low)
                 fold.add(acc, "clip_high", high)
+                if self.clip_ratio_c is not None:
+                    fold.add(acc, "clip_dual", self._dual_count(d, adv, extra))
         # r - 1, in place unless the top-k records or the histograms still need d
         em = torch.expm1(d) if self.top_k_kl or self.quantiles else d.expm1_()
         sum_em = mb.total("ratio_m1", em)
@@ -439,47 +337,6 @@ class PolicySums(TopKRecords):
             fold.add(acc, "hist_kl", KL_HISTOGRAM.counts(mb.ratio_m1 - mb.d, mb.has_old))
         if mb.ent is not None:
             fold.add(acc, "hist_entropy", ENTROPY_HISTOGRAM.counts(mb.ent, mb.em))
-
-    #: clip counts gated by the advantage sign (GRPO/PPO); CISPO clips the weight itself
-    clip_by_advantage_sign = True
-
-    def _clip_counts(self, d, adv, gate=None, per_row=False):
-        """Counts of clipped-low and clipped-high units from log-ratios d (r = e^d):
-        r < 1 - epsilon (and A < 0), r > 1 + epsilon_high (and A > 0); ``per_row``: one
-        count per row of a ``[b, s]`` d.
-
-        ``d`` is 0 outside the units with an old log-prob and a scattered A is 0
-        outside the units that have one, so with epsilons >= 0 no gate is needed;
-        ``gate`` is applied when one is.
-        """
-        lo, hi = self._log_bounds
-        low, high = d < lo, d > hi
-        if gate is not None:
-            low, high = low & gate, high & gate
-
-        def total(x):
-            return x.sum(1) if per_row else x.sum()
-
-        if not self.clip_by_advantage_sign:
-            return total(low), total(high)
-        if adv.dim() == 2 and adv.shape[1] == 1 and d.shape[1] != 1:
-            # one advantage per sequence: count per row, then weight rows by the sign
-            low, high = low.sum(1) * (adv[:, 0] < 0), high.sum(1) * (adv[:, 0] > 0)
-            return (low, high) if per_row else (low.sum(), high.sum())
-        return total(low & (adv < 0)), total(high & (adv > 0))
-
-    @property
-    def _log_bounds(self):
-        """(log(1 - epsilon), log(1 + epsilon_high)): r < 1 - eps <=> d < log(1 - eps)."""
-        lo = math.log(1 - self.epsilon) if self.epsilon < 1 else -math.inf
-        hi = math.log1p(self.epsilon_high) if self.epsilon_high > -1 else -math.inf
-        return lo, hi
-
-    @property
-    def _zero_unclipped(self) -> bool:
-        """d = 0 (r = 1) is never clipped, so tokens with d = 0 need no gate (epsilons >= 0)."""
-        lo, hi = self._log_bounds
-        return lo <= 0 <= hi
 
     @property
     def _per_sequence(self) -> bool:
@@ -505,17 +362,6 @@ class PolicySums(TopKRecords):
                                           self.loss_agg_mode, self.loss_agg_norm)
             out.update({"seq_sums": values, "seq_counts": seqs})
         return out
-
-    def _sequence_clip(self, parts: torch.Tensor) -> Dict[str, Any]:
-        """GSPO: gates on exp(mean d) per sequence, from whole-sequence sums (completed over CP)."""
-        n = parts[:, 1]
-        valid = n > 0
-        safe = torch.where(valid, n, 1.0)
-        logr = parts[:, 0] / safe
-        adv = parts[:, 2] / safe
-        low, high = self._clip_counts(logr, adv, valid)
-        return {"clip_n": valid.sum(), "clip_low": low, "clip_high": high}
-
 
     def _entropy_chunks(self, name, jobs):
         """(row chunks of every job's logits, job shapes): validated, no collective."""

@@ -14,7 +14,7 @@ from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.rl import aligned_microbatches, cp_sum, nonfinite_tokens
 from twinkle_metrics.kernels import dispatch as _triton
-from twinkle_metrics.metrics.rl.policy_sums import (
+from twinkle_metrics.metrics.rl.loss_agg import (
     LOSS_AGG_MODES,
     check_loss_agg,
     keep_default_fingerprint,
@@ -117,7 +117,8 @@ class RolloutMismatchMetric(Metric):
     (``is_ratio_std``, ``_min``, ``_max``, ``logp_abs_diff_max``, ``token_ess``) and the
     sequence keys (``seq_ess``, ``log_ppl_abs_diff``) do not change. The per-sequence sums
     travel in the CP all_reduce of the sequence keys (no extra collective); these modes take
-    the torch path where the fused kernel would run.
+    the torch path where the fused kernel would run. The modes are verl 0.9.1's ``agg_loss``
+    over the whole batch (``metrics.rl.loss_agg``).
 
     With GRPOMetric, put both in a ``MetricCollection``; the collection passes
     ``rollout_logps`` to this metric and ``old_logps`` / ``advantages`` to GRPO.
@@ -336,7 +337,7 @@ class RolloutMismatchMetric(Metric):
                 sums, seqs = s["seq_sums"], s["seq_counts"][0]
 
                 def agg(*columns):
-                    return sequence_mean(self.loss_agg_mode, sum(sums[_SEQ_SUMS.index(c)] for c in columns), seqs)
+                    return sequence_mean(sum(sums[_SEQ_SUMS.index(c)] for c in columns), seqs)
 
                 means = (agg("abs"), agg("w_m1", "w_one"), agg("high"), agg("low"), -agg("d"), agg("k3"),
                          agg("lp_train"), agg("lp_rollout"))
