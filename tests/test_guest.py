@@ -97,4 +97,3 @@ def test_a_calculate_leaves_torch_as_it_was(one_rank):
     assert dist.destroy_process_group.__module__ == "torch.distributed.distributed_c10d"
     assert not hasattr(dist.destroy_process_group, "__wrapped__")
     assert atexit._ncallbacks() == handlers
-    assert os.environ.get("TWINKLE_METRICS_DESTROY_AT_EXIT") is None

@@ -15,8 +15,8 @@ Naming the ranks that never came uses the group's own store
   ``twinkle_metrics/waits/<n>/<call>/in`` (one store request), and waits out the rest;
 * when the wait fails (the bound passed, or a peer that gave up closed the group's
   connections), the rank appends too, gives the others ``EARLY_S`` to do the same, and
-  the first rank to fail reads that key once and writes the absent ranks
-  to ``.../absent`` (numbers, shown as ranges); the others read that answer.
+  the first rank to fail reads that key once and writes the absent ranks, as ranges
+  (``1-7``), to ``.../absent``; the others read that short answer.
 
 A failed wait leaves the group's collectives out of step (the work may still be in
 flight, the absent ranks may enter later), so the group is closed for the library: later
@@ -173,10 +173,10 @@ class Roll:
             if self.store.add(f"{key}/failed", 1) == 1:
                 came = {int(r) for r in self.store.get(f"{key}/in").decode().split(",") if r}
                 absent = [r for r in self.ranks if r not in came]
-                self.store.set(f"{key}/absent", ",".join(map(str, absent)))
+                self.store.set(f"{key}/absent", ranges(absent) or "-")
                 return absent
             self.store.wait([f"{key}/absent"], timedelta(seconds=max(pause, 1.0)))
-            return [int(r) for r in self.store.get(f"{key}/absent").decode().split(",") if r]
+            return _unranges(self.store.get(f"{key}/absent").decode())
         except (RuntimeError, ValueError, dist.DistError):
             return None
 
@@ -194,6 +194,17 @@ def ranges(ranks: Sequence[int]) -> str:
     if run:
         out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
     return ", ".join(out)
+
+
+def _unranges(text: str) -> list:
+    """``ranges``' text back to ranks (``"-"``: none)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if part and part != "-":
+            lo, _, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def _fail(record: _Group, roll: Roll, marked: bool, what: str, timeout: timedelta, waited: float,
