@@ -14,7 +14,7 @@ Data phase, every ``calculate()``:
    merges stays flat in the group size: one int64 MAX (plan agreement, need flag, and
    every max and min state as an order-preserving integer key, NaN included), one
    float64 SUM, one exact int64 SUM, and an ``all_gather`` of only the states a
-   metric merges itself (a callable reduction, an overridden ``merge``); each of the
+   metric merges itself (a callable reduction); each of the
    last three only when such states exist. Same merged row, up to the order of the
    float sums (``_reduce_data``). The group size is the same on each of its ranks,
    so all take the same path; the negotiation checks that every rank chose alike.

@@ -39,9 +39,9 @@ class _Plan:
     def __init__(self, metrics: Sequence, names: Sequence[Sequence[str]], configs: Sequence[str]):
         self.entries: List[List[Tuple[str, Any, int]]] = []   # per metric: (name, spec, offset)
         self.owner: List[Tuple[int, str]] = []                 # per column: (metric, state)
-        # states with a "sum"/"max"/"min" reduction that no metric's own merge() reads are
-        # merged column by column, all such columns of one (op, is int64) at once; the
-        # others by their metric's merge(), given every rank's rows of them
+        # states with a "sum"/"max"/"min" reduction are merged column by column, all such
+        # columns of one (op, is int64) at once; the others by their own callable
+        # reduction, given every rank's rows of them
         cols: Dict[Tuple[str, bool], List[int]] = {}
         check: Dict[bool, List[int]] = {False: [], True: []}
         placed: Dict[Tuple[str, str, bool], List[int]] = {}  # (scope, op, is int) -> columns
@@ -132,14 +132,9 @@ def _spec(metric, name: str):
 
 
 def _merge_reads(metric, names: Sequence[str]) -> set:
-    """States merged by the metric's ``merge`` over every rank's rows (the reduce path
-    gathers them): those with a callable reduction, and those an overridden ``merge``
-    reads (all of them unless the metric names them in ``merge_reads``)."""
-    out = {n for n in names if not isinstance(_spec(metric, n).reduce, str)}
-    if type(metric)._own_merge:
-        reads = metric.merge_reads
-        out |= set(names) if reads is None else set(reads) & set(names)
-    return out
+    """States merged by their own callable reduction over every rank's rows (the reduce
+    path gathers them)."""
+    return {n for n in names if not isinstance(_spec(metric, n).reduce, str)}
 
 
 def _merge(plan: _Plan, metrics, rows: torch.Tensor) -> torch.Tensor:
@@ -158,18 +153,14 @@ def _merge(plan: _Plan, metrics, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _merge_own(custom, metrics, rows: torch.Tensor, vec: torch.Tensor) -> None:
-    """Merge states with each metric's own ``merge()`` into ``vec``; ``custom`` lists
-    (metric, [(state, spec, column in ``rows``, column in ``vec``)])."""
-    for i, entries in custom:
-        per_state = {}
-        for name, spec, src, _ in entries:
+    """Merge the states with a callable reduction into ``vec``, each by its own; ``custom``
+    lists (metric, [(state, spec, column in ``rows``, column in ``vec``)])."""
+    for _, entries in custom:
+        for _, spec, src, dst in entries:
             r = rows[:, src:src + spec.numel]
             if spec.dtype == torch.int64:
                 r = r.view(torch.int64)
-            per_state[name] = r.reshape(rows.shape[0], *spec.shape)
-        out = metrics[i].merge(per_state)
-        for name, spec, _, dst in entries:
-            v = out[name].to(spec.dtype).reshape(-1).contiguous()
+            v = spec.merge(r.reshape(rows.shape[0], *spec.shape)).to(spec.dtype).reshape(-1).contiguous()
             vec[dst:dst + spec.numel] = v.view(torch.float64) if spec.dtype == torch.int64 else v
 
 

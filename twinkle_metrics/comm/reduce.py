@@ -26,8 +26,8 @@ def _reduce_data(plan: Optional[_Plan], metrics, buf: torch.Tensor, sizes: Tuple
        propagates as ``amax`` does), float64 and int64 (int minima as ``~x``) alike;
     2. float64 SUM of the float sum columns (skipped when there are none);
     3. int64 SUM of the int sum columns, exact (skipped when there are none);
-    4. all_gather of the states merged by a metric's own ``merge`` or a callable
-       reduction, merged here as the gather path does (skipped when there are none).
+    4. all_gather of the states with a callable reduction, merged here as the gather
+       path does (skipped when there are none).
 
     ``plan`` is ``None`` when this rank packed no states (it needs a new plan): it
     then contributes identities, and the need flag sends every rank to negotiate.

@@ -3,8 +3,9 @@
 ``load_state_dict`` takes one state dict or a list of them (several ranks of an earlier
 run, merged with each state's own reduction, as ``calculate()`` would merge those ranks:
 resuming at a smaller data-parallel size). States created on the fly come back through
-the metric's declarations (families, slices); optional states missing from an older
-checkpoint load as their declaration's ``legacy`` says, or at their default.
+the metric's declarations (families, slices). ``Metric.load_state_dict`` and
+``MetricCollection.load_state_dict`` both ``stage_load`` (validate, change nothing) and
+then ``commit_load`` (cannot fail), so a collection loads all or nothing.
 """
 from __future__ import annotations
 
@@ -13,19 +14,11 @@ from typing import Dict
 
 import torch
 
+from twinkle_metrics.comm import pending
 from twinkle_metrics.core import slicing
 
 #: key of the schema fingerprint in a metric's ``state_dict()``
 FINGERPRINT_KEY = "__fingerprint__"
-
-
-def legacy_value(spec, saved: Mapping) -> torch.Tensor:
-    """The value of optional state ``spec`` for a state dict ``saved`` before it existed."""
-    if spec.legacy is not None:
-        value = spec.legacy(saved)
-        if value is not None:
-            return torch.as_tensor(value).to(device="cpu", dtype=spec.dtype).reshape(spec.shape).clone()
-    return spec.new("cpu")
 
 
 def stage_load(self, state_dict) -> tuple:
@@ -57,8 +50,7 @@ def stage_load(self, state_dict) -> tuple:
         error = slicing.over_bound(self, slicing.held(specs), self.max_slices, "load")
         if error:
             raise ValueError(error)
-    missing = sorted({k for d in dicts for k, spec in specs.items()
-                      if k not in d and not spec.optional and self.state_spec(k) is None})
+    missing = sorted({k for d in dicts for k in specs if k not in d and self.state_spec(k) is None})
     if missing or extra:
         raise ValueError(f"{name}.load_state_dict: missing states {missing}, unexpected {extra}; "
                          "load a state dict saved by the same metric")
@@ -66,8 +58,8 @@ def stage_load(self, state_dict) -> tuple:
     for key, spec in specs.items():
         values = []
         for d in dicts:
-            if key not in d:  # created on the fly elsewhere (default), or optional
-                values.append(legacy_value(spec, d) if spec.optional else spec.new("cpu"))
+            if key not in d:  # created on the fly elsewhere: its default
+                values.append(spec.new("cpu"))
                 continue
             value = torch.as_tensor(d[key]).detach()
             if tuple(value.shape) != spec.shape:
@@ -78,6 +70,15 @@ def stage_load(self, state_dict) -> tuple:
     if len(dicts) == 1:
         merged = {k: r[0] for k, r in rows.items()}
     else:
-        merged = self.merge(rows)
+        merged = {k: specs[k].merge(r) for k, r in rows.items()}
     loaded = {k: merged[k].to(device=self._device, dtype=specs[k].dtype).clone() for k in specs}
     return new, loaded
+
+
+def commit_load(metric, staged: tuple) -> None:
+    """Install what ``stage_load`` returned; cannot fail."""
+    new, loaded = staged
+    metric._adopt(new)
+    metric._states = {k: loaded[k] for k in metric._specs}
+    metric._touched = set(metric._specs)  # loaded values stand for calls of their own
+    pending.drop_returned(metric)

@@ -7,7 +7,8 @@ from parallel import DeviceMesh, as_device_mesh
 from twinkle_metrics.comm import pending
 from twinkle_metrics.comm.agreement import join_failed
 from twinkle_metrics.comm.fused import sync_and_compute
-from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core import checkpoint, staging
+from twinkle_metrics.core.metric import Metric, end_interval
 
 
 class MetricCollection:
@@ -68,14 +69,15 @@ class MetricCollection:
         staged = []
         for i, m in enumerate(metrics):
             try:
-                staged.append(m._stage(inputs, outputs, kwargs))
+                staged.append(staging.stage(m, inputs, outputs, kwargs))
             except Exception as exc:  # an interrupt joins nothing: it ends the job
                 for n in metrics[i + 1:]:
                     if n.exchange_groups():
                         join_failed(n, exc, fresh=True)
                 raise
-        for m, s in zip(metrics, staged):
-            m._commit(s)
+        for s in staged:
+            if s is not None:
+                s.apply()
         return self
 
     def calculate(self, reset: bool = True, async_op: bool = False):
@@ -91,7 +93,7 @@ class MetricCollection:
         out = self._combine(sync_and_compute(metrics, reset=False))
         if reset:
             for m in metrics:
-                m._end_interval()
+                end_interval(m)
         return out
 
     def _combine(self, per_metric: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -124,7 +126,7 @@ class MetricCollection:
             if not isinstance(d, Mapping) or sorted(keys) != sorted(d):
                 got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
                 raise ValueError(f"MetricCollection.load_state_dict: expected keys {keys}, got {got}")
-        staged = [m._stage_load([d[key] for d in dicts]) for key, (_, m) in zip(keys, self._items)]
+        staged = [checkpoint.stage_load(m, [d[key] for d in dicts]) for key, (_, m) in zip(keys, self._items)]
         for (_, m), s in zip(self._items, staged):
-            m._commit_load(s)
+            checkpoint.commit_load(m, s)
         return self

@@ -131,20 +131,7 @@ def fingerprint(metric, checkpoint: bool = False) -> str:
     cls = type(metric)
     skip = declared(cls, "fingerprint_sync_only") if checkpoint else ()
     parts = [f"{k}={v}" for k, v in current(metric).items() if k not in skip]
-    return f"{public_path(cls)}({', '.join(parts)})"
-
-
-def public_path(cls) -> str:
-    """``module.Class`` as earlier releases named it (``twinkle_metrics.loss.LossMetric``),
-    so checkpoints keep their fingerprints across the re-layout."""
-    from twinkle_metrics import MOVED
-
-    module = cls.__module__
-    for old, new in MOVED.items():
-        if module == f"twinkle_metrics.{new}":
-            module = f"twinkle_metrics.{old}"
-            break
-    return f"{module}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}({', '.join(parts)})"
 
 
 def canonical(value, where: str) -> str:

@@ -6,23 +6,23 @@ A metric is declarations plus two (or three) methods:
   constructor): each accumulator with its reduction over ranks, dtype, shape and
   default (``twinkle_metrics.core.state``); ``Origin(...)`` for a host value fixed for
   an interval (a clock at its start) that ``update`` may read;
-* ``update(inputs, outputs, **kwargs) -> {state name: contribution}``: pure. It reads its
+* ``update(inputs, outputs, **kwargs) -> {state name: contribution}``: it reads its
   arguments and the metric's configuration (constructor arguments, origins), never the
-  live states, runs under ``torch.no_grad()`` and never waits for the device;
-  ``accumulate`` folds the whole dict in only after it returned, so a call that raises
-  on bad input loses nothing accumulated before;
+  live states, and changes nothing of the metric; it runs under ``torch.no_grad()`` and
+  never waits for the device; ``accumulate`` folds the whole dict in only after it
+  returned, so a call that raises on bad input loses nothing accumulated before. A metric
+  whose ``update`` communicates (vocab-parallel logits, sequences split over CP) names
+  the mesh axes in ``agree_over``: the ranks of each group agree first, so that a rank
+  that rejects its input raises on every rank instead of stranding its peers;
 * ``compute(states) -> {key: number}``: pure, on the globally reduced states (plain
-  Python numbers, lists for shaped states);
-* ``merge(rows)``: only where a declared reduction cannot express the merge of every
-  rank's rows (GRPO's globally indexed records).
+  Python numbers, lists for shaped states).
 
 A few declared attributes complete it, each a plain value, never a method to override:
-``agree_over`` (mesh axes ``update`` communicates over, agreed on first), ``merge_reads``
-(the states an own ``merge`` reads), ``tp_mismatch_hint``, ``unsliceable``,
-``unsliced_states``, ``accepted_kwargs``, ``fingerprint_exclude``,
-``fingerprint_sync_only`` and ``creates``. Everything else (slicing, the fused sync, asynchronous
-calculate and the fold-back of a failed interval, checkpoints and resuming at another
-data-parallel size, agreement across ranks) works from the declarations.
+``agree_over``, ``tp_mismatch_hint``, ``unsliceable``, ``unsliced_states``,
+``fingerprint_exclude`` and ``fingerprint_sync_only``. Everything else (slicing, the
+fused sync, asynchronous calculate and the fold-back of a failed interval, checkpoints
+and resuming at another data-parallel size, agreement across ranks) works from the
+declarations; docs/contract.md has the whole contract on one page.
 
 ``calculate()`` packs every state into one buffer and syncs it with at most two
 collectives (see ``twinkle_metrics.comm``).
@@ -31,20 +31,19 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 import torch
 
 from parallel import DeviceMesh, as_device_mesh, dist_ready, group_size
 from parallel.groups import group_ranks
 from twinkle_metrics.comm import pending
-from twinkle_metrics.comm.agreement import join_failed
 from twinkle_metrics.comm.fused import plain_states, sync_and_compute
 from twinkle_metrics.core import checkpoint, config, slicing, staging
 from twinkle_metrics.core.config import UnknownArgumentWarning, constructor_keywords
 from twinkle_metrics.core.state import Origin, State, move_states, new_states
 
-__all__ = ["Metric", "UnknownArgumentWarning", "constructor_keywords", "FINGERPRINT_KEY"]
+__all__ = ["Metric", "UnknownArgumentWarning", "constructor_keywords", "end_interval", "FINGERPRINT_KEY"]
 #: key of the schema fingerprint in a metric's ``state_dict()``
 FINGERPRINT_KEY = checkpoint.FINGERPRINT_KEY
 _AXES = ("tp", "cp", "data")
@@ -97,12 +96,8 @@ class Metric:
     _class_states: ClassVar[Dict[str, State]] = {}
     _class_origins: ClassVar[Dict[str, Origin]] = {}
     _followed: ClassVar[frozenset] = frozenset()
-    _own_merge: ClassVar[bool] = False
     _update_kwargs: ClassVar[Optional[frozenset]] = None  # set per class: see __init_subclass__
     _update_reads: ClassVar[frozenset] = frozenset()
-    #: keyword arguments this metric reads from ``**kwargs`` without naming them in
-    #: ``update``'s signature (named ones are found automatically)
-    accepted_kwargs: ClassVar[Sequence[str]] = ()
     #: constructor arguments that do not change what a state means (left out of the
     #: fingerprint, see ``twinkle_metrics.core.config``), e.g. chunk sizes, a model to read
     fingerprint_exclude: ClassVar[Sequence[str]] = ()
@@ -117,15 +112,8 @@ class Metric:
     #: (the TP group), ``"cp"`` (``sequence_group()``), ``"data"`` (``data_group()``); each
     #: counts only with more than one rank (see ``twinkle_metrics.comm.agreement``)
     agree_over: Sequence[str] = ()
-    #: the states an own ``merge`` reads as every rank's rows; None: all of them. A data
-    #: group too large to gather (``sync.REDUCE_ABOVE``) all-reduces the others.
-    merge_reads: Optional[Sequence[str]] = None
     #: why TP replicas may disagree on a state, told when ``calculate()`` finds they do
     tp_mismatch_hint: Optional[str] = None
-    #: how the sync fingerprint says what the metric creates on the fly: (with state
-    #: families, without any), e.g. ("reward names as they come", "no reward names beyond
-    #: reward_names"); None: the arguments say it all
-    creates: ClassVar[Optional[Tuple[str, str]]] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -138,10 +126,8 @@ class Metric:
                 elif isinstance(value, Origin):
                     origins[name] = value
         cls._class_states, cls._class_origins = states, origins
-        # the states an Origin follows: their last host number is kept over resets
+        # the states an Origin follows: their newest host number is kept over resets
         cls._followed = frozenset(o.follows for o in origins.values() if o.follows)
-        cls._own_merge = cls.merge is not Metric.merge  # the sync merges the others column-wise
-        config.KNOWN_KWARGS.update(cls.accepted_kwargs)
         params = list(inspect.signature(cls.update).parameters.values())[1:]
         named = {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         if "update" in vars(cls):
@@ -149,7 +135,7 @@ class Metric:
         # an update without **kwargs gets only the keywords it names, so one shared kwargs
         # dict (TrainMetric's lr= beside a norm metric) works for it too
         cls._update_kwargs = None if any(p.kind == p.VAR_KEYWORD for p in params) else frozenset(named)
-        cls._update_reads = frozenset(named) | frozenset(cls.accepted_kwargs)  # the keywords it reads
+        cls._update_reads = frozenset(named)  # the keywords it reads
         config.record_arguments(cls)
 
     def __init__(self, device_mesh: Optional[DeviceMesh] = None, process_group=None, *,
@@ -168,7 +154,7 @@ class Metric:
         self._device = torch.device("cpu")
         self._states: Dict[str, torch.Tensor] = {}
         self._agreed: List[Any] = []
-        self._last_host: Dict[str, Any] = {}  # the last host number folded into each of _followed
+        self._last_host: Dict[str, Any] = {}  # the newest host number folded into each of _followed
         # handed-off intervals whose asynchronous sync failed, oldest first, waiting to be
         # folded back on the caller's thread (comm.pending), and the snapshots in flight
         self._returned: List["Metric"] = []
@@ -231,14 +217,8 @@ class Metric:
         pending.drop_returned(self)
         return self
 
-    def _end_interval(self) -> None:
-        """``reset()`` after a ``calculate()`` or at a hand-off: it ends the interval, so
-        intervals given back (``pending``), now or later, stay for the next one."""
-        self._keep_returned = True
-        try:
-            self.reset()
-        finally:
-            self._keep_returned = False
+    def _end_interval(self) -> None:  # what the sync (``comm``) calls: ``end_interval``
+        end_interval(self)
 
     def to(self, device) -> "Metric":
         """Move the states to ``device``.
@@ -263,10 +243,7 @@ class Metric:
     def sync_fingerprint(self) -> str:
         """What ranks must agree on to sync: the fingerprint with ``fingerprint_sync_only``
         (checked by every ``calculate()``: ranks that differ raise ``MetricSyncError``)."""
-        text = config.fingerprint(self)
-        if self.creates is not None:
-            text += f" creating {self.creates[0] if self._families else self.creates[1]}"
-        return text
+        return config.fingerprint(self)
 
     def exchange_groups(self) -> List[Any]:
         """The groups of ``agree_over`` with more than one rank, in that order."""
@@ -295,37 +272,10 @@ class Metric:
         Never waits for the device and never keeps the autograd graph. All or
         nothing: a call that raises changes no state.
         """
-        self._commit(self._stage(inputs, outputs, kwargs))
+        staged = staging.stage(self, inputs, outputs, kwargs)
+        if staged is not None:
+            staged.apply()
         return self
-
-    def _stage(self, inputs, outputs, kwargs) -> Optional[staging.Staged]:
-        """Run ``update`` and prepare its fold; change nothing. On an error, join the
-        agreements of the groups this metric would have communicated over, so that
-        every rank raises together (``agreement.join_failed``)."""
-        self._agreed = []
-        try:
-            config.check_kwargs(self, kwargs)
-            if self._update_kwargs is not None:
-                kwargs = {k: v for k, v in kwargs.items() if k in self._update_kwargs}
-            with torch.no_grad():
-                contributions = self.update(inputs, outputs, **kwargs)
-                if self.slice_by is not None:
-                    contributions = slicing.contributions(self, contributions, inputs, outputs, kwargs)
-                return staging.plan(self, contributions) if contributions else None
-        except Exception as exc:  # an interrupt joins nothing: it ends the job
-            if self.exchange_groups():
-                join_failed(self, exc)
-            raise
-
-    def _commit(self, staged: Optional[staging.Staged]) -> None:
-        if staged is None:
-            return
-        staged.apply()
-        self._touched.update(staged.contributions)
-        for name in self._followed:  # host numbers only: what an Origin can follow without a read
-            value = staged.contributions.get(name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._last_host[name] = value
 
     def _results(self, states: Dict[str, Any]) -> Dict[str, Any]:
         """``compute`` of the reduced states, with each slice's keys as ``"{key}/{slice}"``."""
@@ -349,16 +299,6 @@ class Metric:
     def compute(self, s: Dict[str, Any]) -> Dict[str, Any]:
         """Turn reduced states (plain numbers/lists keyed by state name) into results."""
         raise NotImplementedError(f"{type(self).__name__} must implement compute()")
-
-    def merge(self, rows: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """Merge every rank's states, given as ``[ranks, *shape]`` rows in data-group order.
-
-        Runs on every rank on identical rows. Override only for merges that need
-        several states at once (e.g. global indices from per-rank counts), and name the
-        states it reads in ``merge_reads``.
-        """
-        specs = self._specs
-        return {name: (specs.get(name) or self.state_spec(name)).merge(r) for name, r in rows.items()}
 
     def calculate(self, reset: bool = True, async_op: bool = False):
         """Reduce over the data group and return plain numbers, the same on every rank.
@@ -441,37 +381,22 @@ class Metric:
         DP ranks 2k and 2k+1 into new DP rank k); to grow the data-parallel size, load
         each old dict into one new rank and nothing (a fresh metric) into the others.
         """
-        self._commit_load(checkpoint.stage_load(self, state_dict))
+        checkpoint.commit_load(self, checkpoint.stage_load(self, state_dict))
         return self
-
-    def _stage_load(self, state_dict) -> tuple:
-        return checkpoint.stage_load(self, state_dict)
-
-    def _commit_load(self, staged: tuple) -> None:
-        new, loaded = staged
-        self._adopt(new)
-        self._states = {k: loaded[k] for k in self._specs}
-        self._touched = set(self._specs)  # loaded values stand for calls of their own
-        pending.drop_returned(self)
 
     def _fold_under(self, earlier: "Metric") -> None:
         """Put an earlier interval under this one's states, as if the two had been one:
         ``earlier``'s states come first, and the states this interval folded into fold
         onto them with each state's own ``local`` fold, as ``accumulate`` folds a call (a
-        "last" state this interval set wins; one it never set keeps ``earlier``'s). Rows
-        declared ``offset_by`` follow ``earlier``'s, values declared ``relative_to`` an
-        origin move onto ``earlier``'s origin, and the interval keeps ``earlier``'s origins.
+        "last" state this interval set wins; one it never set keeps ``earlier``'s; values
+        measured from an origin are absolute, so a ``"min"`` fold keeps ``earlier``'s start),
+        and the interval keeps ``earlier``'s origins.
         ``self`` is the metric or a later hand-off's snapshot (``pending``); not bounded by
         ``max_slices``: both intervals were within it when handed off."""
         specs = {**earlier._specs, **self._specs}
         base = move_states({k: earlier._states[k].clone() if k in earlier._states else spec.new("cpu")
                             for k, spec in specs.items()}, self._device)  # earlier may go under others too
-        later = {}
-        for k in self._touched:
-            if k in self._states:
-                origin = specs[k].relative_to
-                shift = 0 if origin is None else self._origins[origin] - earlier._origins[origin]
-                later[k] = self._states[k] + shift if shift else self._states[k]
+        later = {k: self._states[k] for k in self._touched if k in self._states}
         saved = self._specs, self._states
         self._specs, self._states = specs, base
         try:
@@ -486,3 +411,12 @@ class Metric:
     def __repr__(self):
         return f"{type(self).__name__}(states={list(self._specs)})"
 
+
+def end_interval(metric: Metric) -> None:
+    """``reset()`` after a ``calculate()`` or at a hand-off: it ends the interval, so
+    intervals given back (``pending``), now or later, stay for the next one."""
+    metric._keep_returned = True
+    try:
+        metric.reset()
+    finally:
+        metric._keep_returned = False

@@ -15,18 +15,24 @@ of the slice field):
 * input features and outputs: tensors of ``[b, ...]`` (2-D or more; and, in features,
   lists of length ``b``) keep the slice's rows; a microbatch entirely in the slice is passed as it is;
   a microbatch with none of its rows is left out; any other value of a microbatch
-  that mixes slices (a scalar loss report) cannot be split and raises;
+  that mixes slices (a scalar loss report) cannot be split and raises. A feature that
+  holds only the slice field (no per-token field: sequences already summed, such as
+  DPO's per-pair log-probs) has one sequence per entry, and outputs of ``b`` values
+  (1-D tensors, lists) are then one per sequence too;
 * keyword arguments: tensors whose first dim is the call's total number of sequences
   ``N``, and lists of length ``N``, keep the slice's rows; lists with one entry per
   microbatch are split like outputs; dicts are split per key; strings and bools
   (settings such as ``loss_reduction``) go to every slice as they are; numbers and
-  0-d tensors (per-call readings such as ``generate_time``) go to the whole call only.
+  0-d tensors (per-call readings such as ``generate_time``) go to the whole call only;
+* side batches: a call without inputs whose keyword arguments hold ``(inputs, outputs)``
+  pairs (DPO's ``chosen=`` and ``rejected=``) splits each pair by its own inputs, with
+  its reference outputs ``ref_<name>``; row i of every side is one item (a pair), so the
+  sides must carry the same slice names.
 
 The base reaches this module through four calls: ``check_config`` (construction),
 ``contributions`` (each ``accumulate``), ``state_spec`` (the per-slice copy of a state)
 and ``results`` (each ``calculate``); ``over_bound`` is the one check of ``max_slices``
-(in ``accumulate``, across ranks in the sync, and at ``load_state_dict``). A metric whose
-calls cannot be split the generic way registers its own split with ``@splitter(cls)``.
+(in ``accumulate``, across ranks in the sync, and at ``load_state_dict``).
 
 Rows are picked with host-known indices (``index_select`` with an index built on the
 host and copied without waiting): nothing reads the device.
@@ -43,18 +49,6 @@ from twinkle_metrics.inputs.checks import from_host
 from twinkle_metrics.inputs.microbatch import BATCH_KEYS, as_feature_list, split_by_sizes
 
 SEP = "@"  # state name separator: "{state}@{slice}"
-#: metric class -> its own split of a call into slices (``splitter``)
-_SPLITTERS: Dict[type, Callable] = {}
-
-
-def splitter(cls):
-    """Register ``fn(metric, inputs, outputs, kwargs) -> [(slice, inputs, outputs, kwargs)]
-    or None`` as how calls of ``cls`` (and its subclasses) split into slices, for call forms
-    the generic ``split`` cannot read (None: split the generic way)."""
-    def register(fn):
-        _SPLITTERS[cls] = fn
-        return fn
-    return register
 
 
 def check_config(metric, slice_by, max_slices: int) -> None:
@@ -104,7 +98,7 @@ def contributions(metric, whole, inputs, outputs, kwargs) -> Dict[str, Any]:
     """The whole call's contributions plus each slice's, under ``"{state}@{slice}"``."""
     name = type(metric).__name__
     out = dict(whole or {})
-    parts = _parts(metric, inputs, outputs, kwargs)
+    parts = split(name, metric.slice_by, inputs, outputs, kwargs)
     reads = [v for k, v in kwargs.items() if k in metric._update_reads]
     if not parts and whole and inputs is None and (holds_data(outputs) or any(map(is_data, reads))):
         raise ValueError(f"{name}: slice_by={metric.slice_by!r}, but this call has data and no inputs to read "
@@ -120,17 +114,6 @@ def contributions(metric, whole, inputs, outputs, kwargs) -> Dict[str, Any]:
             if key not in metric.unsliced_states:
                 out[f"{key}{SEP}{value}"] = v
     return out
-
-
-def _parts(metric, inputs, outputs, kwargs) -> List[tuple]:
-    for klass in type(metric).__mro__:
-        own = _SPLITTERS.get(klass)
-        if own is not None:
-            parts = own(metric, inputs, outputs, kwargs)
-            if parts is not None:
-                return parts
-            break
-    return split(type(metric).__name__, metric.slice_by, inputs, outputs, kwargs)
 
 
 def results(metric, states: Dict[str, Any], defaults: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
@@ -217,9 +200,10 @@ def split(metric: str, field: str, inputs, outputs, kwargs: Mapping[str, Any]
     single = isinstance(inputs, Mapping)
     feats = as_feature_list(metric, inputs)
     if not feats:
-        return []
+        return _split_sides(metric, field, kwargs)
     names = slice_values(metric, field, feats)
     sizes = [len(n) for n in names]
+    summed = [_rows_in(f) is None for f in feats]  # sequences already summed: 1-D outputs per sequence
     out_parts = _output_parts(metric, outputs, feats, sizes)
     flat = [n for per in names for n in per]
     order = list(dict.fromkeys(flat))
@@ -228,8 +212,8 @@ def split(metric: str, field: str, inputs, outputs, kwargs: Mapping[str, Any]
         rows = [[r for r, n in enumerate(per) if n == s] for per in names]
         keep = [i for i, r in enumerate(rows) if r]
         s_feats = [_select_mb(metric, f"inputs[{i}]", feats[i], rows[i], sizes[i], True) for i in keep]
-        s_outs = [_select_mb(metric, f"outputs of microbatch {i}", out_parts[i], rows[i], sizes[i], False)
-                  for i in keep] if out_parts is not None else None
+        s_outs = [_select_mb(metric, f"outputs of microbatch {i}", out_parts[i], rows[i], sizes[i], False,
+                             summed[i]) for i in keep] if out_parts is not None else None
         global_rows = [g for g, n in enumerate(flat) if n == s]
         s_kwargs = {}
         for key, value in kwargs.items():
@@ -241,6 +225,47 @@ def split(metric: str, field: str, inputs, outputs, kwargs: Mapping[str, Any]
         else:
             result.append((s, s_feats, s_outs if s_outs is not None else outputs, s_kwargs))
     return result
+
+
+def _split_sides(metric: str, field: str, kwargs: Mapping[str, Any]) -> List[tuple]:
+    """The slices of a call made of side batches (keyword ``(inputs, outputs)`` pairs, each
+    with its reference outputs ``ref_<name>``), or [] when it has none."""
+    pairs = [k for k, v in kwargs.items() if _is_batch(v)]
+    sides = [k for k in pairs if not (k.startswith("ref_") and k[4:] in pairs)]  # not a side's references
+    if not sides:
+        return []
+    split_sides, order = {}, None
+    for side in sides:
+        s_in, s_out = kwargs[side]
+        names = sum(slice_values(metric, field, as_feature_list(metric, s_in)), [])
+        if order is None:
+            order = names
+        elif names != order:
+            raise ValueError(f"{metric}: slice_by={field!r}: the {sides[0]} sequences are in slices {order[:8]} "
+                             f"but the {side} ones in {names[:8]}; row i of each side is one pair, so both "
+                             f"sides of a pair must carry the same {field}")
+        ref = f"ref_{side}"
+        refs = {ref: kwargs[ref]} if ref in kwargs else {}
+        split_sides[side] = {name: (i, o, kw) for name, i, o, kw in split(metric, field, s_in, s_out, refs)}
+    settings = {k: v for k, v in kwargs.items() if is_setting(v)}
+    out = []
+    for name in dict.fromkeys(order):
+        s_kwargs = dict(settings)
+        for side, parts in split_sides.items():
+            s_in, s_out, refs = parts[name]
+            s_kwargs[side] = (s_in, s_out)
+            s_kwargs.update(refs)
+        out.append((name, None, None, s_kwargs))
+    return out
+
+
+def _is_batch(value) -> bool:
+    """Whether a keyword value is an ``(inputs, outputs)`` pair: a feature (or a list of
+    them) and its outputs."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        return False
+    feats = value[0] if isinstance(value[0], (list, tuple)) else [value[0]]
+    return bool(feats) and all(isinstance(f, Mapping) for f in feats)
 
 
 def _output_parts(metric, outputs, feats, sizes):
@@ -269,18 +294,19 @@ def _rows_of(value, rows: List[int], device=None):
 
 
 def _select_mb(metric: str, where: str, mb: Dict[str, Any], rows: List[int], b: int,
-               lists_per_sequence: bool) -> Dict[str, Any]:
+               lists_per_sequence: bool, summed: bool = False) -> Dict[str, Any]:
     """The slice's rows of one microbatch's dict (a feature or its outputs): tensors of
     ``[b, ...]`` (2-D or more: a 1-D tensor of length ``b`` may as well be one value
-    per microbatch, such as a ``[sum, count]`` loss report), and, in features, lists
-    of length ``b`` (per-sequence fields such as the slice field itself)."""
+    per microbatch, such as a ``[sum, count]`` loss report, unless ``summed``: the
+    feature has no per-token field, so its sequences come one per value), and, in
+    features, lists of length ``b`` (per-sequence fields such as the slice field itself)."""
     if len(rows) == b:
         return mb
     out = {}
     for key, value in mb.items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == b:
+        if isinstance(value, torch.Tensor) and value.dim() >= (1 if summed else 2) and value.shape[0] == b:
             out[key] = _rows_of(value, rows, value.device)
-        elif lists_per_sequence and isinstance(value, (list, tuple)) and len(value) == b:
+        elif (lists_per_sequence or summed) and isinstance(value, (list, tuple)) and len(value) == b:
             out[key] = [value[r] for r in rows]
         elif value is None or (isinstance(value, torch.Tensor) and value.dim() == 1 and key == "position_ids"):
             out[key] = value  # shared by every sequence

@@ -1,18 +1,42 @@
-"""Folding one call's contributions into a metric's states: validate everything first
-(``plan``), then change the states in a step that cannot fail (``Staged.apply``).
+"""Folding one call into a metric's states: run ``update`` and validate everything first
+(``stage``, ``plan``), then change the states in a step that cannot fail (``Staged.apply``).
 
 So a call that raises on bad input, or a ``MetricCollection`` call in which another
-metric raised, changes no state. The same fold puts a failed asynchronous interval back
-under the next one (``Metric.fold_under``).
+metric raised, changes no state: ``Metric.accumulate`` is ``stage`` then ``apply``, and a
+collection stages every metric before it applies any. The same fold puts a failed
+asynchronous interval back under the next one (``Metric._fold_under``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
+from twinkle_metrics.comm.agreement import join_failed
+from twinkle_metrics.core import config, slicing
 from twinkle_metrics.core.state import as_tensor as _as_tensor
 from twinkle_metrics.core.state import move_states, new_states
+
+
+def stage(metric, inputs, outputs, kwargs: Mapping[str, Any]) -> Optional["Staged"]:
+    """Run ``metric.update`` on one call (and on each slice of it) and stage its fold;
+    change nothing. None when the call contributes nothing. On an error, join the
+    agreements of the groups the metric would have communicated over, so that every rank
+    raises together (``agreement.join_failed``)."""
+    metric._agreed = []
+    try:
+        config.check_kwargs(metric, kwargs)
+        if metric._update_kwargs is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in metric._update_kwargs}
+        with torch.no_grad():
+            contributions = metric.update(inputs, outputs, **kwargs)
+            if metric.slice_by is not None:
+                contributions = slicing.contributions(metric, contributions, inputs, outputs, kwargs)
+            return plan(metric, contributions) if contributions else None
+    except Exception as exc:  # an interrupt joins nothing: it ends the job
+        if metric.exchange_groups():
+            join_failed(metric, exc)
+        raise
 
 
 def plan(metric, contributions: Mapping[str, Any]) -> "Staged":
@@ -53,8 +77,6 @@ def plan(metric, contributions: Mapping[str, Any]) -> "Staged":
         state, spec = states[name], specs[name]
         if type(value) is torch.Tensor and value.requires_grad:
             value = value.detach()
-        if spec.offset_by is not None:  # rows counted from their interval's start
-            value = _offset(value, spec, states[spec.offset_by], state)
         op = spec.local or spec.reduce
         if op in FOREACH:
             if (type(value) is torch.Tensor and value.dtype is state.dtype
@@ -110,7 +132,9 @@ def fold_value(metric, name: str, op, state: torch.Tensor, value: torch.Tensor) 
 
 
 class Staged:
-    """One validated call of a metric, ready to fold in; ``apply`` cannot fail."""
+    """One validated call of a metric, ready to fold in; ``apply`` cannot fail. It also
+    notes what the call folded (the states an interval touched, and the newest host number
+    of each state an ``Origin`` follows), so host bookkeeping waits for the fold too."""
 
     __slots__ = ("metric", "contributions", "groups", "copies", "install", "device", "new_specs")
 
@@ -135,6 +159,11 @@ class Staged:
                     states[name].copy_(value)
                 else:
                     states[name].fill_(value)
+        m._touched.update(self.contributions)
+        for name in m._followed:  # host numbers only: what an Origin can follow without a read
+            value = self.contributions.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                m._last_host[name] = value
 
 
 
@@ -163,10 +192,3 @@ def _broadcasts_to(shape, target) -> bool:
     if len(shape) > len(target):
         return False
     return all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
-
-def _offset(value, spec, counter: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """``value`` with ``counter`` (the state ``spec.offset_by`` before this fold) added to
-    column ``spec.offset_column`` of its rows (empty rows hold -inf and stay empty)."""
-    rows = _as_tensor(value, state).clone()
-    rows[..., spec.offset_column] += counter.to(rows.device, rows.dtype, non_blocking=True)
-    return rows

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
@@ -52,22 +52,10 @@ class State:
               agreement check, since TP ranks hold different parts.
 
             ``"stage"`` and ``"model"`` need a ``"sum"``, ``"max"`` or ``"min"`` reduction.
-        optional: a state added to a metric after checkpoints of it were written: a state
-            dict without it loads it at its default (or as ``legacy`` says) instead of
-            being refused.
-        legacy: for an ``optional`` state, ``legacy(saved) -> value``: its value in a state
-            dict ``saved`` written before it existed, told from the other saved states
-            (``None``: the default).
-        offset_by, offset_column: rows whose column ``offset_column`` counts from the start
-            of the contribution's own interval (a sequence index, say): as a contribution
-            folds in, the value that state ``offset_by`` holds before it is added to that
-            column, so the rows of a later call (or of a later interval put under an earlier
-            one) come after the rows before them. ``update`` returns indices from its call's
-            start and never reads ``offset_by`` itself.
-        relative_to: the name of an ``Origin`` of the metric this value is measured from
-            (seconds since the interval's start, steps since its first step). When a failed
-            asynchronous interval goes back under the next one, the later interval's value
-            is moved onto the earlier interval's origin.
+
+    A callable ``reduce`` (with its own ``local``) is how a merge that the three operations
+    cannot express is declared: Chan's merge of moments (``stats.moments``), GRPO's top-k
+    records with sequence indices counted over the ranks, TrainMetric's longest interval.
     """
 
     reduce: Reduce = "sum"
@@ -77,12 +65,6 @@ class State:
     local: Union[str, Callable, None] = None
     per_rank: bool = False
     scope: str = "data"
-    optional: bool = False
-    legacy: Optional[Callable[[Mapping[str, Any]], Any]] = field(default=None, compare=False)
-    offset_by: Optional[str] = None
-    offset_column: int = 0
-    relative_to: Optional[str] = None
-    name: str = field(default="", compare=False)
 
     def __post_init__(self):
         if not callable(self.reduce) and self.reduce not in _OPS:
@@ -102,13 +84,8 @@ class State:
         if self.scope == "model" and self.per_rank:
             raise ValueError("State: scope='model' already exempts the state from TP agreement; "
                              "drop per_rank=True")
-        if self.legacy is not None and not self.optional:
-            raise ValueError("State: legacy= tells an optional state's value in older checkpoints; "
-                             "pass optional=True with it")
-        if self.offset_by is not None and not self.shape:
-            raise ValueError("State: offset_by= shifts a column of rows; give the state a shape "
-                             "(rows, columns)")
         self.shape = tuple(int(s) for s in self.shape)
+        self.name = ""  # the attribute it is declared as, or the name add_state gives it
 
     def __set_name__(self, owner, name):
         self.name = name
@@ -160,30 +137,42 @@ class Origin:
     and at every reset): what a metric measures its interval from.
 
     ``update`` may read an origin (``self.<name>``): unlike a state it does not change
-    within an interval, so reading it keeps ``update`` pure. States measured from it
-    declare ``State(relative_to=name)``.
+    within an interval, so reading it keeps ``update`` pure. A value measured from it goes
+    into the states as an absolute one (a start time, a step number), reduced with
+    ``"min"`` where the earliest counts: so when a failed asynchronous interval goes back
+    under the next one, the two read as one interval from the earlier origin.
 
     Args:
-        reading: a callable ``() -> value`` read as the interval starts (a clock).
-        follows: or the name of a state: the origin is then the last host number folded
-            into that state before the interval started (``default`` before any).
-        default: the value when ``follows`` has nothing yet.
+        reading: a callable ``() -> value`` read as the interval starts (a clock), or the
+            name of a state: the newest host number folded into it before the interval
+            started, 0 before any (a step counter: steps since the last ``calculate``).
 
     Example::
 
-        class Timer(Metric):
-            start = Origin(time.perf_counter)
-            seconds = State("max", local="last", relative_to="start")
-            def update(self, inputs, outputs, **kw):
-                return {"seconds": time.perf_counter() - self.start}
+        class Steps(Metric):
+            start = Origin(time.time)            # wall clock, as the interval starts
+            step_before = Origin("step")         # the last step counted before it
+            began = State("min", per_rank=True)  # the interval's span over the ranks
+            ended = State("max", per_rank=True)
+            first_step = State("min", torch.int64)
+            step = State("max", torch.int64)
+            def update(self, inputs, outputs, *, step, **kw):
+                return {"began": self.start, "ended": time.time(),
+                        "first_step": self.step_before, "step": step}
+            def compute(self, s):  # steps per second since the previous calculate()
+                return {"rate": (s["step"] - s["first_step"]) / (s["ended"] - s["began"])}
     """
 
-    def __init__(self, reading: Optional[Callable[[], Any]] = None, *, follows: Optional[str] = None,
-                 default: Any = 0):
-        if (reading is None) == (follows is None):
-            raise ValueError("Origin: pass a reading (a callable) or follows= (a state name), not both")
-        self.reading, self.follows, self.default = reading, follows, default
+    def __init__(self, reading: Union[Callable[[], Any], str]):
+        if not (callable(reading) or (isinstance(reading, str) and reading)):
+            raise TypeError(f"Origin: reading must be a callable (a clock) or the name of a state, got {reading!r}")
+        self.reading = reading
         self.name = ""
+
+    @property
+    def follows(self) -> Optional[str]:
+        """The state whose newest host number this origin takes, or None (a clock)."""
+        return None if callable(self.reading) else self.reading
 
     def __set_name__(self, owner, name):
         self.name = name
@@ -194,11 +183,11 @@ class Origin:
         return obj._origins[self.name]
 
     def start(self, last_host: Mapping[str, Any]) -> Any:
-        """The origin of an interval starting now, given the last host numbers folded into
-        each followed state."""
-        if self.reading is not None:
+        """The origin of an interval starting now, given the newest host number folded
+        into each followed state so far."""
+        if callable(self.reading):
             return self.reading()
-        return last_host.get(self.follows, self.default)
+        return last_host.get(self.reading, 0)
 
 
 def batched(fold: Callable) -> Callable:

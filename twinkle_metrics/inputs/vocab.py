@@ -20,9 +20,8 @@ from twinkle_metrics.inputs.microbatch import join
 
 
 def vocab_states() -> Dict[str, State]:
-    """The two states, added after checkpoints were written (``optional``)."""
-    return {"label_reach": State("max", torch.int64, optional=True),
-            "vocab_width": State("max", torch.int64, optional=True)}
+    """The two states: the largest label id counted, and the logits' last dimension."""
+    return {"label_reach": State("max", torch.int64), "vocab_width": State("max", torch.int64)}
 
 
 def reach(labels: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], widths: Sequence[int],

@@ -64,8 +64,8 @@ class Accuracy(Metric):
 
     correct = State("sum", torch.int64)
     total = State("sum", torch.int64)
-    label_reach = State("max", torch.int64, optional=True)  # the largest label id counted
-    vocab_width = State("max", torch.int64, optional=True)  # the logits' last dimension
+    label_reach = State("max", torch.int64)  # the largest label id counted
+    vocab_width = State("max", torch.int64)  # the logits' last dimension
     unsliced_states = ("label_reach", "vocab_width")  # checked in compute (inputs.vocab)
 
     def __init__(self, device_mesh=None, process_group=None, *, vocab_parallel: bool = False,

@@ -108,7 +108,7 @@ class EmbeddingMetric(Metric):
     loss_count = State("sum", torch.int64)
     grad_norm = State("max", local="last")
     n_bad = State("sum", torch.int64)  # non-finite rows
-    loss_bad = State("sum", torch.int64, optional=True)  # non-finite loss entries
+    loss_bad = State("sum", torch.int64)  # non-finite loss entries
 
     def __init__(self, device_mesh=None, process_group=None, *, size_group=None, eps: float = 1e-8,
                  nan_policy: str = "propagate", **kwargs):

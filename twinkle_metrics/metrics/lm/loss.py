@@ -19,15 +19,6 @@ _REDUCTIONS = ("mean", "sum")
 Entry = Tuple[Any, Optional[Any], List[Mapping[str, Any]], str, bool]
 
 
-def _legacy_sum_entries(saved):
-    """``sum_entries`` of a checkpoint from before it existed: only 'sum' entries counted
-    tokens then, so a token count means every entry was one."""
-    tokens, entries = saved.get("num_tokens"), saved.get("entries")
-    if tokens is not None and entries is not None and float(torch.as_tensor(tokens)) > 0:
-        return torch.as_tensor(entries, dtype=torch.int64)
-    return None
-
-
 class LossMetric(Metric):
     """Loss and grad norm, as Twinkle's ``LossMetric``, reduced exactly over the data group.
 
@@ -100,7 +91,7 @@ class LossMetric(Metric):
     entries = State("sum", torch.int64)
     # entries of loss_reduction='sum' (the rest are 'mean'): an interval of them whose
     # tokens were all masked has no loss to report, not 0 / 0 = 0.0
-    sum_entries = State("sum", torch.int64, optional=True, legacy=_legacy_sum_entries)
+    sum_entries = State("sum", torch.int64)
     num_tokens = State("sum")
     grad_norm = State("max", local="last")
     nonfinite = State("sum", torch.int64)

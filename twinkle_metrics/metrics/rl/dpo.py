@@ -6,12 +6,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from twinkle_metrics.comm import agreement as exchange
-from twinkle_metrics.core import slicing
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
-from twinkle_metrics.inputs.checks import float_tensor, from_host
+from twinkle_metrics.inputs.checks import float_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
-from twinkle_metrics.inputs.microbatch import as_feature_list, has_field, microbatches
+from twinkle_metrics.inputs.microbatch import has_field, microbatches
 from twinkle_metrics.inputs.rl import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
 from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.stats.histogram import Histogram, check_quantiles, quantile_keys
@@ -421,43 +420,3 @@ def _pair(name: str, value):
         raise TypeError(f"{_NAME}: {name}= must be an (inputs, outputs) pair, got "
                         f"{type(value).__name__}")
     return value[0], value[1]
-
-
-@slicing.splitter(DPOMetric)
-def _dpo_slices(metric, inputs, outputs, kwargs) -> Optional[List[tuple]]:
-    """Separate chosen/rejected batches split side by side (pair i's two sides in one
-    slice); per-pair sums by one slice name per pair; an interleaved batch as any call."""
-    field = metric.slice_by
-    if kwargs.get("chosen") is not None and kwargs.get("rejected") is not None:
-        settings = {k: v for k, v in kwargs.items() if slicing.is_setting(v)}
-        sides = []
-        for side in ("chosen", "rejected"):
-            s_in, s_out = _pair(side, kwargs[side])
-            names = sum(slicing.slice_values(_NAME, field, as_feature_list(_NAME, s_in)), [])
-            ref = f"ref_{side}"
-            parts = slicing.split(_NAME, field, s_in, s_out, {ref: kwargs.get(ref)})
-            sides.append((names, {name: (i, o, kw.get(ref)) for name, i, o, kw in parts}))
-        (c_names, c_parts), (r_names, r_parts) = sides
-        if c_names != r_names:
-            raise ValueError(f"{_NAME}: slice_by={field!r}: the chosen sequences are in slices {c_names[:8]} "
-                             f"but the rejected ones in {r_names[:8]}; both sides of a pair must carry the "
-                             f"same {field}")
-        return [(name, None, None, {**settings, "chosen": c[:2], "rejected": r_parts[name][:2],
-                                    "ref_chosen": c[2], "ref_rejected": r_parts[name][2]})
-                for name, c in c_parts.items()]
-    if isinstance(outputs, dict) and outputs.get("chosen_logps") is not None:
-        feats = as_feature_list(_NAME, inputs)
-        names = sum(slicing.slice_values(_NAME, field, feats), [])
-        cols = _presummed_columns(outputs)
-        n = cols["chosen_logps"].shape[0]
-        if len(names) != n:
-            raise ValueError(f"{_NAME}: slice_by={field!r} with per-pair sums: got {len(names)} slice "
-                             f"names for {n} pairs; pass inputs={{{field!r}: [one per pair]}}")
-        settings = {k: v for k, v in kwargs.items() if slicing.is_setting(v)}
-        out = []
-        for name in dict.fromkeys(names):
-            rows = torch.tensor([i for i, x in enumerate(names) if x == name])
-            idx = from_host(rows, cols["chosen_logps"].device)
-            out.append((name, None, {k: v.index_select(0, idx) for k, v in cols.items()}, settings))
-        return out
-    return None  # an interleaved batch: split as any call

@@ -15,6 +15,7 @@ from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.vocab import check_reach, reach, vocab_states
 from twinkle_metrics.kernels import entropy
 from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg, keep_default_fingerprint, sequence_mean
+from twinkle_metrics.metrics.rl.policy_records import FIELDS, as_records, fold_records, merge_records, pack_records
 from twinkle_metrics.metrics.rl.policy_sums import (  # noqa: F401 - the histograms are part of this module's names
     ENTROPY_HISTOGRAM,
     KL_HISTOGRAM,
@@ -26,15 +27,8 @@ from twinkle_metrics.metrics.rl.policy_sums import (  # noqa: F401 - the histogr
     _exp,
     _k3,
     _nan_first,
-    _topk_rows,
 )
 from twinkle_metrics.stats.histogram import check_quantiles, quantile_keys
-
-# Columns of one top-k record row.
-_FIELDS = ("kl", "gsi", "pos", "token_id", "ratio", "logp_new", "logp_old")
-_INT_FIELDS = ("gsi", "pos", "token_id")
-
-
 
 
 class GRPOMetric(PolicySums, Metric):
@@ -202,7 +196,7 @@ class GRPOMetric(PolicySums, Metric):
     """
 
     #: the high-KL records carry global sequence indices: whole-call only
-    unsliced_states = ("topk", "n_seq", "dp_index", "cp_index")
+    unsliced_states = ("topk",)
 
     n_tok = State("sum", torch.int64)
     sum_new = State("sum")
@@ -276,20 +270,9 @@ class GRPOMetric(PolicySums, Metric):
         if self.entropy_from_logits and not self.vocab_parallel:  # why TP replicas could differ
             self.tp_mismatch_hint = ("with entropy_from_logits, logits that are vocab-sharded over the TP "
                                      "group need vocab_parallel=True")
-        # merge() only places the top-k records; every other state merges on its own
-        self.merge_reads = ("topk", "n_seq", "dp_index", "cp_index") if top_k_kl else ()
-        if top_k_kl:
-            # records' sequence indices count from their call's start: the fold adds n_seq
-            self.add_state("topk", State(self._reduce_topk, torch.float64, shape=(top_k_kl, len(_FIELDS)),
-                                         default=-math.inf, local=self._fold_topk, offset_by="n_seq",
-                                         offset_column=1))
-            self.add_state("n_seq", State("sum", torch.int64))
-            # Each rank's place in the data order, for the records' global sequence index: kept
-            # as a maximum, so that states loaded from several old ranks (resuming at a smaller
-            # DP size: new rank k holds old ranks 2k, 2k+1) keep the order of the new ranks
-            # whether or not a rank accumulates after the load.
-            self.add_state("dp_index", State("max", torch.int64))
-            self.add_state("cp_index", State("max", torch.int64))
+        if top_k_kl:  # the records and their header row (policy_records): one state, its own merge
+            self.add_state("topk", State(self._reduce_topk, torch.float64, shape=(top_k_kl + 1, len(FIELDS)),
+                                         default=-math.inf, local=self._fold_topk))
         if self.quantiles:
             self.add_state("hist_ratio", RATIO_HISTOGRAM.state())
             self.add_state("hist_kl", KL_HISTOGRAM.state())
@@ -304,10 +287,10 @@ class GRPOMetric(PolicySums, Metric):
             self.add_state("seq_counts", State("sum", torch.int64, shape=(len(SEQ_COUNTS),)))
 
     def _reduce_topk(self, rows):
-        return _topk_rows(rows, self.top_k_kl)
+        return merge_records(rows, self.top_k_kl)
 
     def _fold_topk(self, old, new):
-        return _topk_rows(torch.stack([old, new]), self.top_k_kl)
+        return fold_records(old, new, self.top_k_kl)
 
     # ----------------------------------------------------------------- update
     def _entropy_group(self):
@@ -357,6 +340,9 @@ class GRPOMetric(PolicySums, Metric):
                             entropy.token_entropy(chunks, shapes, self.temperature,
                                                  tp_group if rows else None, device)))
         acc, parts, rows = self._sums(batch, ents)
+        if self.top_k_kl:  # the call's records under their header (policy_records)
+            acc["topk"] = pack_records(acc.pop("topk", None), acc.pop("n_seq"), acc.pop("dp_index"),
+                                       acc.pop("cp_index"), self.top_k_kl, len(FIELDS))
         if parts is not None or rows is not None:
             acc.update(self._sequence_stats(parts, rows))
         if jobs and not self.vocab_parallel:
@@ -376,23 +362,6 @@ class GRPOMetric(PolicySums, Metric):
             labels.append(lab)
             masks.append(m[:, :lab.shape[1]])
         return reach(labels, masks, [int(logits.shape[-1]) for _, logits, _ in jobs]) or {}
-
-
-
-    # ----------------------------------------------------------------- merge
-    def merge(self, rows):
-        if self.top_k_kl:
-            rows = dict(rows)
-            counts = rows["n_seq"].to(torch.float64)
-            dp, cp = rows["dp_index"], rows["cp_index"]
-            # Sequences before rank j's: those of every DP rank below it, counted once per
-            # CP group (CP ranks share sequences).
-            first = torch.where(cp == 0, counts, torch.zeros_like(counts))
-            offset = ((dp[None, :] < dp[:, None]).to(torch.float64) * first[None, :]).sum(1)
-            topk = rows["topk"].clone()
-            topk[:, :, 1] += offset[:, None]
-            rows["topk"] = topk
-        return super().merge(rows)
 
     # ---------------------------------------------------------------- compute
     def compute(self, s):
@@ -437,19 +406,10 @@ class GRPOMetric(PolicySums, Metric):
             out["train/advantage_max"] = s["adv_max"]
         if s["n_ref"]:
             out["train/ref_kl"] = s["sum_ref_kl"] / s["n_ref"] if agg is None else agg("ref_kl")
-        if self.top_k_kl:
-            records = []
-            for row in s["topk"]:
-                if row[0] == -math.inf:
-                    continue
-                rec = dict(zip(_FIELDS, row))
-                for f in _INT_FIELDS:
-                    rec[f] = int(rec[f])
-                records.append(rec)
-            if records:
-                out["_high_kl_records"] = records
+        records = as_records(s["topk"], self.top_k_kl) if self.top_k_kl else None
+        if records:
+            out["_high_kl_records"] = records
         return out
-
 
     def _aggregated(self, s):
         """None for ``loss_agg_mode='token-mean'`` (the token sums divide by the token

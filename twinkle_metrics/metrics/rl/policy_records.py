@@ -1,5 +1,14 @@
 """The GRPO family's top-k KL records: each row a token's k3 value, global sequence
-index, position, token id, ratio and log-probs, kept in a fixed ``[k, fields]`` state."""
+index, position, token id, ratio and log-probs, kept in one fixed ``[k + 1, fields]``
+state with its own reduction.
+
+Under the ``k`` record rows, one header row holds what places them: the sequences the
+state has counted, and the DP and CP ranks it was accumulated on (``-inf``: nothing
+yet). A call's records count sequences from the call's start; folding them in
+(``fold_records``) puts them after the sequences already counted, and merging the ranks
+(``merge_records``) puts each rank's after those of the DP ranks before it, so the
+records carry sequence indices over the whole data group in DP-rank order.
+"""
 from __future__ import annotations
 
 import math
@@ -7,10 +16,14 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
-from twinkle_metrics.inputs.checks import as_tensor
+from twinkle_metrics.inputs.checks import as_tensor, from_host
 
 if TYPE_CHECKING:
     from twinkle_metrics.metrics.rl.policy_sums import _Microbatch
+
+#: columns of one record row
+FIELDS = ("kl", "gsi", "pos", "token_id", "ratio", "logp_new", "logp_old")
+_INT_FIELDS = ("gsi", "pos", "token_id")
 
 
 def _top(key: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -37,12 +50,55 @@ def _topk_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
     return flat[_top(flat[:, 0], k)[1]]
 
 
+def pack_records(records: Optional[torch.Tensor], n_seq: int, dp_rank: int, cp_rank: int, k: int,
+                 width: int) -> torch.Tensor:
+    """One call's contribution: its ``[k, width]`` records (None: none), sequence indices
+    from the call's start, above the header of the ``n_seq`` sequences it saw."""
+    head = torch.tensor([[n_seq, dp_rank, cp_rank] + [-math.inf] * (width - 3)], dtype=torch.float64)
+    if records is None:
+        return torch.cat([head.new_full((k, width), -math.inf), head])
+    return torch.cat([records.to(torch.float64), from_host(head, records.device)])
+
+
+def fold_records(old: torch.Tensor, new: torch.Tensor, k: int) -> torch.Tensor:
+    """``new`` (one call, or a later interval) folded onto ``old``: its sequences come
+    after the ``old`` ones."""
+    seen = old[k, 0].clamp(min=0)  # -inf: none yet
+    rows = new[:k].clone()
+    rows[:, 1] += seen
+    head = torch.cat([(seen + new[k, 0].clamp(min=0)).reshape(1), torch.maximum(old[k, 1:], new[k, 1:])])
+    return torch.cat([_topk_rows(torch.stack([old[:k], rows]), k), head[None]])
+
+
+def merge_records(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Every rank's ``[ranks, k + 1, width]`` records merged, in data-group order: each
+    rank's sequences come after those of every DP rank below it, counted once per CP
+    group (CP ranks share sequences)."""
+    counts, dp, cp = rows[:, k, 0].clamp(min=0), rows[:, k, 1], rows[:, k, 2]
+    first = torch.where(cp == 0, counts, torch.zeros_like(counts))
+    offset = ((dp[None, :] < dp[:, None]).to(torch.float64) * first[None, :]).sum(1)
+    records = rows[:, :k].clone()
+    records[:, :, 1] += offset[:, None]
+    head = torch.cat([counts.sum().reshape(1), rows[:, k, 1:].amax(0)])
+    return torch.cat([_topk_rows(records, k), head[None]])
+
+
+def as_records(rows, k: int) -> list:
+    """The reduced state's records (plain lists) as dicts, largest k3 first; empty rows left out."""
+    out = []
+    for row in rows[:k]:  # the last row is the header
+        if row[0] != -math.inf:
+            rec = dict(zip(FIELDS, row))
+            out.append({f: int(v) if f in _INT_FIELDS else v for f, v in rec.items()})
+    return out
+
+
 class TopKRecords:
     """The candidates of one call for the top-k records (mixed into ``GRPOMetric``)."""
 
     def _candidates(self, mb: "_Microbatch", key: torch.Tensor, seq_start: int) -> torch.Tensor:
-        """This microbatch's top-k rows [k, fields] in ``_FIELDS`` order, with sequence indices
-        counted from the call's start (the fold adds those before it: ``offset_by``); ``key``
+        """This microbatch's top-k rows [k, fields] in ``FIELDS`` order, with sequence indices
+        counted from the call's start (``fold_records`` adds those before it); ``key``
         [b, s]: each token's k3 where it has an old log-prob and k3 > 0,
         else -inf. Token and position ids where the features give them, else -1 and the column."""
         b, s = mb.m.shape
@@ -58,7 +114,7 @@ class TopKRecords:
 
     def _fused_candidates(self, records: torch.Tensor) -> torch.Tensor:
         """The top-k rows of every fused microbatch at once, from the kernel's record buffer
-        (``triton_rl.RECORD_ROWS``, in ``_FIELDS`` order with the sequence within the call in
+        (``triton_rl.RECORD_ROWS``, in ``FIELDS`` order with the sequence within the call in
         place of the global one; the fold adds those before it): one top-k and one gather however
         many microbatches."""
         idx = _top(records[0], self.top_k_kl)[1]

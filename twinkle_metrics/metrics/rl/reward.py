@@ -109,7 +109,6 @@ class CompletionRewardMetric(Metric):
     # fixed names or names as they come decide which states are created on the fly: ranks
     # must agree on it, while a checkpoint loads across the two (its states are checked)
     fingerprint_sync_only = ("reward_names",)
-    creates = ("reward names as they come", "no reward names beyond reward_names")
 
     len_count = State("sum", torch.int64)
     len_sum = State("sum", torch.float64)

@@ -21,13 +21,6 @@ _FIELDS = ("routing_map", "expert_counts", "router_logits", "router_probs", "tok
            "tokens_dropped", "aux_loss", "z_loss")
 
 
-def _legacy_drop_reports(saved):
-    """``drop_reports`` of a checkpoint from before it existed: drops seen were measured."""
-    if saved.get("dropped") is None:
-        return None
-    return torch.tensor(int(bool(torch.as_tensor(saved["dropped"]).sum() > 0)), dtype=torch.int64)
-
-
 class MoERoutingMetric(Metric):
     """MoE routing health over an interval, per MoE layer and over all layers.
 
@@ -159,8 +152,7 @@ class MoERoutingMetric(Metric):
         if not self.sequence_parallel:  # why TP replicas could disagree
             self.tp_mismatch_hint = ("TP ranks routed different tokens: under sequence parallelism build the "
                                      "metric with sequence_parallel=True")
-        self.add_state("drop_reports", State("sum", torch.int64, scope=scope, optional=True,
-                                             legacy=_legacy_drop_reports))
+        self.add_state("drop_reports", State("sum", torch.int64, scope=scope))
 
     # ------------------------------------------------------------------ input
     def observe(self, layer: int, **fields) -> "MoERoutingMetric":

@@ -20,6 +20,20 @@ _RANK_BITS = 20
 _MAX_MICROS = (2 ** 63 - 1) >> _RANK_BITS
 
 
+def _extend(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """A later reading of the interval: the earliest start stays, the newest end counts (a
+    failed interval folded back under the next one keeps its start)."""
+    return torch.stack([torch.minimum(old[0], new[0]), new[1]])
+
+
+def _longest(rows: torch.Tensor) -> torch.Tensor:
+    """The longest interval of the ranks' ``[ranks, 2]`` (start, end) rows, as (0, its
+    length); ranks whose clocks never started count for nothing. Only the lengths are
+    compared: each rank's clock has its own zero."""
+    lengths = torch.where(rows[:, 0] < math.inf, rows[:, 1] - rows[:, 0], -math.inf)
+    return torch.stack([torch.zeros_like(lengths[0]), lengths.amax()])
+
+
 class TrainMetric(Metric):
     """Twinkle's training-progress metric, with numbers instead of strings.
 
@@ -51,8 +65,9 @@ class TrainMetric(Metric):
     attention term is the usual estimate) and ``num_devices`` is the world size.
 
     Times are host clocks taken at each ``accumulate`` (the interval ends at the last
-    call before ``calculate``) and reduced with MAX over the data group, inside the
-    one fused sync of a ``MetricCollection``; the sync then hands one rank's numbers
+    call before ``calculate``): each rank keeps its interval's start and end as absolute
+    readings of its own clock, and the longest interval of the data group counts, inside
+    the one fused sync of a ``MetricCollection``; the sync then hands one rank's numbers
     (last stage, TP rank 0) to every rank of TP x PP, so every rank reports the same
     values, clock readings included. With ``device_mesh=None``
     the mesh is ``DeviceMesh.current()``; in a ``MetricCollection`` give the
@@ -80,15 +95,17 @@ class TrainMetric(Metric):
 
     # Where each interval starts: this rank's clock, and the last step counted before it.
     interval_start = Origin(lambda: time.perf_counter())
-    interval_first_step = Origin(follows="step", default=0)
+    interval_first_step = Origin("step")
 
     lr_groups = State("max", torch.int64, local="last")
     step = State("max", torch.int64, local="last")
     grad_accum = State("max", torch.int64, local="last")
-    interval_steps = State("max", torch.int64, local="last", relative_to="interval_first_step")
+    # The step before the interval: the earliest one stays when a failed interval folds back.
+    first_step = State("min", torch.int64)
     # Clock and memory readings differ between ranks, TP replicas included.
     elapsed = State("max", local="last", per_rank=True)
-    interval_time = State("max", local="last", per_rank=True, relative_to="interval_start")
+    # This rank's interval as (start, end) on its own clock; merged: (0, the longest one).
+    interval = State(_longest, shape=(2,), default=math.inf, local=_extend, per_rank=True)
     peak_flops = State("max", local="last")
     peak_memory = State("max", local="max", per_rank=True)
     # This rank's own seconds per step, merged over every rank (TP x PP too), and
@@ -117,15 +134,11 @@ class TrainMetric(Metric):
         self.default_peak_flops = peak_flops
         self.num_devices = num_devices
 
-    @property
-    def _seen_step(self) -> Optional[int]:
-        """The last step folded in (None before any): what ``interval_first_step`` follows."""
-        return self._last_host.get("step")
-
     def update(self, inputs, outputs, *, lr=None, step=None, gradient_accumulation_steps=None,
                tokens=None, samples=None, flops_per_token=None, peak_flops=None, **kwargs):
         now = time.perf_counter()
-        out = {"elapsed": now - self._start, "interval_time": now - self.interval_start}
+        out = {"elapsed": now - self._start,
+               "interval": torch.tensor([self.interval_start, now], dtype=torch.float64)}
         lrs = [] if lr is None else list(lr) if isinstance(lr, (list, tuple)) else [lr]
         if lrs:  # [] (no optimizer, e.g. during evaluation) reports no lr, as in Twinkle
             cap = self._specs["lr"].shape[0]
@@ -144,9 +157,10 @@ class TrainMetric(Metric):
         if step is not None:
             step = _integer("step", step)
             out["step"] = step
-            out["interval_steps"] = steps = step - self.interval_first_step
+            out["first_step"] = self.interval_first_step
+            steps = step - self.interval_first_step
             if steps > 0:
-                out.update(_straggler(out["interval_time"] / steps))
+                out.update(_straggler((now - self.interval_start) / steps))
         for name, value in (("tokens", tokens), ("samples", samples)):
             if value is not None:
                 out[name] = _count(name, value)
@@ -171,12 +185,13 @@ class TrainMetric(Metric):
                 for i in range(groups):
                     out[f"learning rate(param group {i + 1})"] = s["lr"][i]
         ga = s["grad_accum"] if s["grad_accum"] > 0 else 1
-        interval = s["interval_time"]
+        start, end = s["interval"]
+        interval = end - start if start != math.inf else -math.inf
         if s["elapsed"] != -math.inf:
             out["total time elapse"] = s["elapsed"]
         if s["step"] >= 0:
             out["iters"] = s["step"] // ga
-            iters = s["interval_steps"] / ga
+            iters = (s["step"] - s["first_step"]) / ga
             out["speed"] = iters / interval if interval > 0 else 0.0
             if iters > 0:
                 out["step time"] = interval / iters
