@@ -3,7 +3,6 @@ no import hook and no exit handler, builds no group outside torch's registry, an
 torch's private fields in one function each (checked here against the installed torch)."""
 import ast
 import atexit
-import os
 import subprocess
 import sys
 from datetime import timedelta
