@@ -12,7 +12,6 @@ from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import as_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
-from twinkle_metrics.inputs.vocab import check_reach, reach, vocab_states
 from twinkle_metrics.kernels import entropy
 from twinkle_metrics.metrics.rl.policy_sums import (  # noqa: F401 - the histograms are part of this module's names
     ENTROPY_HISTOGRAM,
@@ -31,6 +30,7 @@ from twinkle_metrics.metrics.rl.policy_sums import (  # noqa: F401 - the histogr
     keep_default_fingerprint,
     sequence_mean,
 )
+from twinkle_metrics.metrics.vocab import check_reach, reach, vocab_states
 from twinkle_metrics.stats.histogram import check_quantiles, quantile_keys
 
 # Columns of one top-k record row.
@@ -358,7 +358,7 @@ class GRPOMetric(PolicySums, Metric):
 
     @staticmethod
     def _reach(items, jobs):
-        """How far the labels of the microbatches with logits reach (``inputs.vocab``)."""
+        """How far the labels of the microbatches with logits reach (``metrics.vocab``)."""
         labels, masks = [], []
         for i, _, m in jobs:
             lab = items[i]["feat"].get("labels")
