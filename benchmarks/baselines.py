@@ -170,7 +170,7 @@ def _megatron_grad_norm(grads, fns: Dict[str, Callable], notes: Dict[str, Any]) 
     saved = clip_grads.torch
     clip_grads.torch = megatron_cpu._CpuTorch()
     fns["megatron-core get_grad_norm_fp32 (CPU shim)"] = lambda: clip_grads.get_grad_norm_fp32(grads)
-    notes["megatron"] = ("timed with twinkle_metrics.megatron_cpu's shim and a 1-rank gloo group; "
+    notes["megatron"] = ("timed with twinkle_metrics.integrations.megatron_cpu's shim and a 1-rank gloo group; "
                          "no Apex/Transformer Engine: megatron-core's local multi_tensor_l2norm fallback")
 
     def close():

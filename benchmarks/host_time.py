@@ -27,13 +27,22 @@ import torch  # noqa: E402
 
 from benchmarks.common import moe_layer_call  # noqa: E402
 from twinkle_metrics import DPOMetric, GRPOMetric, PPOValueMetric, RolloutMismatchMetric  # noqa: E402
-from twinkle_metrics.kernels import dispatch as _triton  # noqa: E402
-from twinkle_metrics.kernels import moe_triton as triton_moe  # noqa: E402
-from twinkle_metrics.kernels import ppo_triton as triton_ppo  # noqa: E402
-from twinkle_metrics.kernels import rollout_triton as triton_rollout  # noqa: E402
-from twinkle_metrics.kernels import triton_rl  # noqa: E402 - rl_triton, dpo_triton, triton_common under one name
+from twinkle_metrics.kernels import (  # noqa: E402
+    dispatch,
+    dpo_triton,
+    moe_triton,
+    ppo_triton,
+    rl_triton,
+    rollout_triton,
+    triton_common,
+)
 
 CALLS = int(os.environ.get("HOST_TIME_CALLS", "400"))
+#: every kernel the cases launch, as (module that launches it, name)
+KERNELS = ((rl_triton, "_rl_kernel"), (dpo_triton, "_row_sums_kernel"), (dpo_triton, "_pair_kernel"),
+           (rollout_triton, "_rollout_kernel"), (moe_triton, "_tokens_kernel"), (moe_triton, "_rows_kernel"),
+           (ppo_triton, "_tokens_kernel"), (ppo_triton, "_finish_kernel"), (triton_common, "_totals_kernel"),
+           (rollout_triton, "_sequence_kernel"))
 
 
 class _NoLaunch:
@@ -68,15 +77,10 @@ def cases():
 
 
 def main():
-    saved = (_triton.device_ok, triton_rl._rl_kernel, triton_rl._row_sums_kernel, triton_rl._pair_kernel,
-             triton_rollout._rollout_kernel, triton_moe._tokens_kernel, triton_moe._rows_kernel,
-             triton_ppo._tokens_kernel, triton_ppo._finish_kernel, triton_rl._totals_kernel,
-             triton_rollout._sequence_kernel)
-    _triton.device_ok = lambda x: True
-    triton_rl._rl_kernel = triton_rl._row_sums_kernel = triton_rl._pair_kernel = _NoLaunch()
-    triton_rollout._rollout_kernel = triton_moe._tokens_kernel = triton_moe._rows_kernel = _NoLaunch()
-    triton_ppo._tokens_kernel = triton_ppo._finish_kernel = _NoLaunch()
-    triton_rl._totals_kernel = triton_rollout._sequence_kernel = _NoLaunch()
+    device_ok, saved = dispatch.device_ok, {(m, name): getattr(m, name) for m, name in KERNELS}
+    dispatch.device_ok = lambda x: True
+    for module, name in KERNELS:
+        setattr(module, name, _NoLaunch())
     try:
         fns = {}
         for name, (make, step) in cases().items():
@@ -93,10 +97,9 @@ def main():
                 fn()
                 times[name].append(time.perf_counter() - t)
     finally:
-        (_triton.device_ok, triton_rl._rl_kernel, triton_rl._row_sums_kernel, triton_rl._pair_kernel,
-         triton_rollout._rollout_kernel, triton_moe._tokens_kernel, triton_moe._rows_kernel,
-         triton_ppo._tokens_kernel, triton_ppo._finish_kernel, triton_rl._totals_kernel,
-         triton_rollout._sequence_kernel) = saved
+        dispatch.device_ok = device_ok
+        for (module, name), kernel in saved.items():
+            setattr(module, name, kernel)
     us = {k: round(sorted(v)[len(v) // 2] * 1e6, 1) for k, v in times.items()}
     from benchmarks.common import save
     path = save("host_time", {"host_us_per_accumulate": us}, ".venv/bin/python -m benchmarks.host_time")

@@ -6,7 +6,7 @@ The same calls ``twinkle_metrics.testing.forbid_device_waits()`` forbids
 boolean-mask indexing), counted instead of raised. On a CUDA device each of these
 is a stream synchronisation; on CPU they cost little, which is why we count them.
 Nested calls (``bool(t)`` calling ``.item()`` inside torch) count once. Reads a
-metric marks with ``twinkle_metrics._host.host_reads()`` (CPU tensors of
+metric marks with ``twinkle_metrics.comm.host.host_reads()`` (CPU tensors of
 host-known sizes exchanged over gloo: no device involved) are counted apart, in
 ``host_reads``, and not in ``total``.
 """

@@ -20,7 +20,7 @@ token counts and a token-weighted loss differs from a mean of means. Per step:
    the step metrics (LossMetric, TrainMetric); every ``interval`` steps all ranks call
    ``calculate()`` and the logging rank writes the numbers.
 
-On a machine without CUDA, ``twinkle_metrics.megatron_cpu`` patches the few CUDA
+On a machine without CUDA, ``twinkle_metrics.integrations.megatron_cpu`` patches the few CUDA
 assumptions of megatron-core's schedules (gloo backend); with CUDA nothing is patched.
 """
 from __future__ import annotations

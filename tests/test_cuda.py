@@ -101,11 +101,11 @@ N_CALLS = 15  # len(_calls()); the calls build CUDA tensors, so not at collectio
 @pytest.fixture(params=["torch", "triton"])
 def kernel_path(request, monkeypatch):
     """Every call on the torch path and on the Triton path (the default where triton is installed)."""
-    from twinkle_metrics.kernels import _triton
-    if request.param == "triton" and not _triton.available():
+    from twinkle_metrics.kernels import dispatch
+    if request.param == "triton" and not dispatch.available():
         pytest.skip("triton is not installed")
-    monkeypatch.setattr(_triton, "ENABLED", request.param == "triton")
-    monkeypatch.setattr(_triton, "failed", None)
+    monkeypatch.setattr(dispatch, "ENABLED", request.param == "triton")
+    monkeypatch.setattr(dispatch, "failed", None)
     return request.param
 
 
@@ -122,8 +122,8 @@ def test_accumulate_never_synchronises(index, kernel_path):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert metric.calculate(), label
-    from twinkle_metrics.kernels import _triton
-    assert _triton.failed is None, _triton.failed  # a kernel that fell back would hide here
+    from twinkle_metrics.kernels import dispatch
+    assert dispatch.failed is None, dispatch.failed  # a kernel that fell back would hide here
 
 
 @pytest.mark.parametrize("index", range(N_CALLS))
@@ -133,21 +133,21 @@ def test_triton_path_agrees_with_torch_path(index, monkeypatch):
     timings compare too."""
     import types
 
-    import twinkle_metrics.train as train_module
-    from twinkle_metrics.kernels import _triton
-    if not _triton.available():
+    import twinkle_metrics.metrics.system.train as train_module
+    from twinkle_metrics.kernels import dispatch
+    if not dispatch.available():
         pytest.skip("triton is not installed")
     results = {}
     for path in ("torch", "triton"):
         clock = iter(range(10**6)).__next__  # each path's clock reads 0, 1, 2, ...
         monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=clock))
-        monkeypatch.setattr(_triton, "ENABLED", path == "triton")
-        monkeypatch.setattr(_triton, "failed", None)
+        monkeypatch.setattr(dispatch, "ENABLED", path == "triton")
+        monkeypatch.setattr(dispatch, "failed", None)
         label, metric, call = _calls()[index]
         call(metric)
         call(metric)
         results[path] = metric.calculate()
-        assert _triton.failed is None, _triton.failed
+        assert dispatch.failed is None, dispatch.failed
     assert_results_close(results["triton"], results["torch"], rel=1e-5 if "logits" in label or
                          "Accuracy" in label or "MoE" in label else 1e-9)
 

@@ -1,4 +1,4 @@
-"""Single-process tests of twinkle_metrics.exchange (groups of one rank: no collective)."""
+"""Single-process tests of twinkle_metrics.comm.agreement (groups of one rank: no collective)."""
 import pytest
 
 from parallel import DeviceMesh

@@ -305,6 +305,26 @@ def test_plot_writes_png(tmp_path):
     assert os.path.exists(tmp_path / "x.png")
 
 
+def test_plot_command_runs_from_its_module():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "twinkle_metrics.integrations.plot", "--help"], cwd=REPO,
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0 and "jsonl" in out.stdout, out.stderr
+
+
+def test_config_types_are_the_exported_metrics():
+    """What a config builds by name (``metrics.SHIPPED``, read without importing the
+    package's top module) is every metric class ``twinkle_metrics`` exports, and only those."""
+    from twinkle_metrics.metrics import SHIPPED
+
+    exported = {name: obj for name, obj in vars(twinkle_metrics).items()
+                if isinstance(obj, type) and issubclass(obj, Metric) and obj is not Metric}
+    assert SHIPPED == exported
+    assert {n: c for n, c in factory.available_metrics().items() if n not in factory._REGISTRY} == exported
+
+
 def test_kwargs_forwarded_through_subclasses_are_listed():
     class Scaled(CountTokens):
         def __init__(self, device_mesh=None, process_group=None, *, offset=0, **kwargs):

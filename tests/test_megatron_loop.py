@@ -1,4 +1,4 @@
-"""``twinkle_metrics.megatron`` and the README's Megatron recipe.
+"""``twinkle_metrics.integrations.megatron`` and the README's Megatron recipe.
 
 Fast tier (no megatron import): ``LogitsHook`` and ``loss_func`` on a stand-in module with
 megatron-core GPTModel's shapes and its in-place cross entropy. Slow tier: the README's two
@@ -186,7 +186,8 @@ def test_loss_func_rejects_mismatched_shapes():
 
 
 def test_importing_the_package_imports_no_megatron():
-    code = ("import sys, twinkle_metrics, twinkle_metrics.megatron, twinkle_metrics.megatron_cpu; "
+    code = ("import sys, twinkle_metrics, twinkle_metrics.integrations.megatron, "
+            "twinkle_metrics.integrations.megatron_cpu; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=REPO))

@@ -401,7 +401,7 @@ def test_accuracy_list_outputs_without_labels_is_an_error():
 def test_train_metric_times_against_a_controlled_clock(monkeypatch):
     import types
 
-    import twinkle_metrics.train as train_module
+    import twinkle_metrics.metrics.system.train as train_module
 
     now = [100.0]
     monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))

@@ -126,11 +126,11 @@ def test_loss_scalar_report_under_sum_asks_for_the_pair():
         _rejected(m, ValueError, r"LossMetric: outputs\['lm loss'\] is a single value, but loss_reduction='sum' "
                                  r"needs a loss sum and its token count; return \(loss_sum, num_tokens, "
                                  r"\{'lm loss': torch.stack\(\[loss_sum, num_tokens\]\)\}\) from Megatron's "
-                                 r"loss_func \(twinkle_metrics.megatron.loss_func",
+                                 r"loss_func \(twinkle_metrics.integrations.megatron.loss_func",
                   inputs, {"lm loss": torch.tensor(0.7)})
     # megatron-core's quickstart returns (loss, {'lm loss': loss}): the schedule's list holds scalars
     _rejected(LossMetric(loss_reduction="sum"), ValueError,
-              r"outputs\[1\]\['lm loss'\] is a single value.*twinkle_metrics.megatron.loss_func",
+              r"outputs\[1\]\['lm loss'\] is a single value.*twinkle_metrics.integrations.megatron.loss_func",
               None, [{"lm loss": torch.tensor([2.0, 4.0])}, {"lm loss": torch.tensor(0.7)}])
     got = LossMetric(loss_reduction="sum").accumulate(None, {"lm loss": 6.0, "num_tokens": 3}).calculate()
     assert got == {"loss": 2.0, "num_tokens": 3}

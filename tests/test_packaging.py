@@ -22,7 +22,7 @@ def test_wheel_ships_configs_and_type_markers(tmp_path):
     # Installed (here: unpacked, run away from the checkout), configs load by name.
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = ("import twinkle_metrics.factory as f, sys; "
+    code = ("import twinkle_metrics.integrations.factory as f, sys; "
             "assert f.__file__.startswith(sys.argv[1]), f.__file__; "
             "cfg = f.load_config('megatron_demo', ['train.steps=3']); "
             "print(cfg['train']['steps'], f.build_metrics(cfg['metrics']).__class__.__name__)")

@@ -7,13 +7,9 @@ import pytest
 import torch
 
 from tests.passref import brute_majority, make_samples, reference
-from twinkle_metrics.metrics.rl.pass_at_k import (
-    PassAtKMetric,
-    id_key,
-    majority_at_k,
-    merge_rows,
-    tensor_keys,
-)
+from twinkle_metrics.metrics.rl.keyed_tables import id_key, merge_rows, tensor_keys
+from twinkle_metrics.metrics.rl.pass_at_k import PassAtKMetric
+from twinkle_metrics.metrics.rl.subset_estimators import majority_at_k
 from twinkle_metrics.testing import forbid_device_waits
 
 KS = (1, 2, 3, 5)

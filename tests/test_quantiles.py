@@ -264,7 +264,7 @@ def test_sliced_quantiles_equal_a_metric_fed_only_that_slice():
 
 # ------------------------------------------------------------ TrainMetric spread
 def test_train_metric_step_time_spread_single_process(monkeypatch):
-    import twinkle_metrics.train as train_module
+    import twinkle_metrics.metrics.system.train as train_module
 
     now = [50.0]
     monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))

@@ -69,7 +69,7 @@ def _step_seconds(rank):
 
 
 def case_quantiles_and_stragglers(sizes):
-    import twinkle_metrics.train as train_module
+    import twinkle_metrics.metrics.system.train as train_module
 
     mesh = DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
     b = _data()

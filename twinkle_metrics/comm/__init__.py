@@ -1,7 +1,5 @@
 """Cross-rank communication: the fused sync of ``calculate()`` and the waits around it.
 
-(Earlier releases' ``twinkle_metrics.sync`` module is ``comm.fused``, importable under that name.)
-
 * ``fused``: ``sync_and_compute``: the one or two packed collectives that carry every
   state of every metric, and the TP x PP hand-off of one rank's results;
 * ``plan``: where each state sits in the packed buffer, how ranks agree on that, and how

@@ -12,7 +12,7 @@ A config is a plain dict (JSON files in ``configs/``; no YAML dependency)::
       "logging": {"interval": 5, "sinks": ["console", "jsonl", "tensorboard"]}
     }
 
-``type`` is a class exported by ``twinkle_metrics``, a name added with
+``type`` is a shipped metric's class name (``metrics.SHIPPED``), a name added with
 ``register_metric``, or ``"module:Class"``. Every metric gets the mesh, so all of
 them reduce over the same data group. Without ``name`` fields the result keys are
 the metrics' own (Twinkle's keys); with names on every entry, keys become
@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Type
 from parallel import DeviceMesh
 from twinkle_metrics.core.collection import MetricCollection
 from twinkle_metrics.core.metric import Metric, constructor_keywords
+from twinkle_metrics.metrics import SHIPPED
 
 _REGISTRY: Dict[str, Type[Metric]] = {}
 _RESERVED_KWARGS = ("device_mesh", "process_group")
@@ -55,10 +56,7 @@ def register_metric(name: str, cls: Type[Metric]) -> Type[Metric]:
 
 def available_metrics() -> Dict[str, Type[Metric]]:
     """Every metric name a config may use without a ``module:Class`` path."""
-    import twinkle_metrics
-
-    found = {name: obj for name, obj in vars(twinkle_metrics).items()
-             if inspect.isclass(obj) and issubclass(obj, Metric) and obj is not Metric}
+    found = dict(SHIPPED)
     found.update(_REGISTRY)
     return dict(sorted(found.items()))
 

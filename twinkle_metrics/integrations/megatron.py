@@ -4,7 +4,7 @@ With ``GPTModel(..., labels=labels)`` the model returns per-token losses ``[b, s
 logits, so the logits a metric such as ``Accuracy`` needs never reach ``loss_func``.
 Two additions to a Megatron script (see the README's "Megatron" section)::
 
-    from twinkle_metrics import megatron as tm_megatron
+    from twinkle_metrics.integrations import megatron as tm_megatron
 
     hook = tm_megatron.LogitsHook(model, acc_m)        # after building the model
     ...
@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 _HOOK = "LogitsHook"
-_LOSS = "twinkle_metrics.megatron.loss_func"
+_LOSS = "twinkle_metrics.integrations.megatron.loss_func"
 
 
 def _unwrap(chunk):

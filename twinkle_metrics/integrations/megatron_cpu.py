@@ -2,7 +2,7 @@
 
 Use it to test a Megatron training script, metrics included, on a machine without GPUs::
 
-    from twinkle_metrics import megatron_cpu
+    from twinkle_metrics.integrations import megatron_cpu
 
     torch.distributed.init_process_group("gloo")           # (or nothing, for one process)
     megatron_cpu.enable()                                  # 1. before the seed call below

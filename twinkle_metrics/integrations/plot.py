@@ -1,4 +1,4 @@
-"""Plot the curves of a run: ``python -m twinkle_metrics.plot RUN_DIR/metrics.jsonl [-o out.png]``.
+"""Plot the curves of a run: ``python -m twinkle_metrics.integrations.plot RUN_DIR/metrics.jsonl [-o out.png]``.
 
 One panel per numeric key, step on the x axis, written with matplotlib's Agg
 backend (no display needed). Default output: ``metrics.png`` next to the JSONL.

@@ -22,8 +22,7 @@ is imported from here: triton stays optional, and kernels never import metrics);
 
 Beside them: ``dispatch`` (when the kernels run, and the fallback to torch when one cannot
 be compiled or launched), ``triton_common`` (the ``@triton.jit`` helpers, the shared
-finishing program and the views the kernels read). ``_triton`` and ``triton_rl`` are the
-earlier names of ``dispatch`` and of ``rl_triton`` + ``dpo_triton`` + ``triton_common``.
+finishing program and the views the kernels read).
 """
 from __future__ import annotations
 

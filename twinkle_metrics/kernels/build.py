@@ -3,7 +3,8 @@ with triton's own toolchain (TTIR, TTGIR, LLVM, PTX, ptxas): no GPU needed.
 
     .venv/bin/python -m benchmarks.kernel_build     # registers and spills per variant (~30 s)
 
-Needs triton (the test extra) but no GPU; the metrics never import it.
+Needs triton (the test extra) but no GPU; the metrics never import it. ``report()`` is
+what that command saves.
 
 ``tests/test_triton_kernels.py`` compiles every variant to sm_90 (H100/H200) and sm_80
 (A100) cubins and requires no register spills, so a kernel that the interpreter runs but
@@ -142,11 +143,11 @@ def variants():
     (their default tile widths and warps), in each input dtype they accept, both NaN
     policies, every flag that changes the code."""
     from twinkle_metrics.kernels import argmax_triton as triton_argmax
+    from twinkle_metrics.kernels import dpo_triton, rl_triton, triton_common
     from twinkle_metrics.kernels import entropy_triton as triton_entropy
     from twinkle_metrics.kernels import moe_triton as triton_moe
     from twinkle_metrics.kernels import ppo_triton as triton_ppo
     from twinkle_metrics.kernels import rollout_triton as triton_rollout
-    from twinkle_metrics.kernels import triton_rl  # rl_triton, dpo_triton and triton_common under one name
     out = []
     strides = {n: "i32" for n in ("s", "rec_stride", "seq0", "lp_s0", "lp_s1", "m_s0", "m_s1", "old_s0", "old_s1",
                                   "adv_s0", "adv_s1", "ref_s0", "ref_s1", "ent_s0", "ent_s1", "tok_s0", "tok_s1",
@@ -161,22 +162,22 @@ def variants():
             types = dict(strides, lp_ptr=f"*{dtype}", m_ptr="*u8", old_ptr=f"*{dtype}", adv_ptr="*fp64",
                          ref_ptr=f"*{dtype}", ent_ptr="*fp32", tok_ptr="*i64", pos_ptr="*i64", part_ptr="*fp64",
                          rec_ptr="*fp64")
-            const = dict({k: bool(v) for k, v in flags.items()}, LO=lo, HI=hi, N_COLS=triton_rl._N_COLS,
-                         BLOCK=triton_rl.BLOCK, HAS_TOK=bool(flags["KEY"]), HAS_POS=False)
-            out.append(Variant(f"GRPO {dtype} {flags}", triton_rl._rl_kernel, types, const, triton_rl.NUM_WARPS))
-    out.append(Variant("GRPO unbounded clip", triton_rl._rl_kernel, types,
-                dict(const, LO=-math.inf, HI=math.inf), triton_rl.NUM_WARPS))
+            const = dict({k: bool(v) for k, v in flags.items()}, LO=lo, HI=hi, N_COLS=rl_triton._N_COLS,
+                         BLOCK=rl_triton.BLOCK, HAS_TOK=bool(flags["KEY"]), HAS_POS=False)
+            out.append(Variant(f"GRPO {dtype} {flags}", rl_triton._rl_kernel, types, const, rl_triton.NUM_WARPS))
+    out.append(Variant("GRPO unbounded clip", rl_triton._rl_kernel, types,
+                dict(const, LO=-math.inf, HI=math.inf), rl_triton.NUM_WARPS))
     keyed = dict(const, **{k: bool(v) for k, v in rl_flags[0].items()}, HAS_TOK=True, HAS_POS=True)
-    out.append(Variant("GRPO top-k records with position ids", triton_rl._rl_kernel, types, keyed,
-                       triton_rl.NUM_WARPS))
+    out.append(Variant("GRPO top-k records with position ids", rl_triton._rl_kernel, types, keyed,
+                       rl_triton.NUM_WARPS))
     for two in (True, False):
-        out.append(Variant(f"DPO row sums two={two}", triton_rl._row_sums_kernel,
+        out.append(Variant(f"DPO row sums two={two}", dpo_triton._row_sums_kernel,
                     dict(a_ptr="*fp32", b_ptr="*bf16", m_ptr="*u8", out_ptr="*fp64", s="i32", a_s0="i32",
                          a_s1="i32", b_s0="i32", b_s1="i32", m_s0="i32", m_s1="i32"),
                     dict(TWO=two, BLOCK=1024), 4))
     for w in (2, 4):
         for skip in (False, True):
-            out.append(Variant(f"DPO pairs w={w} skip={skip}", triton_rl._pair_kernel,
+            out.append(Variant(f"DPO pairs w={w} skip={skip}", dpo_triton._pair_kernel,
                                dict(x_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", n="i32"),
                                dict(BETA=0.1, W=w, SKIP=skip, BLOCK=1024), 4))
     ppo_types = {n: "i32" for n in ("s", "v_s0", "v_s1", "m_s0", "m_s1", "old_s0", "old_s1", "oh_s0", "oh_s1",
@@ -213,12 +214,12 @@ def variants():
                                 DROP=drop, SKIP=drop == triton_moe.DROP_INT, L_PAD=64,
                                 PB=triton_moe.ROWS_TILE // experts), 4, streaming=False))
     totals_types = dict(part_ptr="*fp64", f_ptr="*fp64", i_ptr="*i64", rows_ptr="*fp64", n_rows="i32", n_blk="i32")
-    n_ext = len(triton_rl.EXTREMES)
-    grpo_mins = sum(1 << e for e, c in enumerate(triton_rl.EXTREMES) if c.endswith("_min"))
-    out.append(Variant("GRPO totals", triton_rl._totals_kernel, totals_types,
-                       dict(W=triton_rl._N_COLS, COLS=32, EXT0=triton_rl._N_SUM + n_ext, FLAG0=triton_rl._N_SUM,
+    n_ext = len(rl_triton.EXTREMES)
+    grpo_mins = sum(1 << e for e, c in enumerate(rl_triton.EXTREMES) if c.endswith("_min"))
+    out.append(Variant("GRPO totals", triton_common._totals_kernel, totals_types,
+                       dict(W=rl_triton._N_COLS, COLS=32, EXT0=rl_triton._N_SUM + n_ext, FLAG0=rl_triton._N_SUM,
                             PER_EXT=True, NEG=grpo_mins, ROWS=0, R0=0, R1=0, R2=0, BLOCK=64), 4, streaming=False))
-    out.append(Variant("rollout totals", triton_rl._totals_kernel, totals_types,
+    out.append(Variant("rollout totals", triton_common._totals_kernel, totals_types,
                        dict(W=triton_rollout._N_COLS, COLS=16, EXT0=triton_rollout._FLAG + 1,
                             FLAG0=triton_rollout._FLAG, PER_EXT=False, NEG=1 << triton_rollout.EXTREMES.index("d_min"),
                             ROWS=2, R0=0, R1=1, R2=0, BLOCK=64), 4, streaming=False))
@@ -247,8 +248,6 @@ def variants():
     return out
 
 
-
-
 def ptxas_report(ptx: str, arch: int) -> Dict[str, int]:
     """Registers per thread and bytes of spill stores ptxas reports for ``ptx`` (``{}`` when
     triton's ptxas cannot say): a streaming kernel that spills reads and writes local
@@ -271,9 +270,12 @@ def ptxas_report(ptx: str, arch: int) -> Dict[str, int]:
     return {}
 
 
-def main():
+def report(archs=(90, 80)) -> Dict[str, Dict[str, object]]:
+    """What ptxas reports for every variant on each of ``archs`` (registers, spill bytes),
+    with its warps, tile, PTX global loads by kind and main-loop instructions per element,
+    keyed ``"sm_<arch> <label>"``."""
     out = {}
-    for arch in (90, 80):
+    for arch in archs:
         target = GPUTarget("cuda", arch, 32)
         for v in variants():
             ptx = compile_variant(v, target).asm["ptx"]
@@ -283,13 +285,4 @@ def main():
                 per = v.const["BLOCK"] / (32 * v.warps)
                 row["loop_instructions_per_element"] = [round(loop[0] / per, 1), round(loop[1] / per, 1)]
             out[f"sm_{arch} {v.label}"] = row
-    from benchmarks.common import save
-    saved = save("kernel_build", {"kernels": out}, "python -m benchmarks.kernel_build")
-    width = max(map(len, out))
-    for k, v in out.items():
-        print(f"{k:<{width}}  {v}")
-    print("saved", saved)
-
-
-if __name__ == "__main__":
-    main()
+    return out

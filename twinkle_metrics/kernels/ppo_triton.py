@@ -10,7 +10,7 @@ three (count, mean, M2) moments with their Chan merge, one sum per state. Here:
    (count, mean, M2) of the returns, of return - value and of the advantages over its
    block (two passes over the block in registers);
 2. ``_finish_kernel`` (one program) adds the sums and merges the moments of every
-   block with Chan's formula (``twinkle_metrics.moments``), writing the contributions.
+   block with Chan's formula (``twinkle_metrics.stats.moments``), writing the contributions.
 
 The numbers are the torch path's, with the same rules:
 

@@ -11,8 +11,8 @@ from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import floating_tensor, int_tensor, right_align
 from twinkle_metrics.inputs.microbatch import has_field, host_array, join, microbatches
-from twinkle_metrics.inputs.vocab import check_reach, reach
 from twinkle_metrics.kernels.argmax import INDEX_LIMIT, joined_hits, vocab_parallel_argmax
+from twinkle_metrics.metrics.vocab import check_reach, reach
 
 _NAME = "Accuracy"
 
@@ -33,7 +33,7 @@ class Accuracy(Metric):
     ``[b, s, v/tp]`` (shard ``tp_rank`` covers ``[tp_rank * v/tp, (tp_rank+1) * v/tp)``)
     and the argmax is taken over the whole vocab with one collective per
     ``accumulate`` over the mesh's TP group (see ``vocab_parallel_argmax``), after a
-    host-side agreement over the group's CPU twin (``twinkle_metrics.exchange``), with
+    host-side agreement over the group's CPU twin (``twinkle_metrics.comm.agreement``), with
     ``torch.argmax``'s rules (lowest index among ties, NaN is the largest). bf16/fp16
     values are compared exactly (in fp32); fp64 logits are compared in fp64 with two
     collectives. The caller must make every rank of a TP group call ``accumulate``
@@ -44,7 +44,7 @@ class Accuracy(Metric):
     Labels past the logits' last dimension (vocab-sharded logits without
     ``vocab_parallel=True``, or ids out of range) make ``calculate()`` raise on every
     rank, from the first interval: the largest counted label id and the logits' width
-    are two ``"max"`` states of the same fused sync (``inputs.vocab``).
+    are two ``"max"`` states of the same fused sync (``metrics.vocab``).
 
     Memory: the argmax reads the logits once in their own dtype; no softmax and no
     fp32 copy of ``[b, s, V]`` is made (only ``[b, s]`` values and indices).
@@ -66,7 +66,7 @@ class Accuracy(Metric):
     total = State("sum", torch.int64)
     label_reach = State("max", torch.int64)  # the largest label id counted
     vocab_width = State("max", torch.int64)  # the logits' last dimension
-    unsliced_states = ("label_reach", "vocab_width")  # checked in compute (inputs.vocab)
+    unsliced_states = ("label_reach", "vocab_width")  # checked in compute (metrics.vocab)
 
     def __init__(self, device_mesh=None, process_group=None, *, vocab_parallel: bool = False,
                  ignore_index: int = -100, **kwargs):

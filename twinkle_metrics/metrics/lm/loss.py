@@ -217,9 +217,9 @@ class LossMetric(Metric):
                     f"{_NAME}: {where}[{self.loss_key!r}] is a single value, but loss_reduction='sum' "
                     f"needs a loss sum and its token count; return (loss_sum, num_tokens, "
                     f"{{{self.loss_key!r}: torch.stack([loss_sum, num_tokens])}}) from Megatron's "
-                    f"loss_func (twinkle_metrics.megatron.loss_func does this from the per-token losses "
-                    f"and loss_mask), or add 'num_tokens' to the dict, or use loss_reduction='mean' for "
-                    f"an averaged loss")
+                    f"loss_func (twinkle_metrics.integrations.megatron.loss_func does this from the "
+                    f"per-token losses and loss_mask), or add 'num_tokens' to the dict, or use "
+                    f"loss_reduction='mean' for an averaged loss")
             return scalar(_NAME, f"{where}[{self.loss_key!r}]", value), n, feats, where, False
         if o.get("loss") is None:
             near = self._near_keys(o, report)

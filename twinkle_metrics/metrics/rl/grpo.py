@@ -12,7 +12,6 @@ from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import as_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
-from twinkle_metrics.inputs.vocab import check_reach, reach, vocab_states
 from twinkle_metrics.kernels import entropy
 from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg, keep_default_fingerprint, sequence_mean
 from twinkle_metrics.metrics.rl.policy_records import FIELDS, as_records, fold_records, merge_records, pack_records
@@ -28,6 +27,7 @@ from twinkle_metrics.metrics.rl.policy_sums import (  # noqa: F401 - the histogr
     _k3,
     _nan_first,
 )
+from twinkle_metrics.metrics.vocab import check_reach, reach, vocab_states
 from twinkle_metrics.stats.histogram import check_quantiles, quantile_keys
 
 
@@ -351,7 +351,7 @@ class GRPOMetric(PolicySums, Metric):
 
     @staticmethod
     def _reach(items, jobs):
-        """How far the labels of the microbatches with logits reach (``inputs.vocab``)."""
+        """How far the labels of the microbatches with logits reach (``metrics.vocab``)."""
         labels, masks = [], []
         for i, _, m in jobs:
             lab = items[i]["feat"].get("labels")

@@ -1,14 +1,14 @@
 """``PassAtKMetric``: pass@k, pass^k, maj@k and best/worst@k over prompts, exact whatever
-the split of a prompt's samples over calls, microbatches and data-parallel ranks."""
+the split of a prompt's samples over calls, microbatches and data-parallel ranks.
+
+Its states are the keyed tables of ``keyed_tables``; ``compute`` averages the estimators of
+``subset_estimators`` over the prompts."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import numbers
-from fractions import Fraction
-from math import comb
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -16,195 +16,16 @@ from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import from_host
 from twinkle_metrics.inputs.rl import cp_lead
+from twinkle_metrics.metrics.rl.keyed_tables import fold_tables, id_key, merge_rows, tensor_keys
+from twinkle_metrics.metrics.rl.subset_estimators import (
+    expected_max,
+    expected_min,
+    majority_at_k,
+    pass_at_k,
+    pass_hat_k,
+)
 
 _NAME = "PassAtKMetric"
-_M64 = (1 << 64) - 1
-_I64_MAX = (1 << 63) - 1
-#: ints in [0, _EXACT) are their own key (2 v + 2): no hash, no collision
-_EXACT = (1 << 62) - 1
-_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # splitmix64
-
-
-# ------------------------------------------------------------------------------ keys
-def _signed(u: int) -> int:
-    return u - (1 << 64) if u >= 1 << 63 else u
-
-
-def _splitmix(u: int) -> int:
-    z = (u + _MIX[0]) & _M64
-    z = ((z ^ (z >> 30)) * _MIX[1]) & _M64
-    z = ((z ^ (z >> 27)) * _MIX[2]) & _M64
-    return z ^ (z >> 31)
-
-
-def _blake(tag: bytes, text: str) -> int:
-    digest = hashlib.blake2b(tag + text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def id_key(v) -> int:
-    """The int64 key (> 0) of a host id (an int or a str). Key 0 marks an empty row.
-
-    Ints in [0, 2**62 - 1) map exactly to ``2 v + 2`` (even keys). Other ints in the int64
-    range map to ``4 h + 1`` with ``h`` the top 61 bits of splitmix64 (the same on the
-    device, ``tensor_keys``), larger ints to ``4 h + 1`` with ``h`` from blake2b of
-    ``"int:<v>"``; strings to ``4 h + 3`` with ``h`` from blake2b of ``"str:<s>"``. So
-    ``1`` and ``"1"`` never collide, and hashed ids of one kind collide with probability
-    about ``m**2 / 2**62`` for ``m`` distinct ids. Python's ``hash()`` is salted per
-    process and would differ between ranks.
-    """
-    if isinstance(v, str):
-        return 4 * (_blake(b"str:", v) >> 3) + 3
-    v = int(v)
-    if 0 <= v < _EXACT:
-        return 2 * v + 2
-    if -(1 << 63) <= v <= _I64_MAX:
-        return 4 * (_splitmix(v & _M64) >> 3) + 1
-    return 4 * (_blake(b"int:", str(v)) >> 3) + 1
-
-
-def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch shifts signed values arithmetically)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def tensor_keys(ids: torch.Tensor) -> torch.Tensor:
-    """``id_key`` of every entry of an integer tensor, on its device (int64 arithmetic
-    wraps as the uint64 arithmetic of splitmix64 does)."""
-    x = ids.to(torch.int64)
-    z = x + _signed(_MIX[0])
-    z = (z ^ _lsr(z, 30)) * _signed(_MIX[1])
-    z = (z ^ _lsr(z, 27)) * _signed(_MIX[2])
-    z = z ^ _lsr(z, 31)
-    hashed = _lsr(z, 3) * 4 + 1
-    return torch.where((x >= 0) & (x < _EXACT), 2 * x + 2, hashed)
-
-
-# ---------------------------------------------------------------------------- tables
-def merge_rows(entries: torch.Tensor, n_keys: int, rows: int, segment: bool,
-               dropped: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``entries`` ([M, C] int64 rows, key columns first, key 0 = empty) as one table of
-    ``rows`` rows plus a last row holding the number of rows left out in column 0.
-
-    With ``segment``, rows with equal keys merge into one (their other columns summed);
-    without, rows are kept as they are (a multiset). Rows come out sorted by key, empty
-    rows last. Fixed output shape; sort, cumsum and index_add only: nothing reads the
-    device. ``dropped``: rows already left out before (added to the count).
-    """
-    m, c = entries.shape
-    e = entries
-    if n_keys == 2:
-        e = e[torch.sort(e[:, 1], stable=True).indices]
-    empty = e[:, 0] == 0
-    primary = torch.where(empty, torch.full_like(e[:, 0], _I64_MAX), e[:, 0])
-    order = torch.sort(primary, stable=True).indices
-    e, empty = e[order], empty[order]
-    if segment:
-        step = (e[1:, :n_keys] != e[:-1, :n_keys]).to(torch.int64).sum(1) > 0
-        start = torch.cat([torch.ones(1, dtype=torch.bool, device=e.device), step]) & ~empty
-        gid = torch.cumsum(start.to(torch.int64), 0) - 1
-        values = torch.cat([torch.where(start[:, None], e[:, :n_keys], 0), e[:, n_keys:]], 1)
-        distinct = start.to(torch.int64).sum()
-    else:
-        gid = torch.arange(m, device=e.device)
-        values = e
-        distinct = (~empty).to(torch.int64).sum()
-    target = torch.where(empty | (gid >= rows), rows, gid)  # row `rows`: a dump, overwritten below
-    out = torch.zeros(rows + 1, c, dtype=torch.int64, device=e.device).index_add_(0, target, values)
-    drop = (distinct - rows).clamp(min=0)
-    if dropped is not None:
-        drop = drop + dropped
-    last = torch.cat([drop.reshape(1), torch.zeros(c - 1, dtype=torch.int64, device=e.device)])
-    return torch.cat([out[:rows], last[None, :]])
-
-
-def _fold(stacked: torch.Tensor, n_keys: int, segment: bool) -> torch.Tensor:
-    """Tables stacked as ``[k, rows + 1, C]`` merged into one ``[rows + 1, C]``."""
-    rows, c = stacked.shape[1] - 1, stacked.shape[2]
-    return merge_rows(stacked[:, :rows].reshape(-1, c), n_keys, rows, segment, stacked[:, rows, 0].sum())
-
-
-# ----------------------------------------------------------------------- estimators
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Chen et al. (2021): 1 - C(n - c, k) / C(n, k), exact in integers, then rounded."""
-    total = comb(n, k)
-    return (total - comb(n - c, k)) / total
-
-
-def pass_hat_k(n: int, c: int, k: int) -> float:
-    """pass^k: the chance that k samples drawn without replacement are all correct."""
-    return comb(c, k) / comb(n, k)
-
-
-def expected_max(rewards: Sequence[float], k: int) -> float:
-    """E[max of k rewards drawn without replacement] = sum_i r_(i) C(i-1, k-1) / C(n, k)
-    over the ascending order statistics."""
-    r, total = sorted(rewards), comb(len(rewards), k)
-    return sum(x * (comb(i, k - 1) / total) for i, x in enumerate(r))
-
-
-def expected_min(rewards: Sequence[float], k: int) -> float:
-    """E[min of k rewards drawn without replacement] = sum_i r_(i) C(n-i, k-1) / C(n, k)."""
-    r, total = sorted(rewards), comb(len(rewards), k)
-    n = len(r)
-    return sum(x * (comb(n - 1 - i, k - 1) / total) for i, x in enumerate(r))
-
-
-def _win_ways(a: int, others: Sequence[int], k: int, scale: int) -> int:
-    """``scale`` times the number of k-subsets (of the prompt's samples) in which one given
-    answer holding ``a`` samples has the most votes, each subset weighted 1/(number of
-    answers tied at the top) (a tie is broken uniformly at random). ``scale`` is a multiple
-    of 1..k, so the count stays an exact integer."""
-    total = 0
-    for t in range(1, min(a, k) + 1):  # the answer's votes in the subset
-        rest = k - t
-        smax = rest // t  # other answers that can tie with t votes
-        # ways[d][s]: ways to draw d samples from the answers seen so far with none above t
-        # votes and s of them at exactly t
-        ways = [[0] * (smax + 1) for _ in range(rest + 1)]
-        ways[0][0] = 1
-        for b in others:
-            new = [[0] * (smax + 1) for _ in range(rest + 1)]
-            picks = [comb(b, x) for x in range(min(b, t - 1, rest) + 1)]
-            tie = comb(b, t) if b >= t else 0
-            for d in range(rest + 1):
-                row = ways[d]
-                for s in range(smax + 1):
-                    w = row[s]
-                    if not w:
-                        continue
-                    for x, p in enumerate(picks[:rest - d + 1]):
-                        new[d + x][s] += w * p
-                    if tie and d + t <= rest and s < smax:
-                        new[d + t][s + 1] += w * tie
-            ways = new
-        total += comb(a, t) * sum(w * (scale // (s + 1)) for s, w in enumerate(ways[rest]))
-    return total
-
-
-def majority_at_k(groups: Sequence[Tuple[int, int]], k: int) -> float:
-    """maj@k of one prompt, exactly: the expected correctness of the majority answer of k
-    samples drawn without replacement, over all C(n, k) subsets.
-
-    ``groups``: one ``(samples, correct samples)`` pair per distinct answer. A tie at the
-    top is broken uniformly at random (each tied answer wins 1/|tie| of the subset); an
-    answer is correct with weight ``correct / samples`` (1 or 0 when its samples agree).
-    Computed per answer by a dynamic programme over the other answers' vote counts, in
-    exact integers (``_win_ways``).
-    """
-    counts = [a for a, _ in groups]
-    n = sum(counts)
-    scale = math.lcm(*range(1, k + 1))
-    denom = scale * comb(n, k)
-    won: Dict[int, int] = {}
-    result = Fraction(0)
-    for i, (a, c) in enumerate(groups):
-        if not c:
-            continue
-        if a not in won:
-            won[a] = _win_ways(a, counts[:i] + counts[i + 1:], k, scale)
-        result += Fraction(c * won[a], a * denom)
-    return float(result)
 
 
 # ---------------------------------------------------------------------------- metric
@@ -318,22 +139,22 @@ class PassAtKMetric(Metric):
 
     # ------------------------------------------------------------- reductions
     def _reduce_prompts(self, rows):
-        return _fold(rows, 1, True)
+        return fold_tables(rows, 1, True)
 
     def _fold_prompts(self, old, new):
-        return _fold(torch.stack([old, new]), 1, True)
+        return fold_tables(torch.stack([old, new]), 1, True)
 
     def _reduce_answers(self, rows):
-        return _fold(rows, 2, True)
+        return fold_tables(rows, 2, True)
 
     def _fold_answers(self, old, new):
-        return _fold(torch.stack([old, new]), 2, True)
+        return fold_tables(torch.stack([old, new]), 2, True)
 
     def _reduce_rewards(self, rows):
-        return _fold(rows, 1, False)
+        return fold_tables(rows, 1, False)
 
     def _fold_rewards(self, old, new):
-        return _fold(torch.stack([old, new]), 1, False)
+        return fold_tables(torch.stack([old, new]), 1, False)
 
     # ----------------------------------------------------------------- update
     def update(self, inputs=None, outputs=None, *, prompt_ids=None, correct=None, answers=None,

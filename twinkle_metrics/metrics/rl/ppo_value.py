@@ -47,7 +47,7 @@ class PPOValueMetric(Metric):
     a number in the per-sequence list) holds for each of its tokens.
 
     Exact over any layout: means and variances are (count, mean, M2) moments in
-    float64 merged with Chan's formula (``twinkle_metrics.moments``), the clip count
+    float64 merged with Chan's formula (``twinkle_metrics.stats.moments``), the clip count
     is a sum; nothing is gathered. Under CP each rank holds disjoint tokens, so the
     DP x CP reduction counts each token once with no collective in ``accumulate``.
     Twinkle gathers every value as Python floats and computes in float32.

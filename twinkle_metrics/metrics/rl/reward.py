@@ -84,7 +84,7 @@ class CompletionRewardMetric(Metric):
         nan_policy: ``'skip'`` (default, TRL's) or ``'propagate'`` (see above).
         quantiles: e.g. ``(0.5, 0.9, 0.99)``: also report ``train/completion_length_p50``,
             ``train/{name}_reward_p50``, ... (``p99.9`` for 0.999), nearest-rank over the
-            whole data group from histograms (``twinkle_metrics.histogram``) within 1%
+            whole data group from histograms (``twinkle_metrics.stats.histogram``) within 1%
             relative error of the true value: lengths in [1, 1e9) (0 exact), rewards with
             magnitude in [1e-6, 1e9) (0 exact; outside, clamped to the bound). Non-finite
             rewards follow ``nan_policy`` (``'propagate'``: NaN quantiles when a reward

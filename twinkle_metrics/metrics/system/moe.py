@@ -1,6 +1,6 @@
 """``MoERoutingMetric``: MoE routing health per layer (load balance, dead experts,
-router entropy, dropped tokens, aux and z losses), and ``register_router_hooks`` that
-feeds it from a megatron-core model in one line."""
+router entropy, dropped tokens, aux and z losses). ``integrations.router_hooks`` feeds it
+from a megatron-core model in one line (``twinkle_metrics.register_router_hooks``)."""
 from __future__ import annotations
 
 import difflib
@@ -497,22 +497,3 @@ def _entropy(x: torch.Tensor, from_logits: bool):
         h = -torch.special.xlogy(p, p).sum(-1)
     return h, valid, torch.isnan(h * 0.0)  # NaN or inf: two kernels, isfinite takes five
 
-
-# ------------------------------------------------------------------- megatron-core hooks
-# ``register_router_hooks`` and ``RouterHooks`` live in ``integrations.router_hooks``: they
-# reach into megatron-core's router and feed this metric from a model, the integrations
-# layer, which metrics never import at module level. They stay names of this module, looked
-# up on first use (PEP 562), so ``from twinkle_metrics.moe import register_router_hooks`` is
-# the same function as ``twinkle_metrics.integrations.router_hooks.register_router_hooks``.
-_HOOK_NAMES = ("register_router_hooks", "RouterHooks")
-
-
-def __getattr__(name: str):
-    if name in _HOOK_NAMES:
-        from twinkle_metrics.integrations import router_hooks
-        return getattr(router_hooks, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_HOOK_NAMES))
