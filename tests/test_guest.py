@@ -49,7 +49,9 @@ def test_no_library_source_assigns_to_torch_or_builds_groups_outside_its_registr
 
 
 def test_import_adds_no_import_hook_and_no_exit_handler():
-    code = ("import atexit, sys; hooks = list(sys.meta_path); n = atexit._ncallbacks(); "
+    # the frameworks first: what they register at import is theirs
+    code = ("import atexit, sys, torch, torch.distributed, megatron.core.parallel_state, deepspeed; "
+            "hooks = list(sys.meta_path); n = atexit._ncallbacks(); "
             "import twinkle_metrics, parallel, twinkle_metrics.integrations.megatron; "
             "assert sys.meta_path == hooks, sys.meta_path[len(hooks):]; "
             "assert atexit._ncallbacks() == n, (n, atexit._ncallbacks()); print('ok')")
