@@ -179,8 +179,6 @@ def constructor_keywords(cls) -> Optional[List[str]]:
     down to ``Metric.__init__``, so the named parameters seen on the way are all the
     arguments the metric uses.
     """
-    from twinkle_metrics.core.metric import Metric
-
     names: List[str] = []
     for klass in cls.__mro__:
         if klass is object or "__init__" not in vars(klass):
@@ -192,9 +190,13 @@ def constructor_keywords(cls) -> Optional[List[str]]:
             elif p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
                 if p.name not in ("device_mesh", "process_group") and p.name not in names:
                     names.append(p.name)
-        if klass is Metric or not forwards:
+        if klass in ROOTS or not forwards:
             return names
     return None
+
+
+#: the base classes whose ``__init__`` ends a constructor chain (``Metric`` adds itself)
+ROOTS: set = set()
 
 
 def warn_unknown_arguments(metric, kwargs: Mapping[str, Any]) -> None:

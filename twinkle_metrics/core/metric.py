@@ -412,6 +412,9 @@ class Metric:
         return f"{type(self).__name__}(states={list(self._specs)})"
 
 
+config.ROOTS.add(Metric)
+
+
 def end_interval(metric: Metric) -> None:
     """``reset()`` after a ``calculate()`` or at a hand-off: it ends the interval, so
     intervals given back (``pending``), now or later, stay for the next one."""

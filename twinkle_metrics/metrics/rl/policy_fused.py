@@ -9,7 +9,7 @@ from twinkle_metrics.core import fold
 from twinkle_metrics.kernels import dispatch as _triton
 
 if TYPE_CHECKING:
-    from twinkle_metrics.metrics.rl.policy_sums import _Microbatch
+    from twinkle_metrics.metrics.rl.policy_batch import _Microbatch
 
 
 class FusedSums:

@@ -19,7 +19,7 @@ import torch
 from twinkle_metrics.inputs.checks import as_tensor, from_host
 
 if TYPE_CHECKING:
-    from twinkle_metrics.metrics.rl.policy_sums import _Microbatch
+    from twinkle_metrics.metrics.rl.policy_batch import _Microbatch
 
 #: columns of one record row
 FIELDS = ("kl", "gsi", "pos", "token_id", "ratio", "logp_new", "logp_old")

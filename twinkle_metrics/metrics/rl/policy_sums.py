@@ -23,8 +23,6 @@ from twinkle_metrics.inputs.rl import (
     common_length,
     cp_sum,
     float_dtype,
-    keep_bits,
-    masked,
     nonfinite_tokens,
     per_token,
     split_side_input,
@@ -32,6 +30,7 @@ from twinkle_metrics.inputs.rl import (
 )
 from twinkle_metrics.kernels import entropy
 from twinkle_metrics.metrics.rl.loss_agg import LOSS_AGG_MODES, sequence_table
+from twinkle_metrics.metrics.rl.policy_batch import SEQ_COUNTS, SEQ_SUMS, _Microbatch
 from twinkle_metrics.metrics.rl.policy_clip import PolicyClip
 from twinkle_metrics.metrics.rl.policy_fused import FusedSums
 from twinkle_metrics.metrics.rl.policy_records import TopKRecords, _topk_rows
@@ -44,8 +43,6 @@ ENTROPY_HISTOGRAM = Histogram(1e-12, 1e3, signed=False)
 
 #: per-sequence columns of the sequence-aggregated modes: token sums, then token counts
 #: (then the sequence's token capacity); ``SEQ_COUNT_OF[f]`` is the count column of sum ``f``
-SEQ_SUMS = ("new", "ent", "adv", "ref_kl", "old", "diff", "kl", "ratio_m1", "ratio_one", "clip_low", "clip_high")
-SEQ_COUNTS = ("n_tok", "n_ent", "n_adv", "n_ref", "n_old", "n_clip")
 SEQ_COUNT_OF = (0, 1, 2, 3, 4, 4, 4, 4, 4, 5, 5)
 
 
@@ -380,54 +377,6 @@ class PolicySums(PolicyClip, FusedSums, TopKRecords):
                   for c in torch.split(block, entropy.rows_per_chunk(
                       block, sum(b.shape[0] for b in job), self.entropy_chunk_bytes, self.entropy_chunk_size))]
         return chunks, shapes
-
-
-class _Microbatch:
-    """One prepared microbatch's tensors while ``_sums`` works through it: the inputs
-    (masks may be narrowed by the NaN policy) and values shared between its steps."""
-
-    def __init__(self, item: Dict[str, Any], logit_ent: Optional[torch.Tensor]):
-        self.feat, self.lp, self.m = item["feat"], item["lp"], item["m"]
-        self.ent, self.em = (item["ent"], item["em"]) if logit_ent is None else (logit_ent, item["m"])
-        self.adv, self.has_adv = item["adv"], item["has_adv"]
-        self.ref, self.has_ref = item["ref"], item["has_ref"]
-        self.old, self.has_old = item["old"], item["has_old"]
-        self.n_tok = self.lpm = self.lp64 = self.d = self.ratio_m1 = None
-        self.seq0 = 0  # the index of its first sequence in the call
-        self._bits: Dict[tuple, torch.Tensor] = {}
-        #: per-sequence token sums and counts (``SEQ_SUMS``, ``SEQ_COUNTS``) under a
-        #: sequence-aggregated loss_agg_mode, else None
-        self.rows: Optional[Dict[str, torch.Tensor]] = None
-
-    def total(self, key: str, x: torch.Tensor, dtype=None) -> torch.Tensor:
-        """``x.sum()``; under a sequence mode also its per-row sums as ``rows[key]``, the
-        total taken from them (one [b, s] pass either way)."""
-        if self.rows is None:
-            return x.sum() if dtype is None else x.sum(dtype=dtype)
-        per = x.sum(1) if dtype is None else x.sum(1, dtype=dtype)
-        self.rows[key] = per
-        return per.sum()
-
-    def same(self, key: str, like: str, value):
-        """``value``, a total already taken as ``rows[like]`` (the same mask): its rows too."""
-        if self.rows is not None:
-            self.rows[key] = self.rows[like]
-        return value
-
-    def table(self) -> torch.Tensor:
-        """``[b, F + G + 1]`` float64: ``SEQ_SUMS``, ``SEQ_COUNTS`` (0 where an input is
-        absent) and the token capacity of each row (the mask's length)."""
-        b, s = self.m.shape
-        zero = torch.zeros(b, dtype=torch.float64, device=self.m.device)
-        cols = [self.rows.get(k, zero).to(torch.float64) for k in SEQ_SUMS + SEQ_COUNTS]
-        return torch.stack(cols + [torch.full_like(zero, float(s))], 1)
-
-    def keep(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``x`` with masked-out positions +0.0; one bit mask per (mask, element width)."""
-        key = (id(mask), x.element_size())
-        if key not in self._bits:
-            self._bits[key] = keep_bits(mask, x.dtype)
-        return masked(x, self._bits[key])
 
 
 def _floating(x: torch.Tensor) -> torch.Tensor:
