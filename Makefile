@@ -13,12 +13,15 @@ TORCH ?= torch==2.13.0
 MEGATRON ?= megatron-core==0.16.1
 EXTRAS := .[megatron,deepspeed,loggers,test]
 
-# The second leg. torch 2.14.1 is the registry's CUDA build (~3 GB of wheels, pinning
-# triton 3.8); it runs on CPU. PY312: a Python 3.12 interpreter, else found below.
+# The second leg. torch 2.14.1 is the registry's CUDA build (~3 GB of wheels with its nvidia
+# libraries, pinning triton 3.8); it runs on CPU. Its wheels are kept in WHEELS312, outside the
+# clone, so that a fresh clone on the same machine installs them without downloading them again
+# (pip's own cache does not keep them here). PY312: a Python 3.12 interpreter, else found below.
 VENV312 ?= .venv312
 BIN312 := $(VENV312)/bin
 STAMP312 := $(VENV312)/.installed-$(CKSUM)
 TORCH312 ?= torch==2.14.1
+WHEELS312 ?= $(HOME)/.cache/twinkle-metrics/wheels-py312
 MEGATRON312 ?= megatron-core==0.19.2
 # The first candidate that runs and is 3.12: $(PY312), python3.12 on PATH (a pyenv shim may
 # exist and fail), pyenv's 3.12.1, any pyenv 3.12.x. Prints its path; nothing when none.
@@ -48,7 +51,9 @@ $(STAMP312):
 	echo "$$py -m venv $(VENV312)"; "$$py" -m venv $(VENV312) \
 	  || { echo "make: FAILED to create $(VENV312) with $$py" >&2; exit 1; }
 	$(call pip,$(VENV312),--upgrade pip)
-	$(call pip,$(VENV312),"$(TORCH312)")
+	$(BIN312)/python -m pip download -q -d "$(WHEELS312)" "$(TORCH312)" || { echo "make: FAILED to download" \
+	  "$(TORCH312) into $(WHEELS312) (pip's output above; a damaged file there: remove the folder)" >&2; exit 1; }
+	$(call pip,$(VENV312),--no-index --find-links "$(WHEELS312)" "$(TORCH312)")
 	$(call pip,$(VENV312),-e "$(EXTRAS)" "$(MEGATRON312)")
 	$(BIN312)/python -c "import torch, megatron.core as m; torch.ones(2).sum(); \
 	  print('$(VENV312): torch', torch.__version__, 'megatron-core', m.__version__)" \
