@@ -81,9 +81,10 @@ test-newest:
 	  [ -z "$(REQUIRE_PY312)" ] || exit 1; \
 	else $(MAKE) --no-print-directory run-newest; fi
 
+# The demo first: the run then closes on pytest's summary line.
 run-newest: $(STAMP312)
-	$(BIN312)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider -m megatron tests
 	PATH=$(abspath $(BIN312)):$$PATH bash launch/demo.sh --set logging.progress=false
+	$(BIN312)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider -m megatron tests
 
 # One tier at a time (markers applied by tests/conftest.py): unit (one process), multirank
 # (real gloo ranks, tests/*_dist.py), e2e (launch scripts, megatron-core's loop, the wheel).
