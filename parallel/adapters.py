@@ -15,6 +15,7 @@ call these.
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 from datetime import timedelta
 from typing import Dict, Optional
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from . import groups as G
 from .layout import Layout
-from .mesh import GROUP_NAMES, DeviceMesh, create_layout_groups
+from .mesh import DeviceMesh, create_layout_groups
 
 # ----------------------------------------------------------------- megatron
 
@@ -32,36 +33,113 @@ from .mesh import GROUP_NAMES, DeviceMesh, create_layout_groups
 def from_megatron(pg_collection=None) -> DeviceMesh:
     """Reuse megatron-core's groups (from ``parallel_state`` or a ``ProcessGroupCollection``).
 
-    Creates no new groups.
+    Creates no new groups. With megatron-core 0.19's GTP weight rematerialisation
+    (``gtp_remat_size > 1``) the GTP peers of a rank hold different tokens, so they join
+    the data group: it is Megatron's own DP x CP x GTP group (``dp_cp_gtp_remat``, what
+    ``finalize_model_grads`` reduces over), and ``mesh["gtp"]`` is the GTP group. Results
+    are then shared over TP x PP at one GTP position, one source in each.
     """
     from megatron.core import parallel_state as ps
 
     if pg_collection is not None:
-        found = {name: getattr(pg_collection, name, None) for name in GROUP_NAMES}
-        if found["dp_cp"] is None and found["cp"] is not None and G.group_size(found["cp"]) > 1:
-            raise ValueError("DeviceMesh.from_megatron: the ProcessGroupCollection has cp > 1 "
-                             "but no 'dp_cp' group; set pg_collection.dp_cp")
-        if found["dp_cp"] is None:
-            found.pop("dp_cp")
-        vpp = 1
+        found, vpp = _megatron_collection(pg_collection, ps), 1
     else:
         if not ps.model_parallel_is_initialized():
             raise RuntimeError("DeviceMesh.from_megatron: megatron-core parallel_state is not "
                                "initialised; call initialize_model_parallel(...) first or pass "
                                "a ProcessGroupCollection")
+        # By keyword: 0.19 gave get_data_parallel_group's second argument another meaning;
+        # with_gtp_remat=True (its default there) spans the GTP peers.
+        gtp = _keywords(ps.get_data_parallel_group, with_gtp_remat=True)
         found = {
             "tp": ps.get_tensor_model_parallel_group(),
             "pp": ps.get_pipeline_model_parallel_group(),
             "cp": ps.get_context_parallel_group(),
-            "dp": ps.get_data_parallel_group(with_context_parallel=False),
-            "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
-            "mp": ps.get_model_parallel_group(),
+            "dp": ps.get_data_parallel_group(with_context_parallel=False, **gtp),
+            "dp_cp": ps.get_data_parallel_group(with_context_parallel=True, **gtp),
+            "mp": ps.get_model_parallel_group(),  # TP x GTP x PP on 0.19
             "ep": ps.get_expert_model_parallel_group(check_initialized=False),
-            "expt_dp": ps.get_expert_data_parallel_group(check_initialized=False),
-            "dp_cp_cpu": _megatron_gloo_data_group(ps),
+            "expt_dp": ps.get_expert_data_parallel_group(
+                check_initialized=False, **_keywords(ps.get_expert_data_parallel_group, with_gtp_remat=True)),
+            "gtp": _getter(ps, "get_gtp_weight_remat_group"),
+            "expt_gtp": _getter(ps, "get_expert_gtp_weight_remat_group"),
+            "tp_ep_pp": _getter(ps, "get_expert_tensor_model_pipeline_parallel_group"),
         }
+        gloo = _megatron_gloo_data_group(ps)
+        if gloo is not None and G.group_ranks(gloo) == G.group_ranks(found["dp_cp"]):
+            found["dp_cp_cpu"] = gloo  # not under GTP: Megatron's gloo group is DP x CP only
         vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    _share_without_gtp(found)
     return DeviceMesh(found, vpp_size=vpp, source="megatron")
+
+
+def _megatron_collection(pgc, ps) -> Dict[str, G.ProcessGroup]:
+    """The mesh groups of a ``ProcessGroupCollection`` (0.19 returns None for a declared
+    field never set, older releases raise AttributeError: both read as None here)."""
+    def get(name):
+        return getattr(pgc, name, None)
+
+    found = {name: get(name) for name in ("tp", "pp", "cp", "mp", "ep", "tp_ep_pp")}
+    found["gtp"], found["expt_gtp"] = get("gtp_remat"), get("expt_gtp_remat")
+    # 0.19: dp, dp_cp and expt_dp are the replicate groups; the *_gtp_remat ones span GTP
+    data, dp_cp, dp = get("dp_cp_gtp_remat"), get("dp_cp"), get("dp")
+    found["dp_cp"] = data if data is not None else dp_cp
+    expt = get("expt_dp_gtp_remat")
+    found["expt_dp"] = expt if expt is not None else get("expt_dp")
+    cp_size = G.group_size(found["cp"])
+    if found["dp_cp"] is None and cp_size > 1:
+        raise ValueError("DeviceMesh.from_megatron: the ProcessGroupCollection has cp > 1 "
+                         "but no 'dp_cp' group; set pg_collection.dp_cp")
+    if G.group_size(found["gtp"]) > 1:
+        # the DP axis spans the GTP peers too (their tokens differ); without CP that is dp_cp_gtp_remat
+        if cp_size <= 1:
+            dp = found["dp_cp"]
+        elif ps.model_parallel_is_initialized() and G.group_ranks(found["dp_cp"]) == \
+                G.group_ranks(ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=True)):
+            dp = ps.get_data_parallel_group(with_context_parallel=False, with_gtp_remat=True)
+        else:
+            raise ValueError("DeviceMesh.from_megatron: a ProcessGroupCollection with GTP and cp > 1 "
+                             "holds no DP x GTP group (its dp is the replicate group); build the mesh "
+                             "from parallel_state (DeviceMesh.from_megatron()) or with DeviceMesh({...}) "
+                             "and a 'dp' group over the DP x GTP ranks")
+    found["dp"] = dp
+    if found["dp_cp"] is None:
+        found.pop("dp_cp")
+    return found
+
+
+def _share_without_gtp(found: Dict[str, G.ProcessGroup]) -> None:
+    """Under GTP, replace Megatron's model-parallel group (TP x GTP x PP) by TP x PP at this
+    rank's GTP position: its GTP peers are in the data group, and a group sharing results
+    over both would count their contributions twice (and hold two result sources).
+    Megatron's expert TP x EP x PP group is that group when EP is 1 (its ranks are checked)."""
+    candidate = found.pop("tp_ep_pp", None)
+    if G.group_size(found["gtp"]) <= 1:
+        return
+    tp, pp = G.group_size(found["tp"]), G.group_size(found["pp"])
+    if tp == 1 or pp == 1:
+        found["mp"] = None  # the mesh takes the TP group, or the PP group
+        return
+    ranks = set(G.group_ranks(candidate)) if G.group_size(candidate) == tp * pp else set()
+    data = set(G.group_ranks(found["dp_cp"] if found.get("dp_cp") is not None else found["dp"]))
+    if not (ranks >= set(G.group_ranks(found["tp"])) | set(G.group_ranks(found["pp"]))
+            and ranks & data == {G.global_rank()}):
+        raise ValueError("DeviceMesh.from_megatron: GTP with tp > 1, pp > 1 and expert parallelism needs "
+                         "a TP x PP group at each GTP position, which megatron-core does not make; build the "
+                         "mesh with DeviceMesh({...}) and pass it as 'mp'")
+    found["mp"] = candidate
+
+
+def _keywords(fn, **wanted) -> dict:
+    """The keyword arguments of ``wanted`` that ``fn`` takes (newer megatron-core ones)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in wanted.items() if k in params}
+
+
+def _getter(ps, name):
+    """``ps.<name>(check_initialized=False)``; None where this megatron-core lacks it."""
+    fn = getattr(ps, name, None)
+    return fn(check_initialized=False) if fn is not None else None
 
 
 def _megatron_gloo_data_group(ps):

@@ -14,8 +14,9 @@ from .layout import DEFAULT_ORDER, Layout
 
 # Group names a mesh can hold. "dp_cp" is the data group used for metric reduction; "mp" is
 # TP x PP (Megatron's model-parallel group), over which reduced results are shared;
-# "dp_cp_cpu" is a CPU (gloo) group over the data-group ranks for host-side exchanges.
-GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "ep", "expt_dp", "dp_cp_cpu")
+# "dp_cp_cpu" is a CPU (gloo) group over the data-group ranks for host-side exchanges;
+# "gtp" / "expt_gtp": megatron-core's GTP weight-sharding groups (inside the (expert) data group).
+GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "ep", "expt_dp", "dp_cp_cpu", "gtp", "expt_gtp")
 #: the layout axes each group spans (``Layout.all_groups``); "dp_cp_cpu" is the data group's gloo twin
 LAYOUT_AXES = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp", "mp": "tp-pp",
                 "ep": "ep", "expt_dp": "expt_dp"}
@@ -89,8 +90,8 @@ def create_layout_groups(layout: Layout, backend, timeout=None):
     out: Dict[str, G.ProcessGroup] = {}
     made: Dict[tuple, G.ProcessGroup] = {}  # dp_cp == dp without CP, expt_dp == dp without EP
     for name in GROUP_NAMES:
-        if name == "dp_cp_cpu":
-            continue
+        if name not in LAYOUT_AXES:
+            continue  # the data group's gloo twin (below); GTP groups: Megatron's only
         mine = None
         for ranks in layout.all_groups(LAYOUT_AXES[name]):
             if len(ranks) == 1:

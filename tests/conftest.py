@@ -10,6 +10,11 @@ Every collected test gets exactly one tier marker, from where it lives:
 
 A test that carries a tier marker itself keeps it. ``pytest -m unit`` (or ``multirank``,
 ``e2e``) runs one tier; ``make test-unit`` etc. do the same.
+
+Beside the tier, ``megatron`` marks what needs megatron-core: every test of
+``MEGATRON_FILES``, and elsewhere the tests (or parameters) that carry
+``@pytest.mark.megatron`` themselves. ``make test`` runs them a second time on the newest
+megatron-core (``-m megatron``, Python 3.12).
 """
 import os
 import sys
@@ -23,6 +28,8 @@ if ROOT not in sys.path:
 TIERS = ("unit", "multirank", "e2e")
 #: whole files of the end-to-end tier (beside every test marked ``slow``)
 E2E_FILES = {"test_launch_e2e.py", "test_packaging.py"}
+#: whole files whose tests all need megatron-core (marked ``megatron`` here)
+MEGATRON_FILES = {"test_megatron_loop.py", "test_megatron_gtp_dist.py", "test_norms_dist.py"}
 
 
 def tier(item) -> str:
@@ -42,6 +49,8 @@ def pytest_collection_modifyitems(config, items):
         t = tier(item)
         if item.get_closest_marker(t) is None:
             item.add_marker(getattr(pytest.mark, t))
+        if os.path.basename(str(item.fspath)) in MEGATRON_FILES and item.get_closest_marker("megatron") is None:
+            item.add_marker(pytest.mark.megatron)
 
 
 @pytest.hookimpl(trylast=True)

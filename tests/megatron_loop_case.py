@@ -2,8 +2,11 @@
 
     python tests/megatron_loop_case.py OUT_DIR                          # one process
     torchrun --nproc_per_node 4 tests/megatron_loop_case.py OUT_DIR --tp 2 --pp 2
+    python tests/megatron_loop_case.py OUT_DIR --model hybrid --mtp 1   # megatron-core 0.19+
 
-Builds a small ``GPTModel`` (local layer spec) that returns per-token losses, executes the
+Builds a small ``GPTModel`` (local layer spec; or 0.19's ``HybridModel`` with attention
+layers of that spec, ``--mtp N`` multi-token-prediction depths in its pattern, or only in
+its config with ``--mtp-config-only``) that returns per-token losses, executes the
 two ``python`` blocks of the README's "## Megatron" section (metrics, ``LogitsHook``,
 ``forward_step_func``; then the training loop) and records, next to each ``calculate()``
 result, the raw data of its interval for an independent check: the per-token losses the
@@ -57,6 +60,10 @@ def main():
     p.add_argument("out")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--model", choices=("gpt", "hybrid"), default="gpt")
+    p.add_argument("--mtp", type=int, default=0)
+    p.add_argument("--mtp-config-only", action="store_true",
+                   help="config.mtp_num_layers set, no MTP in the hybrid pattern: no MTP head runs")
     args = p.parse_args()
     if "RANK" not in os.environ:
         from parallel.groups import free_port
@@ -81,14 +88,18 @@ def main():
         num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True,
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-        batch_p2p_sync=False)
+        batch_p2p_sync=False, mtp_num_layers=args.mtp or None)
     torch.manual_seed(0)  # CPU init splits one master weight over TP: same draws on TP ranks
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False)
+    if args.model == "hybrid":
+        model = hybrid_model(config, args.mtp if not args.mtp_config_only else 0)
+    else:
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                         max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
+                         post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False)
 
-    # The test's own record: full-vocab argmax (gathered over TP, a copy: test only) per forward.
-    preds, records = [], []
+    # The test's own record: full-vocab argmax (gathered over TP, a copy: test only) of the
+    # main head, the last output-layer call of each forward (MTP heads come first).
+    preds, records, heads = [], [], []
 
     def reference_hook(module, inputs, output):
         logits = output[0].detach().clone()
@@ -96,10 +107,15 @@ def main():
             parts = [torch.empty_like(logits) for _ in range(args.tp)]
             dist.all_gather(parts, logits, group=ps.get_tensor_model_parallel_group())
             logits = torch.cat(parts, -1)
-        preds.append(logits.argmax(-1).transpose(0, 1))  # [b, s]
+        heads.append(logits.argmax(-1).transpose(0, 1))  # [b, s]
+
+    def main_head(module, inputs, output):
+        preds.append(heads[-1])
+        heads.clear()
 
     if ps.is_pipeline_last_stage():
         model.output_layer.register_forward_hook(reference_hook)
+        model.register_forward_hook(main_head)
 
     setup, loop = readme_blocks()[:2]  # the recipe: metrics and hook, then the loop
     ns = {"model": model}
@@ -152,9 +168,38 @@ def main():
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"rank": dist.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
                    "last_stage": ps.is_pipeline_last_stage(), "hook_active": active, "hooks_removed": removed,
-                   "intervals": intervals}, f)
+                   "intervals": intervals, "model": type(model).__name__,
+                   "mtp_process": getattr(model, "mtp_process", None)}, f)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def hybrid_model(config, mtp_depths: int):
+    """megatron-core 0.19's ``HybridModel``: two attention layers (``"**"``) of the local GPT
+    layer spec, then ``mtp_depths`` MTP depths of one attention layer each; one process."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    mtp_layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=WrappedTorchNorm, hnorm=WrappedTorchNorm, eh_proj=ColumnParallelLinear, mtp_model_layer=None,
+        layer_norm=WrappedTorchNorm))
+    stack = ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        attention_layer=get_gpt_layer_local_spec(),
+        mtp_block_spec=ModuleSpec(module=MultiTokenPredictionBlock,
+                                  submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer]))))
+    return HybridModel(config=config, hybrid_stack_spec=stack, vocab_size=VOCAB, max_sequence_length=SEQ,
+                       hybrid_layer_pattern="**" + "/*" * mtp_depths,
+                       position_embedding_type="learned_absolute")
 
 
 if __name__ == "__main__":

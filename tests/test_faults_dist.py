@@ -96,7 +96,7 @@ def _rewards_on_last_stage(mesh):
     return out
 
 
-@pytest.mark.parametrize("source", ["sizes", "megatron"])
+@pytest.mark.parametrize("source", ["sizes", pytest.param("megatron", marks=pytest.mark.megatron)])
 def test_rewards_known_on_the_last_stage_only(dist_pool, source):
     _, _, (acc, fmt, lens) = _reward_batch(0, 1)
     whole = CompletionRewardMetric(num_generations=4).accumulate(
@@ -226,7 +226,7 @@ def _forgotten_vocab_parallel(mesh, vocab_parallel):
     return _outcome(m.calculate)
 
 
-@pytest.mark.parametrize("source", ["sizes", "megatron"])
+@pytest.mark.parametrize("source", ["sizes", pytest.param("megatron", marks=pytest.mark.megatron)])
 def test_forgotten_vocab_parallel_raises_with_the_likely_cause(dist_pool, source):
     for kind, text in dist_pool.run(case_forgotten_vocab_parallel, False, source, timeout=CASE_TIMEOUT):
         assert kind == "MetricSyncError", text

@@ -49,6 +49,7 @@ def case_layouts(sizes):
         ps.destroy_model_parallel()
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize("sizes", [dict(tp=2, pp=2, dp=2), dict(tp=2, cp=2, dp=2)])
 def test_layouts_match_megatron(dist_pool, sizes):
     for ours, meg, pgc, expected, last, meg_last, ps_last in dist_pool.run(case_layouts, sizes):

@@ -110,6 +110,7 @@ def _check_common(run_dir, world, interval, steps):
     return debug, rows, expected, naive
 
 
+@pytest.mark.megatron
 def test_megatron_demo_tp2_pp2_dp2(tmp_path):
     """launch/demo.sh as users run it, shortened: 8 processes, TP2 x PP2 x DP2."""
     run_dir = tmp_path / "run"
@@ -122,6 +123,7 @@ def test_megatron_demo_tp2_pp2_dp2(tmp_path):
     _check_common(str(run_dir), world=8, interval=3, steps=6)
 
 
+@pytest.mark.megatron
 def test_megatron_virtual_pipeline(tmp_path):
     """PP2 with two virtual stages per rank (interleaved schedule) x DP2, 4 processes.
 
@@ -158,7 +160,8 @@ def test_deepspeed_pipeline_pp2_dp2(tmp_path):
 
 
 @pytest.mark.parametrize("script,extra", [
-    ("launch/train_megatron.py", ["--set", "parallel.tp=1", "--set", "parallel.pp=1"]),
+    pytest.param("launch/train_megatron.py", ["--set", "parallel.tp=1", "--set", "parallel.pp=1"],
+                 marks=pytest.mark.megatron),
     ("launch/train_deepspeed.py", ["--set", "parallel.pp=1"]),
 ])
 def test_single_process_without_launcher(tmp_path, script, extra):

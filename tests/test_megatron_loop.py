@@ -9,6 +9,7 @@ recomputation from the per-token losses and full-vocab argmax the case recorded.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -116,6 +117,43 @@ def test_hook_without_loss_mask_counts_labels_and_skips_mtp_calls():
     assert (got["correct_tokens"], got["total_tokens"]) == (correct, total)  # one call, the main head
 
 
+class HybridModel(_TinyGPT):
+    """megatron-core 0.19's HybridModel's flow: MTP heads run (before the main head) only
+    where ``mtp_process`` is set, whatever ``config.mtp_num_layers`` says."""
+
+    def __init__(self, mtp_process, **kwargs):
+        super().__init__(mtp=1, **kwargs)
+        self.mtp_process = mtp_process
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, *,
+                loss_mask=None):
+        depth = self.config.mtp_num_layers
+        self.config.mtp_num_layers = depth if self.mtp_process else None  # what runs here
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, decoder_input, labels,
+                                   loss_mask=loss_mask)
+        finally:
+            self.config.mtp_num_layers = depth
+
+
+@pytest.mark.parametrize("mtp_process", [True, False])
+def test_hook_skips_hybrid_model_mtp_calls_only_where_mtp_runs(mtp_process):
+    """A stage without MTP (mtp_process False) calls the output layer once, for the main
+    head: skipping config.mtp_num_layers calls there, as for GPTModel, would feed nothing."""
+    torch.manual_seed(2)
+    model = HybridModel(mtp_process)
+    tokens, pos, labels, mask = _batch(8)
+    acc = Accuracy()
+    calls = []
+    model.output_layer.register_forward_hook(lambda *a: calls.append(1))
+    with tm_megatron.LogitsHook(model, acc):
+        model(tokens, pos, None, labels=labels, loss_mask=mask)
+    assert len(calls) == (2 if mtp_process else 1)
+    correct, total = _expected_accuracy(model, [(tokens, pos, labels, mask)])
+    got = acc.calculate()
+    assert total > 0 and (got["correct_tokens"], got["total_tokens"]) == (correct, total)
+
+
 def test_hook_disabled_removed_and_keeps_nothing():
     model = _TinyGPT()
     tokens, pos, labels, mask = _batch(3)
@@ -199,7 +237,7 @@ def _run_case(tmp_path, nproc, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     case = os.path.join(REPO, "tests", "megatron_loop_case.py")
     if nproc == 1:
-        cmd = [sys.executable, case, str(tmp_path)]
+        cmd = [sys.executable, case, str(tmp_path), *extra]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                case, str(tmp_path), *extra]
@@ -244,6 +282,26 @@ def test_readme_recipe_in_megatron_training_loop_world1(tmp_path):
 @pytest.mark.xdist_group("dist")
 def test_readme_recipe_in_megatron_training_loop_tp2_pp2(tmp_path):
     _check(_run_case(tmp_path, 4, "--tp", "2", "--pp", "2"), tp=2)
+
+
+def _has_hybrid_model() -> bool:
+    """Whether this megatron-core ships HybridModel (found without importing megatron)."""
+    spec = importlib.util.find_spec("megatron")
+    return bool(spec and spec.submodule_search_locations) and any(
+        os.path.exists(os.path.join(d, "core", "models", "hybrid", "hybrid_model.py"))
+        for d in spec.submodule_search_locations)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_hybrid_model(), reason="this megatron-core has no HybridModel (0.19 recommends it)")
+@pytest.mark.parametrize("extra", [["--mtp", "1"], ["--mtp", "1", "--mtp-config-only"]], ids=["mtp", "no-mtp-stage"])
+def test_readme_recipe_with_hybrid_model(tmp_path, extra):
+    """The README's recipe in megatron-core's loop with a HybridModel (CPU shim): with an MTP
+    depth its heads run first and are skipped; without MTP on the stage (mtp_process False)
+    the one output-layer call is the main head's and is fed."""
+    ranks = _run_case(tmp_path, 1, "--model", "hybrid", *extra)
+    assert ranks[0]["model"] == "HybridModel" and ranks[0]["mtp_process"] == ("--mtp-config-only" not in extra)
+    _check(ranks, tp=1)
 
 
 def test_launch_readme_plain_loop_runs_and_weights_tokens():

@@ -157,6 +157,7 @@ def _data_size(out):
     return len({d for _, _, d in out})
 
 
+@pytest.mark.megatron
 def test_sharded_equals_whole_megatron_tp2_pp2_dp2(dist_pool):
     out = dist_pool.run(case_megatron_tp2_pp2_dp2, 5)
     _check(out, 5)

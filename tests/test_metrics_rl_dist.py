@@ -135,8 +135,8 @@ def test_rl_metrics_layout_invariant(dist_pool):
     assert first["gspo/train/clip_ratio"] > 0 and len(first["grpo/_high_kl_records"]) == 6
 
 
-@pytest.mark.parametrize("source,sizes", [("megatron", dict(tp=2, pp=2, dp=2)),
-                                          ("megatron", dict(tp=2, cp=2, dp=2)),
+@pytest.mark.parametrize("source,sizes", [pytest.param("megatron", dict(tp=2, pp=2, dp=2), marks=pytest.mark.megatron),
+                                          pytest.param("megatron", dict(tp=2, cp=2, dp=2), marks=pytest.mark.megatron),
                                           ("group", dict(cp=2, dp=4))])  # process_group = DP x CP
 def test_rl_metrics_sharded_equal_whole(dist_pool, source, sizes):
     whole = whole_results()
@@ -186,6 +186,7 @@ def case_entropy_vocab_parallel(chunking):
         ps.destroy_model_parallel()
 
 
+@pytest.mark.megatron
 def test_entropy_vocab_parallel_matches_full_vocab(dist_pool):
     b = make_rl_batch(SEED + 1, N_SEQ, SEQ_LEN, vocab=13)
     want = ref_entropy(b["logits"], b["labels"], 0.8)

@@ -197,19 +197,25 @@ def test_device_wait_guard_would_catch_a_host_read():
 
 
 # ------------------------------------------------------------ a real megatron-core model
-def test_router_hooks_on_a_tiny_megatron_moe_model():
-    """register_router_hooks on a GPT with 4 experts (top-2, capacity 1.0, aux and z
-    losses), CPU, one process: the metric equals what the routers themselves returned
-    and what megatron-core's aux-loss tracker holds. Runs in a child process (it needs
-    torch.distributed and megatron-core's global state)."""
+@pytest.mark.megatron
+@pytest.mark.parametrize("mtp", [False, True], ids=["decoder", "mtp"])
+def test_router_hooks_on_a_tiny_megatron_moe_model(mtp):
+    """register_router_hooks on a 2-layer GPT with 4 experts (top-2, capacity 1.0, aux and z
+    losses), with one multi-token-prediction layer or without, CPU, one process: the metric
+    equals what the routers themselves returned and what megatron-core's aux-loss tracker
+    holds, layer by layer (the MTP layer in the tracker's slot, after the decoder's), with no
+    warning from the library's own calls (0.19 deprecates the tracker getter 0.16 has). Runs
+    in a child process (it needs torch.distributed and megatron-core's global state)."""
     pytest.importorskip("megatron.core")
-    proc = subprocess.run([sys.executable, "-m", "tests.moe_model_case"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([sys.executable, "-m", "tests.moe_model_case"] + ["--mtp"] * mtp, cwd=ROOT,
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     got, want = out["got"], out["want"]
     assert_results_close(got, want, rel=1e-6)
-    assert out["dropped_any"] and out["layers"] == [0, 1]
+    layers = [0, 1, 2] if mtp else [0, 1]
+    assert out["dropped_any"] and out["layers"] == layers and out["warnings"] == []
+    assert {f"moe/layer{i}/aux_loss" for i in layers} <= set(got)
     assert out["eval_results"] == {}          # when='train': an eval forward is not counted
     assert out["after_remove"] == {} and out["gating_restored"]
 

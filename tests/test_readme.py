@@ -234,6 +234,7 @@ def _params():
     out = []
     for path, i, name, section, code in all_blocks():
         marks = [pytest.mark.slow, pytest.mark.xdist_group("dist")] if name in IN_PROCESSES else []
+        marks += [pytest.mark.megatron] if name == "megatron-cpu" else []
         out.append(pytest.param(path, i, name, section, code, id=f"{path}:{i}:{name}", marks=marks))
     return out
 

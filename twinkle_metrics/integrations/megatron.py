@@ -27,11 +27,19 @@ _LOSS = "twinkle_metrics.integrations.megatron.loss_func"
 
 
 def _unwrap(chunk):
-    """The GPTModel inside Megatron's wrappers (DDP, Float16Module: ``.module``)."""
+    """The GPTModel / HybridModel inside Megatron's wrappers (DDP, Float16Module: ``.module``)."""
     module = chunk
     while not hasattr(module, "output_layer") and hasattr(module, "module"):
         module = module.module
     return module
+
+
+def _mtp_calls(model) -> int:
+    """Output-layer calls of the MTP heads before the main one in each forward."""
+    depth = getattr(getattr(model, "config", None), "mtp_num_layers", None) or 0
+    if any(c.__name__ == "HybridModel" for c in type(model).__mro__):
+        return depth if getattr(model, "mtp_process", False) else 0  # MTP on this stage, or none
+    return depth
 
 
 class LogitsHook:
@@ -54,11 +62,14 @@ class LogitsHook:
     metrics expect (TP ranks of a stage all feed or all do not). Forward calls without
     ``labels`` are skipped (the model returns the logits then; feed them yourself).
     Multi-token-prediction calls of the output layer (the first ``mtp_num_layers`` of each
-    forward) are skipped. Under TP, a metric with ``vocab_parallel=True`` communicates
+    forward) are skipped: ``GPTModel`` makes them whenever ``config.mtp_num_layers`` is set,
+    ``HybridModel`` (megatron-core 0.19's recommended model class) only where it runs MTP
+    (``mtp_process``). Under TP, a metric with ``vocab_parallel=True`` communicates
     over TP inside the hook, so every TP rank must run the same forwards (Megatron does).
 
     Args:
-        model: a ``GPTModel``, a wrapped one (``.module``), or the list of model chunks.
+        model: a ``GPTModel`` or ``HybridModel``, a wrapped one (``.module``), or the list of
+            model chunks.
         *metrics: metrics taking ``(inputs, {'logits': logits})``, e.g. ``Accuracy``
             (``Accuracy(mesh, vocab_parallel=True)`` for TP-sharded logits).
 
@@ -81,9 +92,9 @@ class LogitsHook:
             layer = getattr(gpt, "output_layer", None)
             if layer is None or not getattr(gpt, "post_process", True):
                 continue  # not the last pipeline stage
-            mtp = getattr(getattr(gpt, "config", None), "mtp_num_layers", None) or 0
             sig = inspect.signature(gpt.forward)
-            self._handles.append(gpt.register_forward_pre_hook(self._pre_hook(sig, mtp), with_kwargs=True))
+            self._handles.append(gpt.register_forward_pre_hook(self._pre_hook(sig, _mtp_calls(gpt)),
+                                                               with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._on_logits(layer)))
 
     @property

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16 training steps on CPU (gloo): a shim active only when CUDA is absent.
+"""Run megatron-core training steps (0.16 to 0.19) on CPU (gloo): a shim active only when CUDA is absent.
 
 Use it to test a Megatron training script, metrics included, on a machine without GPUs::
 
@@ -14,7 +14,7 @@ and seeds it through ``torch.cuda`` (which fails without CUDA), unless ``enable(
 installed the CPU tracker first; ``enable()`` raises if a seeded tracker is already
 there. Do not pass ``force_reset_rng=True`` afterwards (it would drop the CPU tracker).
 
-megatron-core 0.16 assumes CUDA in a few places a training step goes through:
+megatron-core assumes CUDA in a few places a training step goes through:
 
 * ``pipeline_parallel/schedules.py`` allocates ``total_num_tokens`` with ``device="cuda"``;
 * ``pipeline_parallel/p2p_communication.py`` allocates receive buffers on
@@ -30,7 +30,13 @@ megatron-core 0.16 assumes CUDA in a few places a training step goes through:
 * MoE: ``transformer/moe/router.py`` moves the router weight to
   ``torch.cuda.current_device()``, and ``transformer/moe/moe_utils.py`` names Transformer
   Engine's GEMM without a guard (a NameError without Transformer Engine). MoE layers on
-  CPU also need ``moe_token_dispatcher_type="allgather"`` (all-to-all uses CUDA streams).
+  CPU also need ``moe_token_dispatcher_type="allgather"`` (all-to-all uses CUDA streams);
+* multi-token prediction: ``transformer/multi_token_prediction.py`` keeps its loss tracker
+  on ``torch.cuda.current_device()``;
+* ``HybridModel`` (0.19): ``models/hybrid/hybrid_block.py`` builds its final norm with
+  Transformer Engine's ``TENorm`` whatever the layer spec; without Transformer Engine the
+  shim gives it megatron-core's local norm (``WrappedTorchNorm``: LayerNorm or RMSNorm as
+  ``config.normalization`` says, the same arithmetic).
 
 ``enable()`` replaces the name ``torch`` *inside those modules only* with a thin proxy
 that sends CUDA device arguments to the CPU and makes ``torch.cuda.synchronize`` a no-op,
@@ -54,6 +60,7 @@ _PATCHED_MODULES = (
     "megatron.core.utils",
     "megatron.core.transformer.utils",
     "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.multi_token_prediction",
 )
 _enabled = False
 log = logging.getLogger(__name__)
@@ -177,11 +184,25 @@ def enable(force: bool = False) -> bool:
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _local_hybrid_norm()
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _enabled = True
     log.info("megatron-core CPU shim enabled (no CUDA): %s", ", ".join(_PATCHED_MODULES))
     return True
+
+
+def _local_hybrid_norm() -> None:
+    """HybridStack's final norm without Transformer Engine (megatron-core 0.19+ only)."""
+    try:
+        hybrid_block = importlib.import_module("megatron.core.models.hybrid.hybrid_block")
+    except ImportError:  # no HybridModel in this megatron-core
+        return
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if not HAVE_TE:
+        hybrid_block.TENorm = WrappedTorchNorm
 
 
 def is_enabled() -> bool:

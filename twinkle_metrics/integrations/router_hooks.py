@@ -58,9 +58,13 @@ def register_router_hooks(model, metric: MoERoutingMetric, *, when: str = "train
     ``load_balancing_loss``. (Megatron's logged ``z_loss`` is the logging rank's value
     divided by TP x CP size; ours is the mean over ranks of the undivided one.)
 
-    The layer index is ``router.layer_number - 1`` (global over pipeline stages), or
-    the router's position in ``model`` when no layer number was set (global only when
-    ``model`` holds every layer).
+    The layer index is where megatron-core's tracker records the router:
+    ``router.layer_number - 1`` (global over pipeline stages), and for a
+    multi-token-prediction router of megatron-core 0.19 (``is_mtp_layer``, numbered from 1
+    within the MTP block) ``config.num_layers + layer_number - 1``, so MTP layers follow
+    the decoder's (build the metric with ``num_layers = config.num_layers +
+    config.mtp_num_layers``); the router's position in ``model`` when no layer number was
+    set (global only when ``model`` holds every layer).
 
     Args:
         model: a module or a list of modules (virtual-pipeline chunks).
@@ -89,7 +93,7 @@ def register_router_hooks(model, metric: MoERoutingMetric, *, when: str = "train
     hooks = RouterHooks()
     try:
         for pos, router in enumerate(routers):
-            layer = router.layer_number - 1 if router.layer_number is not None else pos
+            layer = _layer_index(router, pos)
             if not 0 <= layer < metric.num_layers:
                 raise ValueError(f"register_router_hooks: a router has layer index {layer} but the metric "
                                  f"has num_layers={metric.num_layers}; build the metric with "
@@ -104,6 +108,25 @@ def register_router_hooks(model, metric: MoERoutingMetric, *, when: str = "train
         hooks.remove()
         raise
     return hooks
+
+
+def _layer_index(router, pos: int) -> int:
+    """Where megatron-core's tracker records ``router`` (0-based), ``pos`` without a number."""
+    if router.layer_number is None:
+        return pos
+    if getattr(router, "is_mtp_layer", False):  # 0.19: MTP routers count from 1 after the decoder
+        return router.config.num_layers + router.layer_number - 1
+    return router.layer_number - 1
+
+
+def _tracker_values(moe_utils) -> Dict[str, torch.Tensor]:
+    """``{name: per-layer values}`` of megatron-core's aux-loss tracker, read in place:
+    ``get_moe_metrics_tracker()`` where it exists (0.18+: the older getter warns and
+    returns a copy), else ``get_moe_layer_wise_logging_tracker()``."""
+    get = getattr(moe_utils, "get_moe_metrics_tracker", None)
+    if get is not None:
+        return {name: entry.values for name, entry in get().metrics.items()}
+    return {name: entry["values"] for name, entry in moe_utils.get_moe_layer_wise_logging_tracker().items()}
 
 
 def _group_size(group) -> int:
@@ -143,8 +166,8 @@ def _hook_router(router, layer: int, metric: MoERoutingMetric, hooks: RouterHook
         stash.clear()
         if not active():
             return
-        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-        stash["before"] = {name: tracker[name]["values"][layer].detach().clone()
+        tracker = _tracker_values(moe_utils)
+        stash["before"] = {name: tracker[name][layer].detach().clone()
                            for name, _, _ in losses() if name in tracker}
 
     def after(module, args, kwargs, output):
@@ -168,13 +191,13 @@ def _hook_router(router, layer: int, metric: MoERoutingMetric, hooks: RouterHook
             kept = routing_map if valid is None else routing_map & valid.unsqueeze(-1)
             tokens = routing_map.shape[0] if valid is None else valid.sum()
             fields["tokens_dropped"] = router.topk * tokens - kept.sum()
-        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        tracker = _tracker_values(moe_utils)
         start = stash.pop("before", {})
         aux = None
         for name, size, is_z in losses():
             if name not in tracker:
                 continue
-            value = tracker[name]["values"][layer].detach()
+            value = tracker[name][layer].detach()
             if name in start:
                 value = value - start[name]
             value = value * size

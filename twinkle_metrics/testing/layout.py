@@ -124,7 +124,7 @@ def layout_mesh(layout: Layout, timeout_s: float = 60, source: str = "layout") -
     groups: Dict[str, Any] = {}
     for name in GROUP_NAMES:
         if name not in LAYOUT_AXES:
-            continue  # dp_cp_cpu: the data group itself (gloo)
+            continue  # dp_cp_cpu: the data group itself (gloo); gtp, expt_gtp: Megatron's only
         mine = None
         for ranks in layout.all_groups(LAYOUT_AXES[name]):
             if len(ranks) == 1:

@@ -4,9 +4,8 @@ from a megatron-core model in one line (``twinkle_metrics.register_router_hooks`
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -15,6 +14,7 @@ from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import fits_int64
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.kernels import dispatch as _triton
+from twinkle_metrics.metrics.system.moe_stats import check_percentiles, summarize
 
 _NAME = "MoERoutingMetric"
 _FIELDS = ("routing_map", "expert_counts", "router_logits", "router_probs", "token_mask",
@@ -137,7 +137,7 @@ class MoERoutingMetric(Metric):
         self.sequence_parallel = bool(sequence_parallel)
         self.per_layer = bool(per_layer)
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
-        self.percentiles = _check_percentiles(percentiles)
+        self.percentiles = check_percentiles(_NAME, percentiles)
         # Declared per instance: the scope depends on sequence_parallel.
         scope = "model" if self.sequence_parallel else "stage"
         L, E = num_layers, num_experts
@@ -376,102 +376,7 @@ class MoERoutingMetric(Metric):
 
     # ---------------------------------------------------------------- results
     def compute(self, s):
-        per: List[Tuple[int, Dict[str, float]]] = []
-        for i in range(self.num_layers):
-            r = _layer_stats(s, i, self.num_experts)
-            if r:
-                per.append((i, r))
-        qs = self.percentiles or ()
-        if not per:
-            return {}
-        out: Dict[str, Any] = {}
-        names = ("load_imbalance", "cv", "dead_expert_fraction", "router_entropy", "aux_loss", "z_loss")
-        spread = [f"tokens_per_expert_{_suffix(q)}" for q in qs]  # per-layer percentiles: their mean
-        if qs:
-            for i, r in per:
-                if "load_imbalance" in r:  # the layer routed tokens
-                    counts = sorted(s["counts"][i])
-                    r.update({key: _percentile(counts, q) for key, q in zip(spread, qs)})
-        for name in names + tuple(spread):
-            vals = [r[name] for _, r in per if name in r]
-            if vals:
-                out[f"moe/{name}"] = sum(vals) / len(vals)
-        for name in (names + ("drop_fraction",)) if qs else ():
-            vals = sorted(r[name] for _, r in per if name in r)
-            if vals:
-                out.update({f"moe/{name}_{_suffix(q)}": _percentile(vals, q) for q in qs})
-        imb = [r["load_imbalance"] for _, r in per if "load_imbalance" in r]
-        if imb:
-            out["moe/load_imbalance_max"] = max(imb)
-        routed = sum(sum(s["counts"][i]) for i, _ in per)
-        dropped = sum(s["dropped"][i] for i, _ in per)
-        if s["drop_reports"] and (routed or dropped):
-            out["moe/tokens_dropped"] = dropped
-            out["moe/drop_fraction"] = dropped / (routed + dropped)
-        bad = sum(s["nonfinite"])
-        if bad:
-            out["moe/nonfinite"] = bad
-        if self.per_layer:
-            for i, r in per:
-                out.update({f"moe/layer{i}/{k}": v for k, v in r.items()})
-        return out
-
-
-def _layer_stats(s: Dict[str, Any], i: int, E: int) -> Dict[str, float]:
-    out: Dict[str, float] = {}
-    c = s["counts"][i]
-    total, dropped = sum(c), s["dropped"][i]
-    if total:
-        mean = total / E
-        var = sum((x - mean) ** 2 for x in c) / E
-        out["load_imbalance"] = max(c) / mean
-        out["cv"] = math.sqrt(var) / mean
-        out["dead_expert_fraction"] = sum(1 for x in c if x == 0) / E
-    if s["drop_reports"] and (total or dropped):
-        out["tokens_dropped"] = dropped
-        out["drop_fraction"] = dropped / (total + dropped)
-    if s["entropy_tokens"][i]:
-        out["router_entropy"] = s["entropy_sum"][i] / s["entropy_tokens"][i]
-    if s["aux_calls"][i]:
-        out["aux_loss"] = s["aux_sum"][i] / s["aux_calls"][i]
-    if s["z_calls"][i]:
-        out["z_loss"] = s["z_sum"][i] / s["z_calls"][i]
-    return out
-
-
-def _check_percentiles(percentiles) -> Optional[Tuple[float, ...]]:
-    """``percentiles`` as a tuple of numbers in [0, 100], or None."""
-    if percentiles is None:
-        return None
-    if isinstance(percentiles, (str, bytes)) or not hasattr(percentiles, "__iter__"):
-        raise TypeError(f"{_NAME}: percentiles must be a sequence of numbers in [0, 100], got "
-                        f"{type(percentiles).__name__}; pass e.g. percentiles=(0, 50, 90, 100)")
-    out = []
-    for q in percentiles:
-        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
-            raise ValueError(f"{_NAME}: percentiles must each be a number in [0, 100], got {q!r}; pass e.g. "
-                             "percentiles=(0, 50, 90, 100)")
-        out.append(float(q))
-    if not out or len({_suffix(q) for q in out}) != len(out):
-        raise ValueError(f"{_NAME}: percentiles must be non-empty without duplicates, got {percentiles!r}")
-    return tuple(out)
-
-
-def _suffix(q) -> str:
-    """``p50`` for 50 (or 50.0), ``p99.9`` for 99.9."""
-    text = repr(float(q))
-    return f"p{text[:-2] if text.endswith('.0') else text}"
-
-
-def _percentile(ordered: List[float], q: float) -> float:
-    """The ``q``-th percentile of sorted values, interpolated linearly (numpy's default);
-    NaN when one is NaN (``sorted`` does not order NaN)."""
-    if any(x != x for x in ordered):
-        return math.nan
-    pos = q / 100 * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+        return summarize(s, self.num_layers, self.num_experts, self.percentiles, self.per_layer)
 
 
 def _tensor(key: str, value, where: str) -> torch.Tensor:

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from parallel import group_rank
+from parallel.groups import global_rank, group_ranks
 from twinkle_metrics.core import compat as _compat
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
@@ -41,6 +42,10 @@ class ModelNormMetric(Metric):
       (``allreduce=False``, i.e. expert parallel) differ across EP ranks and are
       replicas over the expert data-parallel group, so every EP rank contributes its
       own experts from expert-DP rank 0;
+    - megatron-core 0.19's GTP weight rematerialisation shards a parameter marked
+      ``is_gtp_weight_remat`` over the GTP group, which lies inside the data group: each
+      GTP peer counts its own shard (the peers in the GTP group of data-group rank 0),
+      every other parameter counts as above (as ``param_is_not_gtp_duplicate``);
     - with megatron-core's distributed optimizer each data-parallel rank owns a
       contiguous part of each grad buffer bucket and holds the reduced gradient only
       there: every rank contributes exactly the part it owns (read from the DDP
@@ -204,6 +209,7 @@ class ModelNormMetric(Metric):
         tp_rank = mesh.tp_rank
         data_rank = group_rank(self.data_group())
         expert_dp_rank = mesh.get_local_rank("expt_dp")
+        gtp = _gtp_rules(mesh, self.data_group())
         dist_opt = self.distributed_optimizer
         if dist_opt is None:
             dist_opt = any(_compat.uses_distributed_optimizer(c) for c in chunks)
@@ -238,10 +244,16 @@ class ModelNormMetric(Metric):
                 expert = not getattr(param, "allreduce", True)
                 experts = experts or expert
                 span = owned.get(param) if dist_opt else None
-                if span is None:  # replicated over the (expert) data group: one rank counts it
+                first_peer, gtp_rank = gtp[expert]
+                if getattr(param, "is_gtp_weight_remat", False):  # a GTP shard: each GTP peer its own
+                    if span is None and not first_peer:
+                        continue  # a replica of the shard that a GTP peer of data rank 0 counts
+                elif span is None:  # replicated over the (expert) data group: one rank counts it
                     if (expert_dp_rank if expert else data_rank) != 0:
                         continue
-                elif span[0] == span[1]:
+                elif gtp_rank != 0:
+                    continue  # owned on every GTP peer alike (megatron-core's param_is_not_gtp_duplicate)
+                if span is not None and span[0] == span[1]:
                     continue  # another data-parallel rank owns all of it
                 group = names.get(param)
                 entries.append((param, index[group] if group is not None else len(group_names), span))
@@ -325,6 +337,22 @@ def _group_names(chunks, rules: Optional[Mapping[str, GroupRule]]) -> Dict[Any, 
             if param not in out:
                 path = name.split(".")[:-1] or name.split(".")
                 out[param] = ".".join(path[:2])
+    return out
+
+
+def _gtp_rules(mesh, data_group) -> Dict[bool, Tuple[bool, int]]:
+    """For dense (False) and expert (True) parameters: whether this rank counts its GTP
+    shards when they are replicated over the rest of the (expert) data group (it is in the
+    GTP group of that group's first rank), and its GTP rank (megatron-core 0.19's
+    ``gtp_remat`` groups; without GTP: (True, 0))."""
+    out = {}
+    for expert, gtp_name, data in ((False, "gtp", data_group), (True, "expt_gtp", mesh.get_group("expt_dp"))):
+        group = mesh.get_group(gtp_name)
+        if group is None:
+            out[expert] = (True, 0)
+            continue
+        first = min(group_ranks(data)) if data is not None else global_rank()
+        out[expert] = (first in group_ranks(group), group_rank(group))
     return out
 
 
