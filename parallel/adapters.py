@@ -4,14 +4,13 @@ Each function here answers "which groups does this rank belong to" from what the
 framework already holds, and hands them to ``DeviceMesh``; nothing else in the
 library reads Megatron, DeepSpeed, torch or Twinkle topology objects::
 
-    from_megatron(pg_collection=None)   # megatron-core parallel_state or a ProcessGroupCollection
-    from_deepspeed(engine_grid_or_topology)
-    from_torch(torch_device_mesh)       # named axes dp/tp/pp/cp/ep (and aliases)
-    from_twinkle(twinkle_device_mesh)   # ModelScope Twinkle's DeviceMesh
-    as_device_mesh(obj, what)           # what a metric's ``device_mesh`` argument goes through
+    from_megatron(cls, pg_collection=None)   # megatron-core parallel_state or a ProcessGroupCollection
+    from_deepspeed(cls, engine_grid_or_topology)
+    from_torch(cls, torch_device_mesh)       # named axes dp/tp/pp/cp/ep (and aliases)
+    from_twinkle(cls, twinkle_device_mesh)   # ModelScope Twinkle's DeviceMesh
 
 ``DeviceMesh.from_megatron`` / ``from_deepspeed`` / ``from_torch`` / ``from_twinkle``
-call these.
+call these with ``cls``, the mesh class to build (so this module does not import it).
 """
 from __future__ import annotations
 
@@ -24,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from . import groups as G
+from .bounded import BoundedWaits
 from .layout import Layout
-from .mesh import DeviceMesh, create_layout_groups
+from .sizes import create_layout_groups
 
 # ----------------------------------------------------------------- megatron
 
 
-def from_megatron(pg_collection=None) -> DeviceMesh:
+def from_megatron(cls, pg_collection=None):
     """Reuse megatron-core's groups (from ``parallel_state`` or a ``ProcessGroupCollection``).
 
     Creates no new groups. With megatron-core 0.19's GTP weight rematerialisation
@@ -70,7 +70,7 @@ def from_megatron(pg_collection=None) -> DeviceMesh:
             found["dp_cp_cpu"] = gloo  # not under GTP: Megatron's gloo group is DP x CP only
         vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     _share_without_gtp(found)
-    return DeviceMesh(found, vpp_size=vpp, source="megatron")
+    return cls(found, vpp_size=vpp, source="megatron")
 
 
 def _megatron_collection(pgc, ps) -> Dict[str, G.ProcessGroup]:
@@ -153,7 +153,7 @@ def _megatron_gloo_data_group(ps):
 # ---------------------------------------------------------------- deepspeed
 
 
-def from_deepspeed(obj=None, *, timeout: Optional[timedelta] = None) -> DeviceMesh:
+def from_deepspeed(cls, obj=None, *, timeout: Optional[timedelta] = None):
     """From a DeepSpeed engine, ``PipelineParallelGrid`` or ``ProcessTopology``.
 
     The TP group is the grid's *slice* group (``get_model_parallel_group()`` on a
@@ -178,12 +178,12 @@ def from_deepspeed(obj=None, *, timeout: Optional[timedelta] = None) -> DeviceMe
                         pp=sizes.get("pipe", 1), order="tp-cp-ep-dp-pp")
         _check_topology(obj, layout)
         found = create_layout_groups(layout, None, timeout)
-        return DeviceMesh(found, layout=layout, source="deepspeed", timeout=timeout)
+        return cls(found, layout=layout, source="deepspeed", timeout=timeout)
     # Ulysses sequence parallelism through deepspeed.initialize(config with
     # sequence_parallel_size) keeps a torch DeviceMesh ("data_parallel", "sequence_parallel").
     mesh_device = getattr(obj, "mesh_device", None) or getattr(ds_groups, "mesh_device", None)
     if grid is None and mesh_device is not None:
-        mesh = from_torch(mesh_device, timeout=timeout)
+        mesh = from_torch(cls, mesh_device, timeout=timeout)
         mesh.source = "deepspeed"
         return mesh
     found: Dict[str, G.ProcessGroup] = {}
@@ -205,7 +205,7 @@ def from_deepspeed(obj=None, *, timeout: Optional[timedelta] = None) -> DeviceMe
                            if hasattr(mpu, "get_data_parallel_group") else None)
         else:
             found["dp"] = ds_groups._get_data_parallel_group()
-    return DeviceMesh(found, source="deepspeed")
+    return cls(found, source="deepspeed")
 
 
 def _check_topology(topo, layout: Layout) -> None:
@@ -226,7 +226,7 @@ _TORCH_ALIASES = {"dp": "dp", "dp_replicate": "dp", "dp_shard": "dp", "fsdp": "d
                   "cp": "cp", "sequence_parallel": "cp", "ep": "ep"}
 
 
-def from_torch(device_mesh, *, timeout: Optional[timedelta] = None) -> DeviceMesh:
+def from_torch(cls, device_mesh, *, timeout: Optional[timedelta] = None):
     """From a ``torch.distributed.DeviceMesh`` whose axis names include dp/tp/pp/cp/ep.
 
     ``dp_replicate``/``dp_shard``/``fsdp`` axes all count as data parallel. An ``ep``
@@ -265,7 +265,7 @@ def from_torch(device_mesh, *, timeout: Optional[timedelta] = None) -> DeviceMes
     found["dp_cp"] = _torch_mesh_group(mesh, dp_axes + cp_axes, me, timeout)
     mp_axes = [i for i, n in enumerate(names) if _TORCH_ALIASES[n] in ("tp", "pp")]
     found["mp"] = _torch_mesh_group(mesh, mp_axes, me, timeout)
-    return DeviceMesh(found, source="torch")
+    return cls(found, source="torch")
 
 
 def _torch_mesh_group(mesh, axes, me, timeout=None):
@@ -313,13 +313,13 @@ def is_twinkle_mesh(obj) -> bool:
     imports twinkle, which pulls transformers and modelscope.
     """
     names = getattr(obj, "mesh_dim_names", None)
-    return (not isinstance(obj, DeviceMesh) and hasattr(obj, "mesh")
+    return (not isinstance(obj, BoundedWaits) and hasattr(obj, "mesh")  # BoundedWaits: ours
             and callable(getattr(obj, "create_process_group", None))
             and isinstance(names, (tuple, list)) and len(names) > 0
             and all(n in TWINKLE_AXES for n in names))
 
 
-def from_twinkle(twinkle_mesh, *, timeout: Optional[timedelta] = None) -> DeviceMesh:
+def from_twinkle(cls, twinkle_mesh, *, timeout: Optional[timedelta] = None):
     """From ModelScope Twinkle's ``DeviceMesh`` (its ``mesh`` array of global ranks
     and ``mesh_dim_names``).
 
@@ -340,7 +340,7 @@ def from_twinkle(twinkle_mesh, *, timeout: Optional[timedelta] = None) -> Device
     # a mesh built without torch.distributed holds no groups that could have died
     if cached is not None and cached[0] == key and (not key[-2] or _is_live(cached[1])):
         return cached[1]
-    mesh = _build_from_twinkle(twinkle_mesh, key, timeout)
+    mesh = _build_from_twinkle(cls, twinkle_mesh, key, timeout)
     try:
         setattr(twinkle_mesh, _CACHE_ATTR, (key, mesh))
     except (AttributeError, TypeError):  # a frozen or slotted look-alike: convert each time
@@ -356,7 +356,7 @@ def _twinkle_key(tw) -> tuple:
             G.dist_ready(), G.world_size())
 
 
-def _is_live(mesh: DeviceMesh) -> bool:
+def _is_live(mesh) -> bool:
     try:
         mesh.check_live("DeviceMesh.from_twinkle")
     except RuntimeError:
@@ -364,7 +364,7 @@ def _is_live(mesh: DeviceMesh) -> bool:
     return True
 
 
-def _build_from_twinkle(tw, key: tuple, timeout) -> DeviceMesh:
+def _build_from_twinkle(cls, tw, key: tuple, timeout):
     what = "DeviceMesh.from_twinkle"
     names, shape, flat, ulysses, vpp, ready, world = key
     if len(names) != len(shape) or len(set(names)) != len(names):
@@ -378,19 +378,19 @@ def _build_from_twinkle(tw, key: tuple, timeout) -> DeviceMesh:
     if ulysses < 1 or data % ulysses:
         raise ValueError(f"{what}: ulysses_size {ulysses} must divide dp x fsdp = {data}")
     if len(flat) == 1:
-        mesh = DeviceMesh.single()
+        mesh = cls.single()
     elif not ready:
         if size.get("ep", 1) * size.get("ep_fsdp", 1) > 1:
             raise ValueError(f"{what}: a mesh with ep/ep_fsdp axes needs torch.distributed; "
                              "convert it after init_process_group")
         layout = Layout(tp=size.get("tp", 1), pp=size.get("pp", 1), cp=size.get("cp", 1) * ulysses,
                         dp=data // ulysses, vpp=vpp)
-        mesh = DeviceMesh.layout_only(layout, source="twinkle")
+        mesh = cls.layout_only(layout, source="twinkle")
     elif world != len(flat):
         raise ValueError(f"{what}: the Twinkle mesh covers {len(flat)} ranks but the world has "
                          f"{world}; build the mesh over every rank of the job")
     else:
-        mesh = DeviceMesh(_twinkle_groups(names, shape, flat, ulysses, timeout), vpp_size=vpp,
+        mesh = cls(_twinkle_groups(names, shape, flat, ulysses, timeout), vpp_size=vpp,
                           source="twinkle")
     mesh.source = "twinkle"
     return mesh
@@ -432,18 +432,3 @@ def _twinkle_groups(names, shape, flat, ulysses, timeout) -> Dict[str, G.Process
             if me in ranks:
                 found[name] = made[tuple(ranks)]
     return found
-
-
-def as_device_mesh(device_mesh, what: str) -> Optional[DeviceMesh]:
-    """``device_mesh`` as a ``DeviceMesh``: ours as it is, Twinkle's converted
-    (``from_twinkle``), ``None`` kept (the mesh is then resolved at the first
-    ``calculate()``). ``what`` names the caller in the error for anything else."""
-    if device_mesh is None or isinstance(device_mesh, DeviceMesh):
-        return device_mesh
-    if is_twinkle_mesh(device_mesh):
-        return from_twinkle(device_mesh)
-    hint = ("DeviceMesh.from_torch(mesh) converts a torch DeviceMesh"
-            if hasattr(device_mesh, "mesh_dim_names") else
-            "build one with DeviceMesh.from_megatron() or DeviceMesh.from_sizes(...)")
-    raise TypeError(f"{what}: device_mesh must be a parallel.DeviceMesh or Twinkle's DeviceMesh, "
-                    f"got {type(device_mesh).__name__}; {hint}")

@@ -166,7 +166,7 @@ class DeviceMesh(bounded.BoundedWaits):
         from . import adapters
 
         with _deferred():
-            mesh = adapters.from_megatron(pg_collection)
+            mesh = adapters.from_megatron(cls, pg_collection)
         return _timed(mesh, timeout)
 
     @classmethod
@@ -175,7 +175,7 @@ class DeviceMesh(bounded.BoundedWaits):
         from . import adapters
 
         with _deferred():
-            mesh = adapters.from_deepspeed(obj, timeout=_as_timedelta(timeout))
+            mesh = adapters.from_deepspeed(cls, obj, timeout=_as_timedelta(timeout))
         return _timed(mesh, timeout)
 
     @classmethod
@@ -184,7 +184,7 @@ class DeviceMesh(bounded.BoundedWaits):
         from . import adapters
 
         with _deferred():
-            mesh = adapters.from_torch(device_mesh, timeout=_as_timedelta(timeout))
+            mesh = adapters.from_torch(cls, device_mesh, timeout=_as_timedelta(timeout))
         return _timed(mesh, timeout)
 
     @classmethod
@@ -193,7 +193,7 @@ class DeviceMesh(bounded.BoundedWaits):
         from . import adapters
 
         with _deferred():
-            mesh = adapters.from_twinkle(twinkle_mesh, timeout=_as_timedelta(timeout))
+            mesh = adapters.from_twinkle(cls, twinkle_mesh, timeout=_as_timedelta(timeout))
         return _timed(mesh, timeout)
 
     @classmethod
@@ -407,3 +407,20 @@ def _layout_size(layout: Optional[Layout], name: str) -> int:
         return 1
     return {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp,
             "pp": layout.pp, "ep": layout.ep, "expt_dp": layout.expert_dp}[name]
+
+
+def as_device_mesh(device_mesh, what: str) -> Optional[DeviceMesh]:
+    """``device_mesh`` as a ``DeviceMesh``: ours as it is, Twinkle's converted
+    (``DeviceMesh.from_twinkle``), ``None`` kept (the mesh is then resolved at the first
+    ``calculate()``). ``what`` names the caller in the error for anything else."""
+    from .adapters import is_twinkle_mesh
+
+    if device_mesh is None or isinstance(device_mesh, DeviceMesh):
+        return device_mesh
+    if is_twinkle_mesh(device_mesh):
+        return DeviceMesh.from_twinkle(device_mesh)
+    hint = ("DeviceMesh.from_torch(mesh) converts a torch DeviceMesh"
+            if hasattr(device_mesh, "mesh_dim_names") else
+            "build one with DeviceMesh.from_megatron() or DeviceMesh.from_sizes(...)")
+    raise TypeError(f"{what}: device_mesh must be a parallel.DeviceMesh or Twinkle's DeviceMesh, "
+                    f"got {type(device_mesh).__name__}; {hint}")
