@@ -4,8 +4,17 @@
 picklable: a module-level function, or a ``functools.partial`` of one) and returns
 the per-rank results in rank order. A failure on any rank fails the call with that
 rank's traceback, and the pool is rebuilt before the next call (``restart_on_failure``)
-so one broken job cannot poison the rest. The groups a job creates are destroyed
-when it ends.
+so one broken job cannot poison the rest.
+
+Each job runs in a world of its own: a fresh default group, on a part of the pool's
+store no earlier job wrote to, destroyed with every group the job created when the job
+ends. torch names a group created over some ranks only (``new_group(...,
+use_local_synchronization=True)``, as ``DeviceMesh`` does) by its ranks and the number of
+groups the rank holds, so a later job would create one under the same name again and
+could read the addresses an earlier job's ranks left in the store: it would connect to a
+port that another process may listen on by then. The store itself is hosted by the
+process that made the pool (``twinkle_metrics.testing.rendezvous``): no other job on the
+host can take its port.
 
 ``start_method``: ``"spawn"`` (the default) or ``"fork"``. Forked ranks start in a
 fraction of a second (no fresh import of torch); spawned ones also work where the
@@ -20,60 +29,55 @@ import time
 import traceback
 from datetime import timedelta
 
-from parallel.groups import free_port
+from twinkle_metrics.testing.rendezvous import Rendezvous
 
 WORLD = 8
 COLLECTIVE_TIMEOUT_S = 60
+#: how long a rank waits for the others to pick up a job (the caller's job timeout ends it first)
+ARRIVAL_TIMEOUT_S = 900
 
 
-def _worker(rank, world, port, tasks, results, timeout_s=COLLECTIVE_TIMEOUT_S):
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+def _worker(rank, world, host, port, tasks, results, timeout_s=COLLECTIVE_TIMEOUT_S):
+    # MASTER_ADDR/PORT for code that reads them (DeepSpeed's launcher check); the groups use the store
+    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR=host, MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import gc
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=ARRIVAL_TIMEOUT_S))
     results.put(("ready", rank, True, None))
     while True:
         job = tasks.get()
         if job is None:
             break
         job_id, fn, args = job
-        before = _groups()
         try:
+            own = dist.PrefixStore(f"job{job_id}", store)
+            _all_arrived(own, world)
+            dist.init_process_group("gloo", store=own, rank=rank, world_size=world, timeout=timeout)
             results.put((job_id, rank, True, fn(*args)))
         except BaseException:  # noqa: BLE001 - report everything to the caller
             results.put((job_id, rank, False, traceback.format_exc()))
         finally:
-            _destroy_groups_since(before)
-    dist.destroy_process_group()
+            # Every gloo group keeps two worker threads and a TCP loop thread: a session's few
+            # hundred meshes left ~1000 threads per rank that slowed every later multi-process
+            # test (the Megatron demo from 35 s to over 240 s).
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            gc.collect()
 
 
-def _groups():
-    from torch.distributed import distributed_c10d as c10d
-
-    return set(c10d._world.pg_map)  # torch's private registry: test infrastructure only
-
-
-def _destroy_groups_since(before):
-    """Destroy the groups a job created: every gloo group keeps two worker threads and a
-    TCP loop thread, and a session's few hundred meshes left ~1000 threads per rank that
-    slowed every later multi-process test (the Megatron demo from 35 s to over 240 s)."""
-    import gc
-
-    import torch.distributed as dist
-
-    from twinkle_metrics.comm import lifecycle
-
-    lifecycle.release()  # the library's own groups and waits: every rank, every job
-    for group in _groups() - before:
-        try:
-            dist.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-    gc.collect()
+def _all_arrived(store, world):
+    """Wait until every rank has picked up the job: connecting the default group may take
+    only the pool's collective timeout (a few seconds in some tests), and a busy host can
+    keep a rank from its queue longer than that."""
+    if store.add("arrived", 1) == world:
+        store.set("all arrived", "1")
+    store.wait(["all arrived"])
 
 
 class DistPool:
@@ -100,10 +104,11 @@ class DistPool:
 
     def _start(self):
         ctx = mp.get_context(self.start_method)
-        port = free_port()
+        self._rendezvous = Rendezvous()  # this pool's own store, on a port no other job can take
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results,
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world, self._rendezvous.host,
+                                                         self._rendezvous.port, self._tasks[r], self._results,
                                                          self.timeout_s),
                                    daemon=True) for r in range(self.world)]
         for p in self._procs:
@@ -183,6 +188,9 @@ class DistPool:
         for p in self._procs:
             p.join(timeout=10)
         self._procs = []
+        if getattr(self, "_rendezvous", None) is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
 
     def __enter__(self):
         return self
