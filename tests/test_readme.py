@@ -182,6 +182,11 @@ with get_cuda_rng_tracker().fork():  # what attention does: the seeded CPU strea
 json.dump({"enabled": megatron_cpu.is_enabled(), "tp": ps.get_tensor_model_parallel_world_size(),
            "mesh": [mesh.tp_size, mesh.dp_size], "seeded": get_cuda_rng_tracker().is_initialized()},
           open(f"{sys.argv[2]}/rank{dist.get_rank()}.json", "w"))
+# Nothing above waits for the other rank, and gloo counts a connection as made on the side
+# that opens it once its hello is written: without this barrier a rank could destroy its
+# groups and exit while its peer, slower on a busy host, still accepts those connections
+# inside initialize_model_parallel ("Connection closed by peer" in connectFullMesh).
+dist.barrier()
 ps.destroy_model_parallel()
 dist.destroy_process_group()
 """

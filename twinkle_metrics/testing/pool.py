@@ -7,8 +7,8 @@ rank's traceback, and the pool is rebuilt before the next call (``restart_on_fai
 so one broken job cannot poison the rest.
 
 Each job runs in a world of its own: a fresh default group, on a part of the pool's
-store no earlier job wrote to, destroyed with every group the job created when the job
-ends. torch names a group created over some ranks only (``new_group(...,
+store no earlier job wrote to, destroyed with every group the job created once every
+rank is done with the job. torch names a group created over some ranks only (``new_group(...,
 use_local_synchronization=True)``, as ``DeviceMesh`` does) by its ranks and the number of
 groups the rank holds, so a later job would create one under the same name again and
 could read the addresses an earlier job's ranks left in the store: it would connect to a
@@ -33,8 +33,9 @@ from twinkle_metrics.testing.rendezvous import Rendezvous
 
 WORLD = 8
 COLLECTIVE_TIMEOUT_S = 60
-#: how long a rank waits for the others to pick up a job (the caller's job timeout ends it first)
-ARRIVAL_TIMEOUT_S = 900
+#: how long a rank waits in the store for the others at a job's start and end (a stuck job
+#: meets the caller's job timeout first)
+STORE_TIMEOUT_S = 900
 
 
 def _worker(rank, world, host, port, tasks, results, timeout_s=COLLECTIVE_TIMEOUT_S):
@@ -48,21 +49,31 @@ def _worker(rank, world, host, port, tasks, results, timeout_s=COLLECTIVE_TIMEOU
 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=ARRIVAL_TIMEOUT_S))
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
     results.put(("ready", rank, True, None))
     while True:
         job = tasks.get()
         if job is None:
             break
         job_id, fn, args = job
+        own = dist.PrefixStore(f"job{job_id}", store)
         try:
-            own = dist.PrefixStore(f"job{job_id}", store)
-            _all_arrived(own, world)
+            # Connecting the default group may take only the pool's collective timeout (a few
+            # seconds in some tests), and a busy host can keep a rank from its queue longer.
+            _all_reach(own, "arrived", world)
             dist.init_process_group("gloo", store=own, rank=rank, world_size=world, timeout=timeout)
             results.put((job_id, rank, True, fn(*args)))
         except BaseException:  # noqa: BLE001 - report everything to the caller
             results.put((job_id, rank, False, traceback.format_exc()))
         finally:
+            # gloo counts a connection as made on the side that opens it once its hello is
+            # written: a rank done with the job would close sockets its peers, slower on a
+            # busy host, are still accepting ("Connection closed by peer" in their
+            # connectFullMesh). So no rank destroys the job's groups before all are done.
+            try:
+                _all_reach(own, "done", world)
+            except Exception:  # noqa: BLE001 - a rank that never came: the caller restarts the pool
+                pass
             # Every gloo group keeps two worker threads and a TCP loop thread: a session's few
             # hundred meshes left ~1000 threads per rank that slowed every later multi-process
             # test (the Megatron demo from 35 s to over 240 s).
@@ -71,13 +82,12 @@ def _worker(rank, world, host, port, tasks, results, timeout_s=COLLECTIVE_TIMEOU
             gc.collect()
 
 
-def _all_arrived(store, world):
-    """Wait until every rank has picked up the job: connecting the default group may take
-    only the pool's collective timeout (a few seconds in some tests), and a busy host can
-    keep a rank from its queue longer than that."""
-    if store.add("arrived", 1) == world:
-        store.set("all arrived", "1")
-    store.wait(["all arrived"])
+def _all_reach(store, point, world):
+    """Wait, in the store and without a bound of the pool's own, until every rank has
+    reached ``point`` of the job."""
+    if store.add(point, 1) == world:
+        store.set(f"{point}: all", "1")
+    store.wait([f"{point}: all"])
 
 
 class DistPool:
