@@ -160,12 +160,11 @@ def _megatron_grad_norm(grads, fns: Dict[str, Callable], notes: Dict[str, Any]) 
     # 1-rank gloo group for its all_reduce, as tests/test_norms_dist.py runs it.
     import torch.distributed as dist
 
-    from parallel.groups import free_port
     from twinkle_metrics.integrations import megatron_cpu
 
     own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    if own_group:  # one process: an in-memory store, no port
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     megatron_cpu.enable()
     saved = clip_grads.torch
     clip_grads.torch = megatron_cpu._CpuTorch()

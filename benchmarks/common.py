@@ -23,7 +23,6 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from parallel.groups import free_port  # noqa: E402
 from twinkle_metrics import testing  # noqa: E402
 
 
@@ -123,16 +122,17 @@ def time_rotating(fns: Dict[str, Callable[[], Any]], blocks: int, per_block: int
     return out
 
 
-def _rank_main(rank, world, port, fn, args, results):
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+def _rank_main(rank, world, host, port, fn, args, results):
+    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR=host, MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=300))
+        timeout = datetime.timedelta(seconds=300)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)  # the parent's: see run_ranks
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         try:
             results.put((rank, True, fn(*args)))
         finally:
@@ -145,8 +145,8 @@ def run_ranks(world: int, fn: Callable, *args, timeout: float = 600) -> List[Any
     """Run ``fn(*args)`` on ``world`` fresh gloo ranks; return the results in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results), daemon=True)
+    rdzv = testing.Rendezvous()  # a store on a port no other process can take
+    procs = [ctx.Process(target=_rank_main, args=(r, world, rdzv.host, rdzv.port, fn, args, results), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -163,6 +163,7 @@ def run_ranks(world: int, fn: Callable, *args, timeout: float = 600) -> List[Any
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        rdzv.close()
     return [got[r] for r in range(world)]
 
 

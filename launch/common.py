@@ -16,8 +16,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run as `python launch/x.py` from anywhere
     sys.path.insert(0, REPO)
 
-from parallel.groups import free_port  # noqa: E402
-
 
 @dataclass
 class Env:
@@ -44,7 +42,8 @@ def read_env(local_rank_arg: Optional[int] = None) -> Env:
 
 
 def init_torch_distributed(env: Env, backend: Optional[str] = None) -> None:
-    """``init_process_group`` from the environment; single process needs a local rendezvous."""
+    """``init_process_group`` on the launcher's rendezvous; one process without a launcher
+    needs none: its group lives on an in-memory store (no port to pick, none to collide)."""
     if dist.is_initialized():
         return
     import torch
@@ -52,12 +51,12 @@ def init_torch_distributed(env: Env, backend: Optional[str] = None) -> None:
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
-    if not env.distributed:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if env.distributed:
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+    else:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def make_run_dir(base: str, run_dir: Optional[str] = None) -> str:

@@ -123,9 +123,7 @@ def main(argv=None):
     cfg = common.load_run_config(config_path(args.config), overrides,
                                  optional=common.OPTIONAL_KEYS + ("parallel.pp",))
     env = read_env(args.local_rank)
-    if not env.distributed:  # DeepSpeed wants a rendezvous even for one process
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(common.free_port()))
+    if not env.distributed:  # DeepSpeed reads its rank from the environment
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
@@ -133,6 +131,8 @@ def main(argv=None):
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "gloo":
         skip_deepspeed_shm_op()
+    if not env.distributed:  # one process needs no rendezvous; init_distributed wraps this group
+        common.init_torch_distributed(env, backend)
     deepspeed.init_distributed(dist_backend=backend)
 
     t, m, log_cfg = cfg["train"], cfg["model"], cfg.get("logging", {})

@@ -65,12 +65,11 @@ def main():
     p.add_argument("--mtp-config-only", action="store_true",
                    help="config.mtp_num_layers set, no MTP in the hybrid pattern: no MTP head runs")
     args = p.parse_args()
-    if "RANK" not in os.environ:
-        from parallel.groups import free_port
-
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group("gloo")
+    else:  # one process: no port
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
     from twinkle_metrics.integrations import megatron_cpu
 

@@ -7,14 +7,12 @@ what the routers themselves returned and megatron-core's aux-loss tracker holds
 ("want"), plus the checks of when='train' and of removing the hooks.
 """
 import json
-import os
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from parallel.groups import free_port
 from tests.moeref import reference
 from twinkle_metrics import DeviceMesh, MoERoutingMetric, register_router_hooks
 
@@ -62,8 +60,7 @@ def megatron_tracker():
 
 
 def main():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: no port
     cpu_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker

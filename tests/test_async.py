@@ -229,7 +229,8 @@ def test_failed_intervals_go_back_in_call_order_and_fold_as_accumulate_does(monk
     interval of all three, with each state folded as accumulate folds a call: the newest
     "last" value wins even when it equals the default, GRPO's records keep their sequence
     order, global token counts add up and TrainMetric's clock runs from the first start."""
-    import time
+    import sys
+    import types
 
     from twinkle_metrics import TrainMetric
     from twinkle_metrics.testing import assert_results_close
@@ -256,28 +257,35 @@ def test_failed_intervals_go_back_in_call_order_and_fold_as_accumulate_does(monk
         step(want, k)
     expected = want.calculate()
     assert {r["gsi"] for r in expected["grpo/_high_kl_records"]} - set(range(4))  # later sequences matter
+    now = [100.0]  # a controlled clock: the interval starts at 100 s, steps at 101, 103, 105
+    monkeypatch.setattr(sys.modules[TrainMetric.__module__], "time",
+                        types.SimpleNamespace(perf_counter=lambda: now[0]))
     m = make()
-    t0 = time.perf_counter()
+    now[0] = 101.0
     step(m, 0)
-    time.sleep(0.2)
     with monkeypatch.context() as p:
         p.setattr(pending, "sync_and_compute", fail)
+        now[0] = 102.0
         first = m.calculate(async_op=True)
+        now[0] = 103.0
         step(m, 1)
+        now[0] = 104.0
         second = m.calculate(async_op=True)
         for h in (first, second):
             with pytest.raises(MetricSyncError):
                 h.wait()
+    now[0] = 105.0
     step(m, 2)
     assert m["train"].states["tokens"].item() == 768
+    now[0] = 106.0
     got = m.calculate()
-    took = time.perf_counter() - t0
+
     def timeless(r):  # wall-clock readings differ between the two runs
         return {k: v for k, v in r.items() if not any(w in k for w in ("time", "speed", "/s", "slowest", "fastest"))}
 
     assert_results_close(timeless(got), timeless(expected), rel=1e-12)
     assert got["last/value"] == 0.0 and got["loss/grad_norm"] == 2.0
-    assert 768 / took <= got["train/tokens/s"] <= 768 / 0.2  # the clock ran from the first step
+    assert got["train/tokens/s"] == 768 / 5  # from the first interval's start (100 s) to the last step
 
 
 def test_intervals_given_back_late_land_once_and_resets_drop_them(monkeypatch):

@@ -237,13 +237,20 @@ def test_forgotten_vocab_parallel_raises_with_the_likely_cause(dist_pool, source
 
 
 def case_clock_readings_may_differ():
-    import time
+    import sys
+    import types
 
-    mesh = _mesh(dict(tp=2, dp=4))
-    m = TrainMetric(mesh)
-    time.sleep(0.01 * dist.get_rank())  # every rank's clock reads differently
-    m.accumulate(step=3, lr=1e-3)
-    return _outcome(m.calculate)
+    module = sys.modules[TrainMetric.__module__]
+    real, now = module.time, [100.0]
+    module.time = types.SimpleNamespace(perf_counter=lambda: now[0])
+    try:
+        mesh = _mesh(dict(tp=2, dp=4))
+        m = TrainMetric(mesh)
+        now[0] += 1.0 + dist.get_rank()  # every rank's clock reads differently
+        m.accumulate(step=3, lr=1e-3)
+        return _outcome(m.calculate)
+    finally:
+        module.time = real
 
 
 def test_per_rank_readings_are_not_compared(dist_pool):

@@ -18,6 +18,7 @@ import sys
 import pytest
 
 import twinkle_metrics
+from twinkle_metrics.testing.rendezvous import Rendezvous
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEEDED = ("LossMetric", "Accuracy", "TrainMetric")
@@ -143,9 +144,10 @@ def test_megatron_virtual_pipeline(tmp_path):
 def test_deepspeed_pipeline_pp2_dp2(tmp_path):
     """launch/deepspeed.sh (the deepspeed launcher, --local_rank), PP2 x DP2 on 4 processes."""
     run_dir = tmp_path / "run"
-    out = _run(["bash", "launch/deepspeed.sh", "--steps", "4", "--set", "logging.interval=2",
-                "--set", "logging.progress=false", "--run-dir", str(run_dir), "--debug-dump"],
-               _env(4))
+    with Rendezvous() as rdzv:  # not DeepSpeed's fixed 29500: a store of this test's own
+        out = _run(["bash", "launch/deepspeed.sh", "--steps", "4", "--set", "logging.interval=2",
+                    "--set", "logging.progress=false", "--run-dir", str(run_dir), "--debug-dump"],
+                   dict(_env(4), **rdzv.env()))
     assert "dp2 x pp2, from deepspeed" in out
     debug, rows, expected, naive = _check_common(str(run_dir), world=4, interval=2, steps=4)
     # DeepSpeed's own number is the unweighted mean of microbatch means (over DP too).

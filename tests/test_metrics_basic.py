@@ -1,6 +1,5 @@
 """Single-process tests of TrainMetric, LossMetric, Accuracy and EmbeddingMetric."""
 import math
-import time
 
 import pytest
 import torch
@@ -218,14 +217,10 @@ def test_loss_errors_and_skips():
 
 # ------------------------------------------------------------------ TrainMetric
 def test_train_metric_keys_numbers_and_rates():
-    t0 = time.perf_counter()
     m = TrainMetric(flops_per_token=60.0, peak_flops=1e9)
-    t1 = time.perf_counter()
     with forbid_device_waits():
         m.accumulate(None, None, lr=1e-4, step=8, gradient_accumulation_steps=4, tokens=1000, samples=8)
-        t2 = time.perf_counter()
         m.accumulate(None, None, lr=2e-4, step=16, gradient_accumulation_steps=4, tokens=3000, samples=8)
-    t3 = time.perf_counter()
     got = m.calculate()
     cuda = {"peak memory GiB"} if torch.cuda.is_available() else set()  # reported where CUDA is
     assert set(got) == {"learning rate", "iters", "total time elapse", "speed", "step time", "tokens/s",
@@ -236,8 +231,7 @@ def test_train_metric_keys_numbers_and_rates():
     assert math.isclose(got["speed"] * got["step time"], 1.0, rel_tol=1e-9)   # 4 iterations
     assert math.isclose(got["tokens/s"] / got["samples/s"], 4000 / 16, rel_tol=1e-12)
     assert math.isclose(got["mfu"], got["tokens/s"] * 60.0 / 1 / 1e9, rel_tol=1e-12)
-    # from construction to the last accumulate, on this process's clock
-    assert t2 - t1 <= got["total time elapse"] <= t3 - t0
+    # the clock itself (from construction to the last accumulate): the controlled-clock test below
     # one rank: the slowest and the fastest are this one
     assert got["train/step_time_slowest_rank"] == 0 and got["train/step_time_max"] == got["train/step_time_min"]
     # The next interval counts only steps since the last calculate.

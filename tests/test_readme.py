@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tests import plain_loop
+from twinkle_metrics.testing.rendezvous import Rendezvous
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = re.compile(r"^<!-- readme-test: ([a-z0-9-]+) -->$")
@@ -63,12 +64,12 @@ def all_blocks():
     return [(path, i, *b) for path in documents() for i, b in enumerate(blocks(path))]
 
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+def _env(**extra):
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra)
 
 
-def _run(cmd, timeout=240):
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+def _run(cmd, timeout=240, **env):
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 
@@ -113,10 +114,9 @@ def run_torch_loop(code, where):
 _DEEPSPEED_CASE = """
 import json, os, sys
 import torch
-from parallel.groups import free_port
 from twinkle_metrics.core.compat import skip_deepspeed_shm_op
 
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # MASTER_ADDR/PORT: the test's store
 skip_deepspeed_shm_op()
 torch.manual_seed(0)
 V = 11
@@ -159,7 +159,8 @@ def run_deepspeed(code, where, tmp_path):
     block, case, out = tmp_path / "block.py", tmp_path / "case.py", tmp_path / "out.json"
     block.write_text(code)
     case.write_text(_DEEPSPEED_CASE)
-    _run([sys.executable, str(case), str(block), str(out)])
+    with Rendezvous() as rdzv:
+        _run([sys.executable, str(case), str(block), str(out)], **rdzv.env())
     got = json.loads(out.read_text())
     assert [p[0] for p in got["printed"]] == [2, 4]
     for (_, loss, tokens), (want_loss, want_tokens) in zip(got["printed"], got["want"]):
@@ -181,13 +182,21 @@ with get_cuda_rng_tracker().fork():  # what attention does: the seeded CPU strea
 json.dump({"enabled": megatron_cpu.is_enabled(), "tp": ps.get_tensor_model_parallel_world_size(),
            "mesh": [mesh.tp_size, mesh.dp_size], "seeded": get_cuda_rng_tracker().is_initialized()},
           open(f"{sys.argv[2]}/rank{dist.get_rank()}.json", "w"))
+# Nothing above waits for the other rank, and gloo counts a connection as made on the side
+# that opens it once its hello is written: without this barrier a rank could destroy its
+# groups and exit while its peer, slower on a busy host, still accepts those connections
+# inside initialize_model_parallel ("Connection closed by peer" in connectFullMesh).
+dist.barrier()
 ps.destroy_model_parallel()
 dist.destroy_process_group()
 """
 
 
 def run_megatron_cpu(code, where, tmp_path):
-    """The set-up block on 2 CPU processes (torchrun, gloo): shim on, TP2 x DP1, tracker seeded."""
+    """The set-up block on 2 CPU processes (torchrun, gloo): shim on, TP2 x DP1, tracker seeded.
+
+    ``--standalone``: torchrun's agent hosts the store on a port of its own (bound at port 0
+    and held) and its workers join it as clients, so no other process can take it."""
     block, case = tmp_path / "block.py", tmp_path / "case.py"
     block.write_text(code)
     case.write_text(_MEGATRON_CPU_CASE)

@@ -9,6 +9,9 @@
   ``twinkle_metrics.testing.layout`` and docs/testing.md.
 * ``DistPool(world)``: a pool of gloo ranks on this host; ``pool.run(fn, *args)`` calls
   ``fn`` on every rank. Pass one as ``assert_layout_invariant(..., pool=pool)`` to reuse it.
+* ``Rendezvous()``: a store this process hosts for ranks it starts, on a port no other
+  process can take; ``dict(os.environ, **rdzv.env(), RANK=..., WORLD_SIZE=...)`` for
+  ranks that call ``init_process_group()`` (see ``twinkle_metrics.testing.rendezvous``).
 * ``forbid_device_waits()``: inside it, any Python-level call that would make the
   host wait for the device (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``,
   ``bool(t)``, ``nonzero``, ``torch.equal``, ``is_nonzero``, ``bincount``,
@@ -39,7 +42,8 @@ from twinkle_metrics.testing.layout import (
     parse_layout,
 )
 from twinkle_metrics.testing.pool import DistPool
+from twinkle_metrics.testing.rendezvous import Rendezvous
 
 __all__ = ["CollectiveCounter", "DEFAULT_LAYOUTS", "DeviceWaitError", "DistPool", "LayoutReport", "Shard",
            "assert_layout_invariant", "assert_results_close", "collective_budget", "forbid_device_waits",
-           "intercept_device_waits", "merged_results", "parse_layout", "state_dict_differences"]
+           "intercept_device_waits", "merged_results", "parse_layout", "Rendezvous", "state_dict_differences"]

@@ -4,8 +4,17 @@
 picklable: a module-level function, or a ``functools.partial`` of one) and returns
 the per-rank results in rank order. A failure on any rank fails the call with that
 rank's traceback, and the pool is rebuilt before the next call (``restart_on_failure``)
-so one broken job cannot poison the rest. The groups a job creates are destroyed
-when it ends.
+so one broken job cannot poison the rest.
+
+Each job runs in a world of its own: a fresh default group, on a part of the pool's
+store no earlier job wrote to, destroyed with every group the job created once every
+rank is done with the job. torch names a group created over some ranks only (``new_group(...,
+use_local_synchronization=True)``, as ``DeviceMesh`` does) by its ranks and the number of
+groups the rank holds, so a later job would create one under the same name again and
+could read the addresses an earlier job's ranks left in the store: it would connect to a
+port that another process may listen on by then. The store itself is hosted by the
+process that made the pool (``twinkle_metrics.testing.rendezvous``): no other job on the
+host can take its port.
 
 ``start_method``: ``"spawn"`` (the default) or ``"fork"``. Forked ranks start in a
 fraction of a second (no fresh import of torch); spawned ones also work where the
@@ -20,57 +29,65 @@ import time
 import traceback
 from datetime import timedelta
 
-from parallel.groups import free_port
+from twinkle_metrics.testing.rendezvous import Rendezvous
 
 WORLD = 8
 COLLECTIVE_TIMEOUT_S = 60
+#: how long a rank waits in the store for the others at a job's start and end (a stuck job
+#: meets the caller's job timeout first)
+STORE_TIMEOUT_S = 900
 
 
-def _worker(rank, world, port, tasks, results, timeout_s=COLLECTIVE_TIMEOUT_S):
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+def _worker(rank, world, host, port, tasks, results, timeout_s=COLLECTIVE_TIMEOUT_S):
+    # MASTER_ADDR/PORT for code that reads them (DeepSpeed's launcher check); the groups use the store
+    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR=host, MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import gc
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
     results.put(("ready", rank, True, None))
     while True:
         job = tasks.get()
         if job is None:
             break
         job_id, fn, args = job
-        before = _groups()
+        own = dist.PrefixStore(f"job{job_id}", store)
         try:
+            # Connecting the default group may take only the pool's collective timeout (a few
+            # seconds in some tests), and a busy host can keep a rank from its queue longer.
+            _all_reach(own, "arrived", world)
+            dist.init_process_group("gloo", store=own, rank=rank, world_size=world, timeout=timeout)
             results.put((job_id, rank, True, fn(*args)))
         except BaseException:  # noqa: BLE001 - report everything to the caller
             results.put((job_id, rank, False, traceback.format_exc()))
         finally:
-            _destroy_groups_since(before)
-    dist.destroy_process_group()
+            # gloo counts a connection as made on the side that opens it once its hello is
+            # written: a rank done with the job would close sockets its peers, slower on a
+            # busy host, are still accepting ("Connection closed by peer" in their
+            # connectFullMesh). So no rank destroys the job's groups before all are done.
+            try:
+                _all_reach(own, "done", world)
+            except Exception:  # noqa: BLE001 - a rank that never came: the caller restarts the pool
+                pass
+            # Every gloo group keeps two worker threads and a TCP loop thread: a session's few
+            # hundred meshes left ~1000 threads per rank that slowed every later multi-process
+            # test (the Megatron demo from 35 s to over 240 s).
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            gc.collect()
 
 
-def _groups():
-    from torch.distributed import distributed_c10d as c10d
-
-    return set(c10d._world.pg_map)  # torch's private registry: test infrastructure only
-
-
-def _destroy_groups_since(before):
-    """Destroy the groups a job created: every gloo group keeps two worker threads and a
-    TCP loop thread, and a session's few hundred meshes left ~1000 threads per rank that
-    slowed every later multi-process test (the Megatron demo from 35 s to over 240 s)."""
-    import gc
-
-    import torch.distributed as dist
-
-    for group in _groups() - before:
-        try:
-            dist.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-    gc.collect()
+def _all_reach(store, point, world):
+    """Wait, in the store and without a bound of the pool's own, until every rank has
+    reached ``point`` of the job."""
+    if store.add(point, 1) == world:
+        store.set(f"{point}: all", "1")
+    store.wait([f"{point}: all"])
 
 
 class DistPool:
@@ -97,10 +114,11 @@ class DistPool:
 
     def _start(self):
         ctx = mp.get_context(self.start_method)
-        port = free_port()
+        self._rendezvous = Rendezvous()  # this pool's own store, on a port no other job can take
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results,
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world, self._rendezvous.host,
+                                                         self._rendezvous.port, self._tasks[r], self._results,
                                                          self.timeout_s),
                                    daemon=True) for r in range(self.world)]
         for p in self._procs:
@@ -180,6 +198,9 @@ class DistPool:
         for p in self._procs:
             p.join(timeout=10)
         self._procs = []
+        if getattr(self, "_rendezvous", None) is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
 
     def __enter__(self):
         return self
