@@ -5,20 +5,12 @@ WORLD is passed explicitly as ``torch.distributed.group.WORLD``.
 """
 from __future__ import annotations
 
-import socket
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 ProcessGroup = Optional["dist.ProcessGroup"]
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface, for a single-host rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dist_ready() -> bool:
