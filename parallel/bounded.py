@@ -55,7 +55,8 @@ def make(mesh, bound: timedelta) -> Dict[Tuple[int, ...], "dist.ProcessGroup"]:
                   for r in mesh.layout.all_groups(LAYOUT_AXES[name]) if len(r) > 1]
     elif mesh.member_ranks() is not None:
         own = sorted({tuple(G.group_ranks(g)) for g in mine.values() if needs_twin(g, bound)})
-        wanted = [r for ranks in exchange(own, bound, "DeviceMesh") for r in ranks]
+        # building a mesh is not a training step: the ranks get the default group's timeout
+        wanted = [r for ranks in exchange(own, G.default_timeout(), "DeviceMesh") for r in ranks]
     else:
         return {}
     made: Dict[Tuple[int, ...], "dist.ProcessGroup"] = {}

@@ -80,6 +80,9 @@ def all_gather_rows(buf: torch.Tensor, group: ProcessGroup, wait=None) -> torch.
     One collective; none for a group of one rank. ``wait``: run it asynchronously and
     hand its work to ``wait(work)``, which returns once it is done (a bounded wait).
     """
+    if group is not None and not dist_ready():
+        raise RuntimeError("the process groups were destroyed (destroy_process_group()) before this "
+                           "collective over them")
     n = group_size(group)
     if n == 1:
         return buf.unsqueeze(0)

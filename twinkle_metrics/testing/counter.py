@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from typing import Dict
 
-#: torch's c10d operators (what the profiler records for each collective) -> the name shown
+# torch's documented way to see every operator a block runs (the ``__torch_dispatch__``
+# extension point); every collective runs one c10d operator
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: torch's c10d operators -> the name shown
 _OPS = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
     "_allgather_base_": "all_gather", "allgather_coalesced_": "all_gather",
@@ -15,15 +19,15 @@ _OPS = {
 }
 
 
-class CollectiveCounter:
-    """Counts the collectives issued inside it, on any thread, from torch's own record of
-    them (``torch.profiler``: every collective runs one c10d operator), without touching
-    a torch function.
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives the calling thread issues inside it, as torch dispatches
+    them (each runs one c10d operator), without touching a torch function. Counters nest.
 
     ``wire``: collectives by kind (``"all_gather"``, ``"all_reduce"``, ...), as they go
     over the network: a helper built from several (``all_gather_object`` is a gather of
     sizes and one of data) counts each. ``api`` is the same count (kept for reports);
-    ``total`` their sum. Counts are read when the block ends.
+    ``total`` their sum. The background thread of an asynchronous ``calculate()`` is not
+    the calling thread: count its collectives inside the job, not around the call.
 
     Example::
 
@@ -33,23 +37,15 @@ class CollectiveCounter:
     """
 
     def __init__(self):
+        super().__init__()
         self.wire: Dict[str, int] = {}
-        self._prof = None
 
-    def __enter__(self):
-        from torch.profiler import ProfilerActivity, profile
-
-        self._prof = profile(activities=[ProfilerActivity.CPU])
-        self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        prof, self._prof = self._prof, None
-        prof.__exit__(*exc)
-        for event in prof.events():
-            kind = _OPS.get(event.name[len("c10d::"):]) if event.name.startswith("c10d::") else None
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            kind = _OPS.get(func._overloadpacket.__name__)
             if kind is not None:
                 self.wire[kind] = self.wire.get(kind, 0) + 1
+        return func(*args, **(kwargs or {}))
 
     @property
     def api(self) -> Dict[str, int]:
