@@ -56,15 +56,25 @@ class _Group:
         name = G.group_name(group)
         # a group torch makes again under the same name (after one was destroyed) must not
         # read the keys of the one before: every rank counts the incarnations alike
-        _SERIALS[name] = _SERIALS.get(name, 0) + 1
-        self.prefix = f"twinkle_metrics/waits/{_SERIALS[name]}"
+        serials = _counts("serials")
+        serials[name] = serials.get(name, 0) + 1
+        self.prefix = f"twinkle_metrics/waits/{serials[name]}"
         self.calls = 0
         self.closed: Optional[str] = None
 
 
 _GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> _Group
-_SERIALS: Dict[str, int] = {}
-_CALLS: Dict[str, int] = {}  # calls of each mesh's (data, TP x PP) groups, for their rolls
+#: per default group (a new ``init_process_group`` starts afresh, on every rank alike): the
+#: groups of each name met so far ("serials"), and the calls of each mesh's (data, TP x PP)
+#: groups, for their rolls ("calls")
+_COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _counts(kind: str) -> Dict[str, int]:
+    world = dist.group.WORLD
+    if world is None:
+        return {}
+    return _COUNTS.setdefault(world, {"serials": {}, "calls": {}})[kind]
 _LOCK = threading.Lock()
 
 
@@ -131,7 +141,8 @@ class Bound:
             # calls on these groups in the same order
             ident = f"{what}:{mesh.source}:" + ":".join(G.group_name(g) if g is not None else "-" for g in groups)
             with _LOCK:
-                _CALLS[ident] = n = _CALLS.get(ident, 0) + 1
+                calls = _counts("calls")
+                calls[ident] = n = calls.get(ident, 0) + 1
             self.roll = Roll(G.group_store(dist.group.WORLD), f"twinkle_metrics/calls/{ident}/{n}", ranks,
                              f"mesh from {mesh.source} (ranks {ranges(ranks)})")
 
