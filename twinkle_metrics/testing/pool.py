@@ -49,7 +49,8 @@ def _worker(rank, world, host, port, tasks, results, timeout_s=COLLECTIVE_TIMEOU
 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    # the store's own timeout is the groups' (as with env://): some waits on it take no other bound
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     results.put(("ready", rank, True, None))
     while True:
         job = tasks.get()
@@ -87,7 +88,7 @@ def _all_reach(store, point, world):
     reached ``point`` of the job."""
     if store.add(point, 1) == world:
         store.set(f"{point}: all", "1")
-    store.wait([f"{point}: all"])
+    store.wait([f"{point}: all"], timedelta(seconds=STORE_TIMEOUT_S))
 
 
 class DistPool:
