@@ -34,6 +34,39 @@ def test_the_contract_has_at_most_16_knobs():
         assert not hasattr(Metric, gone), gone
 
 
+def _shipped():
+    """Every metric twinkle_metrics exports, as built by default (MoE with its sizes), plus
+    the options that create states on demand."""
+    import twinkle_metrics as tm
+
+    classes = [getattr(tm, n) for n in tm.__all__]
+    classes = [c for c in classes if inspect.isclass(c) and issubclass(c, Metric) and c is not Metric]
+    out = [c(num_layers=2, num_experts=4) if c is tm.MoERoutingMetric else c() for c in classes]
+    return out + [tm.GRPOMetric(top_k_kl=2, quantiles=(0.5,), entropy_from_logits=True),
+                  tm.Accuracy(vocab_parallel=True)]
+
+
+def test_every_knob_serves_two_shipped_metrics_or_is_a_tested_general_one():
+    """A knob earns its place by what shipped metrics declare with it (two at least), or as a
+    general idea with its example in docs/contract.md and its direct test here (Origin)."""
+    state, _, attributes = _knobs()
+    metrics = _shipped()
+    base = State()
+    users = {}
+    for m in metrics:
+        for spec in list(m._specs.values()) + list(m._families.values()):
+            for f in state:
+                if getattr(spec, f) != getattr(base, f):
+                    users.setdefault(f, set()).add(type(m).__name__)
+        for a in attributes:
+            if getattr(m, a) != getattr(Metric, a):
+                users.setdefault(a, set()).add(type(m).__name__)
+    thin = {k: sorted(users.get(k, ())) for k in state + attributes if len(users.get(k, ())) < 2}
+    assert thin == {}
+    doc = open(os.path.join(ROOT, "docs", "contract.md")).read()
+    assert "Origin(" in doc and all(f"`{a}`" in doc for a in attributes)
+
+
 def test_collection_drives_metrics_through_public_or_package_functions():
     """core/collection.py reads no private member of another object (only its own)."""
     tree = ast.parse(open(os.path.join(ROOT, "twinkle_metrics", "core", "collection.py")).read())
