@@ -22,7 +22,6 @@ import threading
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
 from . import groups as G
@@ -96,8 +95,6 @@ def exchange(obj, timeout: Optional[timedelta], what: str) -> List:
     """Every rank's picklable ``obj``, in rank order, over WORLD: two gathers (sizes,
     then bytes), each wait bounded by ``timeout``."""
     world = dist.group.WORLD
-    device = G.comm_device(world)
-    data = pickle.dumps(obj)
 
     def wait(work):
         try:
@@ -108,12 +105,7 @@ def exchange(obj, timeout: Optional[timedelta], what: str) -> List:
                                "groups (every rank must build the same meshes, in the same order, "
                                "and call calculate(async_op=True) at the same points)") from exc
 
-    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = G.all_gather_rows(n, world, wait=wait).flatten().tolist()
-    buf = torch.zeros(max(sizes), dtype=torch.uint8)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = G.all_gather_rows(buf.to(device), world, wait=wait).cpu()
-    return [pickle.loads(bytes(rows[i, :s].tolist())) for i, s in enumerate(sizes)]
+    return [pickle.loads(b) for b in G.all_gather_bytes(pickle.dumps(obj), world, wait=wait)]
 
 
 class BoundedWaits:

@@ -95,6 +95,20 @@ def all_gather_rows(buf: torch.Tensor, group: ProcessGroup, wait=None) -> torch.
     return out.view(n, buf.numel())
 
 
+def all_gather_bytes(data: bytes, group: ProcessGroup, wait=None) -> List[bytes]:
+    """Every rank's ``data`` over ``group``, in group order: two gathers (sizes, then the
+    bytes padded to the longest); ``wait`` as for ``all_gather_rows``."""
+    if group is None:
+        return [data]
+    device = comm_device(group)
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = all_gather_rows(n, group, wait=wait).flatten().tolist()
+    buf = torch.zeros(max(sizes), dtype=torch.uint8)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    rows = all_gather_rows(buf.to(device), group, wait=wait).cpu()
+    return [bytes(rows[i, :s].tolist()) for i, s in enumerate(sizes)]
+
+
 # ------------------------------------------------------------------ torch's private fields
 # torch 2.13/2.14 keep no public getter for these; each is read in this one function, and
 # tests/test_torch_reads.py fails when torch moves it.

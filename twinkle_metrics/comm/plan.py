@@ -14,8 +14,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from parallel import comm_device
-from parallel.groups import group_ranks
+from parallel.groups import all_gather_bytes, group_ranks
 
 _HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
 _H_PLAN, _H_NEED, _H_SOURCE, _H_PP = 0, 1, 2, 3
@@ -248,16 +247,7 @@ def _unite(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
 def _all_gather_bytes(data: bytes, group, bound) -> List[bytes]:
     """Every rank's ``data`` over ``group``: two collectives (lengths, then bytes), their
     waits bounded by ``bound`` (``comm.waits.Bound``)."""
-    if group is None:
-        return [data]
-    device = comm_device(group)
-    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = bound.gather(n, group).flatten().tolist()
-    width = max(sizes)
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-    rows = bound.gather(buf.to(device), group).cpu()
-    return [bytes(rows[i, :s].tolist()) for i, s in enumerate(sizes)]
+    return all_gather_bytes(data, group, wait=lambda work: bound.wait(work, group))
 
 
 def _ranges(ranks: Sequence[int]) -> str:
