@@ -9,6 +9,7 @@ from twinkle_metrics.comm.agreement import join_failed
 from twinkle_metrics.comm.fused import sync_and_compute
 from twinkle_metrics.core import checkpoint, staging
 from twinkle_metrics.core.metric import Metric, end_interval
+from twinkle_metrics.inputs import fields
 
 
 class MetricCollection:
@@ -57,7 +58,12 @@ class MetricCollection:
         raise KeyError(f"MetricCollection: no metric named {key!r}; have {[n for n, _ in self._items]}")
 
     def accumulate(self, inputs=None, outputs=None, **kwargs) -> "MetricCollection":
-        """Pass the same call to every metric (each takes the keyword arguments it knows).
+        """Pass the same call to every metric; each gets the keyword arguments it takes.
+
+        The call is checked once against what every member reads (``inputs.fields``): a
+        member the call carries only part of a record for is excused when another member
+        reads all of it (the call was meant for that one), and a keyword no member takes
+        raises ``TypeError``.
 
         All or nothing: every metric stages its part first and only when all
         succeeded are they folded in, so input one metric rejects leaves every metric
@@ -66,10 +72,17 @@ class MetricCollection:
         ``accumulate``, so every rank raises together (``twinkle_metrics.exchange``).
         """
         metrics = [m for _, m in self._items]
+        try:
+            own = fields.check_call(metrics, inputs, outputs, kwargs)
+        except Exception as exc:  # peers of the members that communicate raise with this rank
+            for n in metrics:
+                if n.exchange_groups():
+                    join_failed(n, exc, fresh=True)
+            raise
         staged = []
         for i, m in enumerate(metrics):
             try:
-                staged.append(staging.stage(m, inputs, outputs, kwargs))
+                staged.append(staging.stage(m, inputs, outputs, own[i], checked=True))
             except Exception as exc:  # an interrupt joins nothing: it ends the job
                 for n in metrics[i + 1:]:
                     if n.exchange_groups():

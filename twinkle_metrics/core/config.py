@@ -35,10 +35,6 @@ import torch
 
 #: arguments of ``Metric.__init__`` that never enter a fingerprint
 NEVER = frozenset({"self", "device_mesh", "process_group", "max_slices"})
-#: Keyword arguments of ``accumulate`` that some metric's ``update`` names. A trainer
-#: passes one shared kwargs dict to every metric (Twinkle's convention), so a keyword
-#: one metric uses is accepted by all; one that no metric knows is a mistake.
-KNOWN_KWARGS: Set[str] = set()
 #: (metric class, argument) pairs already warned about: one warning each per process
 _WARNED: Set[Tuple[type, str]] = set()
 
@@ -218,16 +214,3 @@ def warn_unknown_arguments(metric, kwargs: Mapping[str, Any]) -> None:
                       f"it changes nothing, as in Twinkle's metrics. Known arguments: {known}",
                       UnknownArgumentWarning, stacklevel=level - 1)
     del frame  # a frame held in a local keeps every frame below it alive
-
-
-def check_kwargs(metric, kwargs: Mapping[str, Any]) -> None:
-    """Raise on an ``accumulate`` keyword that no metric takes, with a did-you-mean."""
-    unknown = [k for k in kwargs if k not in KNOWN_KWARGS]
-    if not unknown:
-        return
-    key = unknown[0]
-    close = difflib.get_close_matches(key, sorted(KNOWN_KWARGS), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise TypeError(f"{type(metric).__name__}.accumulate: unexpected keyword argument {key!r}{hint} "
-                    "(no metric of twinkle-metrics takes it; keywords one metric takes are "
-                    "accepted by all, so a shared kwargs dict works)")

@@ -30,7 +30,6 @@ collectives (see ``twinkle_metrics.comm``).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 import torch
@@ -42,6 +41,7 @@ from twinkle_metrics.comm.fused import plain_states, sync_and_compute
 from twinkle_metrics.core import checkpoint, config, slicing, staging
 from twinkle_metrics.core.config import UnknownArgumentWarning, constructor_keywords
 from twinkle_metrics.core.state import Origin, State, move_states, new_states
+from twinkle_metrics.inputs import fields
 
 __all__ = ["Metric", "UnknownArgumentWarning", "constructor_keywords", "end_interval", "FINGERPRINT_KEY"]
 #: key of the schema fingerprint in a metric's ``state_dict()``
@@ -96,8 +96,15 @@ class Metric:
     _class_states: ClassVar[Dict[str, State]] = {}
     _class_origins: ClassVar[Dict[str, Origin]] = {}
     _followed: ClassVar[frozenset] = frozenset()
-    _update_kwargs: ClassVar[Optional[frozenset]] = None  # set per class: see __init_subclass__
-    _update_reads: ClassVar[frozenset] = frozenset()
+    _update_reads: ClassVar[frozenset] = frozenset()  # the keywords update names
+    #: the fields ``update`` reads: a ``Reads`` or a tuple of them (``inputs.fields``); a call
+    #: that carries part of a record, or a near-miss of a field's name, raises before any state
+    #: or collective is touched
+    reads: ClassVar[Any] = ()
+    #: the result keys ``compute`` may return (``*`` matches any text, ``{name}`` a string
+    #: setting of the metric): a ``MetricCollection`` refuses, when it is built, two members
+    #: that could return the same key
+    result_keys: ClassVar[Sequence[str]] = ()
     #: constructor arguments that do not change what a state means (left out of the
     #: fingerprint, see ``twinkle_metrics.core.config``), e.g. chunk sizes, a model to read
     fingerprint_exclude: ClassVar[Sequence[str]] = ()
@@ -128,14 +135,10 @@ class Metric:
         cls._class_states, cls._class_origins = states, origins
         # the states an Origin follows: their newest host number is kept over resets
         cls._followed = frozenset(o.follows for o in origins.values() if o.follows)
-        params = list(inspect.signature(cls.update).parameters.values())[1:]
-        named = {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        if "update" in vars(cls):
-            config.KNOWN_KWARGS.update(named)
-        # an update without **kwargs gets only the keywords it names, so one shared kwargs
-        # dict (TrainMetric's lr= beside a norm metric) works for it too
-        cls._update_kwargs = None if any(p.kind == p.VAR_KEYWORD for p in params) else frozenset(named)
-        cls._update_reads = frozenset(named)  # the keywords it reads
+        # what update reads (inputs.fields): the keywords its signature names, the records
+        # of ``reads``; each call is checked against them where it is made
+        cls._update_reads = fields.update_keywords(cls)[0]
+        fields.records(cls)  # an author's mistake in ``reads`` raises here
         config.record_arguments(cls)
 
     def __init__(self, device_mesh: Optional[DeviceMesh] = None, process_group=None, *,

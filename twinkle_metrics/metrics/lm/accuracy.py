@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import floating_tensor, int_tensor, right_align
 from twinkle_metrics.inputs.microbatch import has_field, host_array, join, microbatches
@@ -61,6 +62,8 @@ class Accuracy(Metric):
         >>> m.calculate()
         {'accuracy': 0.5, 'correct_tokens': 1, 'total_tokens': 2}
     """
+
+    reads = Reads(inputs=("labels", "completion_mask?"), outputs=("logits",))
 
     correct = State("sum", torch.int64)
     total = State("sum", torch.int64)

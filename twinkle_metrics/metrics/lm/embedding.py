@@ -10,6 +10,7 @@ from parallel import comm_device
 from parallel.groups import all_gather_rows, group_rank, group_size
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import as_count, f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
@@ -90,6 +91,9 @@ class EmbeddingMetric(Metric):
         {'pos_sim': 0.9, 'pos_sim_min': 0.8, 'pos_sim_max': 1.0, 'in_batch_accuracy': 1.0, 'neg_sim': 0.3,
          'margin': 0.6}
     """
+
+    reads = (Reads(outputs=("embeddings|logits",), context=Reads(inputs=("labels",))), Reads(outputs=("loss?",)),
+             Reads(keywords=("grad_norm?",)))
 
     unsliceable = "its in-batch statistics compare every sequence with the whole data-group batch"
     agree_over = ("data",)  # the row-count agreement and the in-batch gather run over it

@@ -8,6 +8,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 import torch
 
 from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import as_count, f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
@@ -83,6 +84,9 @@ class LossMetric(Metric):
         >>> out["loss"], round(out["ppl"], 4)  # exp(4 / 4)
         (1.0, 2.7183)
     """
+
+    reads = (Reads(outputs=("{loss_key}|loss", "num_tokens?"), context=Reads(inputs=("labels?",))),
+             Reads(keywords=("grad_norm?",)))
 
     # compute-only: a checkpoint written without it (or with the other value) loads alike
     fingerprint_sync_only = ("ppl",)

@@ -9,6 +9,7 @@ import torch
 from parallel import group_size
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import as_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
@@ -194,6 +195,9 @@ class GRPOMetric(PolicySums, Metric):
         >>> round(m.calculate()["train/clip_ratio_high"], 4)
         0.3333
     """
+
+    reads = Reads(outputs=("logps", "entropies?"), keywords=("old_logps?", "ref_logps?", "ref_outputs?"),
+                  context=Reads(inputs=("labels|completion_mask",), outputs=("logits?",), keywords=("advantages?",)))
 
     #: the high-KL records carry global sequence indices: whole-call only
     unsliced_states = ("topk",)

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import from_host
 from twinkle_metrics.inputs.rl import cp_lead
@@ -105,6 +106,8 @@ class PassAtKMetric(Metric):
         {'num_prompts': 2, 'num_samples': 5, 'pass@1': 0.5833, 'pass^1': 0.5833,
          'pass@2': 1.0, 'pass^2': 0.1667}
     """
+
+    reads = Reads(keywords=("prompt_ids", "correct", "answers?", "rewards?"))
 
     def __init__(self, device_mesh=None, process_group=None, *, k=(1,), max_prompts: int = 1024,
                  max_samples: int = 16384, with_answers: bool = False, with_rewards: bool = False,

@@ -7,6 +7,7 @@ import torch
 
 from twinkle_metrics.core import fold
 from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.microbatch import has_field
@@ -81,6 +82,9 @@ class PPOValueMetric(Metric):
                      old_values=old_values, returns=returns, advantages=advantages)
         m.calculate()  # {'train/value_mean': ..., 'train/explained_variance': ..., ...}
     """
+
+    reads = Reads(outputs=("values",), keywords=("old_values?", "returns?"),
+                  context=Reads(inputs=("labels|completion_mask",), keywords=("advantages?",)))
 
     n_tok = State("sum", torch.int64)
     sum_value = State("sum")

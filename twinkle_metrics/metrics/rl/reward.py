@@ -8,6 +8,7 @@ from typing import Any, Dict, Hashable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.slicing import SEP
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
@@ -105,6 +106,8 @@ class CompletionRewardMetric(Metric):
         {'train/acc_reward': 0.6667, 'train/acc_reward_std': 0.5774, 'train/completion_length': 20.0,
          'train/completion_length_min': 10.0, 'train/completion_length_max': 30.0}
     """
+
+    reads = Reads(keywords=("rewards", "group_ids?"))
 
     # fixed names or names as they come decide which states are created on the fly: ranks
     # must agree on it, while a checkpoint loads across the two (its states are checked)

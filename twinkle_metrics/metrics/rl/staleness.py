@@ -12,6 +12,7 @@ from parallel.groups import all_gather_rows
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core import fold
 from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import from_host
 from twinkle_metrics.inputs.microbatch import as_feature_list, batch_size, host_array
@@ -101,6 +102,9 @@ class StalenessMetric(Metric):
         >>> out["staleness/span_max"], out["staleness/p50"], out["staleness/in_flight_max"]
         (1, 1, 4)
     """
+
+    reads = Reads(keywords=("rollout_versions",),
+                  context=Reads(inputs=("labels|completion_mask",), keywords=("policy_version",)))
 
     agree_over = ("cp",)  # per-sequence totals are completed over CP
     # the generic split hands per-call numbers (policy_version) to the whole call only

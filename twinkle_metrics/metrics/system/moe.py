@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import fits_int64
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
@@ -119,6 +120,9 @@ class MoERoutingMetric(Metric):
             when > 0.
         percentiles: percentiles in [0, 100] to report (see above); None (default): none.
     """
+
+    reads = Reads(outputs=("routing_map?", "router_logits?", "router_probs?", "token_mask?", "aux_loss?",
+                           "z_loss?", "tokens_dropped?"))
 
     unsliceable = "router statistics are per token of a layer, not per sequence"
 
