@@ -37,13 +37,17 @@ def test_accuracy_matches_reference_and_twinkle_keys():
     assert_results_close(got, _ref_accuracy(labels, logits))
 
 
-def test_accuracy_right_aligns_labels_and_uses_completion_mask():
+def test_accuracy_right_aligns_labels_when_asked_and_uses_completion_mask():
     labels, logits = _lm(1, s=7)
     short = logits[:, 1:]                       # logits one shorter than labels
     mask = torch.ones_like(labels)
     mask[:, :3] = 0
-    got = Accuracy().accumulate({"labels": labels, "completion_mask": mask}, {"logits": short}).calculate()
+    got = Accuracy(align="right").accumulate({"labels": labels, "completion_mask": mask}, {"logits": short}).calculate()
     assert_results_close(got, _ref_accuracy(labels, short, mask))
+    m = Accuracy()  # by default longer labels are a shift to fix, not to guess
+    with pytest.raises(ValueError, match=r"labels \[4, 7\] do not match logits \[4, 6, 11\].*align='right'"):
+        m.accumulate({"labels": labels, "completion_mask": mask}, {"logits": short})
+    assert m.calculate() == {}
 
 
 def test_accuracy_microbatch_list_equals_whole_and_bf16():
@@ -329,7 +333,7 @@ def test_embedding_errors():
     with pytest.raises(ValueError, match=r"EmbeddingMetric: labels of microbatch 0 have 8 entries \(shape \[8\]\) "
                                          r"but embeddings have 9 rows \(shape \[9, 5\]\)"):
         EmbeddingMetric().accumulate({"labels": labels[:8]}, {"embeddings": emb})
-    with pytest.raises(ValueError, match=r"EmbeddingMetric: got outputs 'embeddings' or 'logits' but no inputs\['labels'\]"):
+    with pytest.raises(ValueError, match=r"EmbeddingMetric: got outputs 'embeddings' or 'logits' but no inputs"):
         EmbeddingMetric().accumulate(None, {"embeddings": emb})
     with pytest.raises(TypeError, match="EmbeddingMetric: labels must have an integer dtype"):
         EmbeddingMetric().accumulate({"labels": labels.float()}, {"embeddings": emb})

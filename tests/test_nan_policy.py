@@ -105,8 +105,8 @@ def test_loss_clean_data_keeps_the_key_set():
 
 def test_loss_misspelt_report_key_is_an_error():
     m = LossMetric().accumulate(None, [{"lm loss": torch.tensor([1.0, 2.0])}])
-    _rejected(m, ValueError, r"LossMetric: no outputs 'lm loss' or 'loss', but the outputs hold 'lm_loss'.*did you mean "
-                             r"'lm loss', or pass loss_key='lm_loss'",
+    _rejected(m, ValueError, r"LossMetric: no outputs 'lm loss' or 'loss', but the outputs hold 'lm_loss'.*did you "
+                             r"mean 'lm loss', or pass loss_key='lm_loss'",
               None, [{"lm_loss": torch.tensor([1.0, 2.0])}])
     _rejected(m, ValueError, r"pass loss_key='LM-Loss'",
               None, {"LM-Loss": torch.tensor(1.0)})

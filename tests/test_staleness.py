@@ -138,7 +138,8 @@ def test_bad_input_raises_naming_the_field_and_changes_nothing(kwargs, error, ma
     with pytest.raises(error, match=match):
         m.accumulate({"labels": labels}, None, **{"policy_version": 10, **kwargs})
     assert not state_dict_differences(before, m.state_dict())
-    with pytest.raises(ValueError, match="got keyword 'rollout_versions' but no inputs 'labels' or 'completion_mask'.*inputs is None"):
+    with pytest.raises(ValueError, match="got keyword 'rollout_versions' but no inputs 'labels' or "
+                                         "'completion_mask'.*inputs is None"):
         m.accumulate(None, None, policy_version=10, rollout_versions=[1])
 
 

@@ -33,6 +33,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from twinkle_metrics.inputs.fields import typo_of
+
 #: arguments of ``Metric.__init__`` that never enter a fingerprint
 NEVER = frozenset({"self", "device_mesh", "process_group", "max_slices"})
 #: (metric class, argument) pairs already warned about: one warning each per process
@@ -196,16 +198,23 @@ ROOTS: set = set()
 
 
 def warn_unknown_arguments(metric, kwargs: Mapping[str, Any]) -> None:
-    """Warn once per (class, name) about constructor arguments ``metric`` ignores,
-    pointing at the line that built the metric."""
+    """Raise ``TypeError`` for an unknown constructor argument within a typo of a real one
+    (``vocab_paralel``); warn once per (class, name) about the other unknown arguments
+    ``metric`` ignores (Twinkle's constructors take ``**kwargs``, and its users pass
+    extras), pointing at the line that built the metric."""
     cls = type(metric)
     fresh = [k for k in sorted(kwargs) if (cls, k) not in _WARNED]
-    if not fresh:
+    if not fresh and not any(typo_of(str(k), n) for k in kwargs for n in constructor_keywords(cls) or []):
         return
     level, frame = 4, inspect.currentframe().f_back.f_back  # Metric.__init__'s caller
     while frame is not None and (frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is metric):
         level, frame = level + 1, frame.f_back  # a subclass __init__ (or its recording wrapper)
     known = constructor_keywords(cls) or []
+    typos = [(k, n) for k in sorted(kwargs) for n in known if typo_of(str(k), n)]
+    if typos:
+        key, name = typos[0]
+        raise TypeError(f"{cls.__name__}: unknown constructor argument {key!r}: did you mean {name!r}? (a "
+                        f"misspelt argument would build the metric without it; known arguments: {known})")
     for key in fresh:
         _WARNED.add((cls, key))
         close = difflib.get_close_matches(key, known, n=1)

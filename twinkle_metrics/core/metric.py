@@ -163,6 +163,7 @@ class Metric:
         self._returned: List["Metric"] = []
         self._in_flight: List["Metric"] = []
         self._epoch = 0  # bumped by reset() and loads: intervals from before them are dropped
+        self._intervals = 0  # intervals ended (calculate, export): the number an export carries
         self.reset()
 
     # ------------------------------------------------------------------ states
@@ -247,6 +248,11 @@ class Metric:
         """What ranks must agree on to sync: the fingerprint with ``fingerprint_sync_only``
         (checked by every ``calculate()``: ranks that differ raise ``MetricSyncError``)."""
         return config.fingerprint(self)
+
+    def keys_declared(self) -> List[str]:
+        """The result keys this metric may return: ``result_keys`` with its ``{setting}``
+        names filled in (``*`` stays: it matches any text)."""
+        return [k.format_map(vars(self)) if "{" in k else k for k in self.result_keys]
 
     def exchange_groups(self) -> List[Any]:
         """The groups of ``agree_over`` with more than one rank, in that order."""
@@ -422,6 +428,7 @@ def end_interval(metric: Metric) -> None:
     """``reset()`` after a ``calculate()`` or at a hand-off: it ends the interval, so
     intervals given back (``pending``), now or later, stay for the next one."""
     metric._keep_returned = True
+    metric._intervals = getattr(metric, "_intervals", 0) + 1
     try:
         metric.reset()
     finally:

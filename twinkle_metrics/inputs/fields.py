@@ -183,7 +183,8 @@ class _Call:
         return tuple((frozenset(self.names[side]),
                       tuple(frozenset(k for k, v in d.items() if present(v)) for d in self.dicts[side])
                       if len(self.dicts[side]) > 1 else ())
-                     for side in ("inputs", "outputs")) + (frozenset(self.names["keyword"]), tuple(self.none.values()), self.no_features)
+                     for side in ("inputs", "outputs")) + (frozenset(self.names["keyword"]),
+                                                           tuple(self.none.values()), self.no_features)
 
     def has(self, field: Field) -> bool:
         return any(n in self.names[field.side] for n in field.names)
@@ -220,7 +221,7 @@ class _Verdict:
                     and not any(f.side == "outputs" for f in carried):
                 continue  # a stage without the loss: nothing here
             if missing:
-                self.partial.append((missing[0], carried))
+                self.partial.append((missing, carried))
             else:
                 self.complete.update((f.side, n) for f in carried for n in f.names if n in call.names[f.side])
 
@@ -263,7 +264,7 @@ def _judge(metrics, call: "_Call") -> Tuple[str, FrozenSet[int]]:
             if got <= others:
                 excused.add(i)  # meant for another member, which the call is complete for
                 continue
-            return _partial_message(v, call, missing, carried, _near(verdicts, call, missing)), frozenset()
+            return _partial_message(v, call, missing, carried, verdicts), frozenset()
     return _typos(verdicts, call) or _entries(verdicts, call), frozenset(excused)
 
 
@@ -293,7 +294,7 @@ def _norm(s: str) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _close(a: str, b: str) -> bool:
+def typo_of(a: str, b: str) -> bool:
     """A typo of each other: equal but for case and separators, or within one edit (two for
     names over five letters) of insertion, deletion, substitution or transposition."""
     x, y = _norm(a), _norm(b)
@@ -318,7 +319,7 @@ def _near(verdicts, call: _Call, missing: Field) -> Optional[Tuple[str, str]]:
         for name in sorted(call.names[side] - known[side]):
             if name in missing.names and side != missing.side:
                 return side, name  # the right name on the wrong side
-            if side == missing.side and any(_close(name, n) for n in missing.names):
+            if side == missing.side and any(typo_of(name, n) for n in missing.names):
                 return side, name
     return None
 
@@ -334,12 +335,13 @@ def _hint(near: Optional[Tuple[str, str]], missing: Field) -> str:
     return f": did you mean {best!r}{setting}?"
 
 
-def _partial_message(v: _Verdict, call: _Call, missing: Field, carried: List[Field], near) -> str:
+def _partial_message(v: _Verdict, call: _Call, missing: List[Field], carried: List[Field], verdicts) -> str:
     came = " and ".join(f.shown() for f in carried if f.carries)
-    return (f"{v.name}: got {came} but no {missing.shown()} ({v.name} reads them together; "
-            f"{call.shown(missing.side)}{_hint(near, missing)}); pass {missing.names[0]!r} in the "
-            f"{_WHERE[missing.side]}, or none of these fields for a call that adds nothing. Nothing was "
-            "accumulated")
+    first = missing[0]
+    hints = "".join(_hint(_near(verdicts, call, f), f) for f in missing)
+    return (f"{v.name}: got {came} but no {' and no '.join(f.shown() for f in missing)} ({v.name} reads them "
+            f"together; {call.shown(first.side)}{hints}); pass {first.names[0]!r} in the {_WHERE[first.side]}, or "
+            "none of these fields for a call that adds nothing. Nothing was accumulated")
 
 
 def _typos(verdicts, call: _Call) -> str:

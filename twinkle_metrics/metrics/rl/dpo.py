@@ -7,10 +7,10 @@ import torch
 
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
-from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import float_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import has_field, microbatches
 from twinkle_metrics.inputs.rl import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
 from twinkle_metrics.kernels import dispatch as _triton
@@ -93,6 +93,7 @@ class DPOMetric(Metric):
     reads = (Reads(outputs=("logps",), keywords=("ref_outputs?",), context=Reads(inputs=("labels|completion_mask",))),
              Reads(outputs=("chosen_logps", "rejected_logps", "ref_chosen_logps?", "ref_rejected_logps?")),
              Reads(keywords=("chosen", "rejected", "ref_chosen?", "ref_rejected?")))
+    result_keys = ('logps/*', 'rewards/*',)
 
     agree_over = ("cp",)  # sequence sums are completed over CP, agreed on in every update
 

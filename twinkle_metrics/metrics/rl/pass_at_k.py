@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from twinkle_metrics.core.metric import Metric
-from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import from_host
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.rl import cp_lead
 from twinkle_metrics.metrics.rl.keyed_tables import fold_tables, id_key, merge_rows, tensor_keys
 from twinkle_metrics.metrics.rl.subset_estimators import (
@@ -108,6 +108,7 @@ class PassAtKMetric(Metric):
     """
 
     reads = Reads(keywords=("prompt_ids", "correct", "answers?", "rewards?"))
+    result_keys = ('pass@*', 'pass^*', 'maj@*', 'best@*', 'worst@*', 'num_prompts', 'num_samples',)
 
     def __init__(self, device_mesh=None, process_group=None, *, k=(1,), max_prompts: int = 1024,
                  max_samples: int = 16384, with_answers: bool = False, with_rewards: bool = False,

@@ -10,9 +10,9 @@ from parallel import group_rank
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core import fold
 from twinkle_metrics.core.metric import Metric
-from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.rl import aligned_microbatches, cp_sum, nonfinite_tokens
 from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.metrics.rl.loss_agg import (
@@ -158,6 +158,7 @@ class RolloutMismatchMetric(Metric):
     """
 
     reads = Reads(keywords=("rollout_logps",), context=Reads(inputs=("labels|completion_mask",), outputs=("logps",)))
+    result_keys = ('rollout/*',)
 
     agree_over = ("cp",)  # sequence sums are completed over CP
 

@@ -12,9 +12,9 @@ from parallel.groups import all_gather_rows
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core import fold
 from twinkle_metrics.core.metric import Metric
-from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import from_host
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import as_feature_list, batch_size, host_array
 from twinkle_metrics.inputs.rl import token_mask
 from twinkle_metrics.stats.histogram import Histogram, check_quantiles, quantile_suffix
@@ -105,6 +105,7 @@ class StalenessMetric(Metric):
 
     reads = Reads(keywords=("rollout_versions",),
                   context=Reads(inputs=("labels|completion_mask",), keywords=("policy_version",)))
+    result_keys = ('staleness/*',)
 
     agree_over = ("cp",)  # per-sequence totals are completed over CP
     # the generic split hands per-call numbers (policy_version) to the whole call only

@@ -10,10 +10,10 @@ from typing import Any, Dict, Optional
 import torch
 
 from twinkle_metrics.core.metric import Metric
-from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import fits_int64
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.metrics.system.moe_stats import check_percentiles, summarize
 
@@ -123,6 +123,7 @@ class MoERoutingMetric(Metric):
 
     reads = Reads(outputs=("routing_map?", "router_logits?", "router_probs?", "token_mask?", "aux_loss?",
                            "z_loss?", "tokens_dropped?"))
+    result_keys = ('moe/*',)
 
     unsliceable = "router statistics are per token of a layer, not per sequence"
 

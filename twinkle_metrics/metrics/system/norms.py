@@ -110,6 +110,8 @@ class ModelNormMetric(Metric):
          'norm/grad/weight': 2.0, 'norm/param/weight': 5.0}
     """
 
+    result_keys = ('norm/*',)
+
     unsliceable = "it reads the model, not the batch"
     fingerprint_exclude = ("model",)  # what it reads, not what a state means
 
