@@ -165,7 +165,8 @@ def test_other_counts_are_checked_alike():
         tm.CompletionRewardMetric().accumulate(completion_lengths=[4, -3])
     with pytest.raises(ValueError, match=r"completion_lengths\[0\] = 1.5"):
         tm.CompletionRewardMetric().accumulate(completion_lengths=torch.tensor([1.5]))
-    assert LossMetric(loss_reduction="sum").accumulate(None, {"loss": 3.0, "num_tokens": 2.0}).calculate()["loss"] == 1.5
+    whole = LossMetric(loss_reduction="sum").accumulate(None, {"loss": 3.0, "num_tokens": 2.0})  # a whole float
+    assert whole.calculate()["loss"] == 1.5
 
 
 def test_a_negative_device_total_raises_at_calculate_naming_the_interval():
