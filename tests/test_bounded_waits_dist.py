@@ -256,3 +256,63 @@ def test_every_group_source_bounds_and_names_a_missing_rank(dist_pool):
         assert "ranks 1-7" in text, (source, text)
         assert seconds < GROUPS_S, (source, seconds)
         assert all(o[source] is None for o in out[1:]), source  # theirs to time out later
+
+
+def _named(text, what="did not arrive"):
+    """The ranks a message names before ``what`` (``"ranks 0-3, 6 of the mesh ... did not
+    arrive"`` -> ``{0, 1, 2, 3, 6}``), parsed from the text."""
+    import re
+
+    found = re.search(r"\branks? ([0-9][0-9, -]*?) of the [^;]*? " + what, text)
+    assert found, text
+    out = set()
+    for part in found.group(1).split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+#: scenario -> (ranks that call calculate(), the ranks every one of them must name)
+ABSENT = {
+    "megatron_last_stage_only": (set(range(4, 8)), set(range(4))),  # TP2 x PP2 x DP2
+    "megatron_dp_cp_rank": (set(range(8)) - {6}, {6}),               # TP2 x CP2 x DP2
+    "deepspeed_tp_replica": (set(range(8)) - {5}, {5}),              # PP2 x DP2 x TP2
+    "torch_dp_rank": (set(range(8)) - {2}, {2}),                     # PP2 x DP2 x TP2
+    "twinkle_tp_replica": (set(range(8)) - {3}, {3}),                # DP4 x TP2
+}
+
+
+def case_absent_ranks(scenario):
+    """Some ranks of a mesh that spans the world skip one calculate(); the callers'
+    data and TP x PP groups differ from rank to rank."""
+    from megatron.core import parallel_state as ps
+
+    def mesh():
+        if scenario.startswith("megatron"):
+            cp = 2 if "cp" in scenario else 1
+            ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=3 - cp,
+                                         context_parallel_size=cp, create_gloo_process_groups=False)
+            return DeviceMesh.from_megatron()
+        if scenario.startswith("deepspeed"):
+            return _source_mesh("deepspeed_topology")
+        return _source_mesh(scenario.split("_")[0])
+
+    try:
+        return _with_bound(lambda: _only(ABSENT[scenario][0], _loss(mesh()).calculate))
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("scenario", list(ABSENT))
+def test_every_rank_that_came_names_exactly_the_absent_ones(dist_pool, scenario):
+    out = dist_pool.run(case_absent_ranks, scenario, timeout=180)
+    callers, absent = ABSENT[scenario]
+    for rank, result in enumerate(out):
+        if rank not in callers:
+            assert result is None
+            continue
+        kind, text, seconds = result
+        assert kind == "MetricSyncError" and "calculate()" in text, (rank, text)
+        assert _named(text) == absent, (rank, text)
+        assert seconds < GROUPS_S, (rank, seconds)
+

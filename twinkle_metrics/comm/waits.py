@@ -18,6 +18,11 @@ Naming the ranks that never came uses the group's own store
   the first rank to fail reads that key once and writes the absent ranks, as ranges
   (``1-7``), to ``.../absent``; the others read that short answer.
 
+The key of a call is the same on every rank that should come: for a group, its name, its
+incarnation and its calls so far; for a call that every rank of a mesh makes
+(``Bound``), the mesh's ``wait_key`` (its source, sizes and place among the meshes built
+alike on every rank) and its calls so far, never a rank's own groups.
+
 A failed wait leaves the group's collectives out of step (the work may still be in
 flight, the absent ranks may enter later), so the group is closed for the library: later
 waits on it raise at once, naming the first failure. Nothing accumulated is lost: a
@@ -65,8 +70,8 @@ class _Group:
 
 _GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> _Group
 #: per default group (a new ``init_process_group`` starts afresh, on every rank alike): the
-#: groups of each name met so far ("serials"), and the calls of each mesh's (data, TP x PP)
-#: groups, for their rolls ("calls")
+#: groups of each name met so far ("serials"), and the calls of each kind on each mesh, for
+#: their rolls ("calls")
 _COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -126,20 +131,21 @@ class Bound:
     """The bound and names of one call's waits on a mesh: ``what`` (``"calculate()"``),
     the mesh's ``wait_timeout()``, and the roll of its ranks.
 
-    A call that every rank of a mesh makes (``calculate()``) takes the roll of the whole
-    mesh, ``mesh.roll()``: every rank of a mesh that spans the world ends up waiting on
-    one of the call's collectives when some rank is missing (each TP x PP group holds a
-    rank of every data group), so the ranks that never marked it are the absent ones,
-    named in one message on every rank that came."""
+    A call that every rank of a mesh makes (``calculate()``, given its ``groups``) takes
+    the roll of the whole mesh: every rank of a mesh that spans the world ends up waiting
+    on one of the call's collectives when some rank is missing (each TP x PP group holds
+    a rank of every data group), so the ranks that never marked it are the absent ones,
+    named in one message on every rank that came. The roll's key is the mesh's
+    ``wait_key``, ``what`` and the count of such calls on the mesh: the same on every rank
+    (every rank of the mesh makes its calls in one order), where the names of a rank's
+    own groups are not (rank 4's data group is not rank 5's)."""
 
     def __init__(self, what: str, mesh, groups: Sequence = ()):
         self.what, self.mesh, self.timeout = what, mesh, mesh.wait_timeout()
         self.roll = None
         ranks = mesh.member_ranks() if groups else None
         if ranks is not None and len(ranks) > 1:
-            # the call's key: the same on every rank of the mesh, which all make the same
-            # calls on these groups in the same order
-            ident = f"{what}:{mesh.source}:" + ":".join(G.group_name(g) if g is not None else "-" for g in groups)
+            ident = f"{what}:{mesh.wait_key}"
             with _LOCK:
                 calls = _counts("calls")
                 calls[ident] = n = calls.get(ident, 0) + 1
