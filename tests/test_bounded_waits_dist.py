@@ -316,3 +316,37 @@ def test_every_rank_that_came_names_exactly_the_absent_ones(dist_pool, scenario)
         assert _named(text) == absent, (rank, text)
         assert seconds < GROUPS_S, (rank, seconds)
 
+
+def case_a_late_rank():
+    """DP8: ranks 1 and 2 call calculate() and give up; rank 0 calls only once both have
+    raised (told through the store, no clock); ranks 3-7 never call."""
+    from datetime import timedelta
+
+    store = G.group_store(dist.group.WORLD)
+    m = _loss(DeviceMesh.from_sizes(dp_size=8, timeout=BOUND_S))
+    rank = dist.get_rank()
+    if rank in (1, 2):
+        out = _only({rank}, m.calculate)
+        store.set(f"tests/late/gave_up/{rank}", "1")
+        return out
+    if rank == 0:
+        store.wait(["tests/late/gave_up/1", "tests/late/gave_up/2"], timedelta(seconds=120))
+        first = _only({0}, m.calculate)
+        return first, _only({0}, m.calculate)  # the group stays spent
+    return None
+
+
+def test_a_rank_that_comes_after_the_others_gave_up_says_so_and_never_names_itself(dist_pool):
+    out = dist_pool.run(case_a_late_rank, timeout=180)
+    for rank in (1, 2):
+        kind, text, _ = out[rank]
+        assert kind == "MetricSyncError" and _named(text) == {0, 3, 4, 5, 6, 7}, text
+    (kind, text, _), (again_kind, again, _) = out[0]
+    assert kind == "MetricSyncError", text
+    assert _named(text, "gave up") == {1, 2}, text
+    assert "restart" in text and "did not arrive" not in text and "this is rank 0" not in text, text
+    import re
+
+    assert re.search(r"\branks 3-7 had not come either\b", text), text  # and not rank 0 itself
+    assert again_kind == "MetricSyncError" and text in again, again
+    assert all(o is None for o in out[3:])

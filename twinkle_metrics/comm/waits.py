@@ -16,7 +16,9 @@ Naming the ranks that never came uses the group's own store
 * when the wait fails (the bound passed, or a peer that gave up closed the group's
   connections), the rank appends too, gives the others ``EARLY_S`` to do the same, and
   the first rank to fail reads that key once and writes the absent ranks, as ranges
-  (``1-7``), to ``.../absent``; the others read that short answer.
+  (``1-7``), and the time it gave up to ``.../absent``; the others read that short answer.
+  A rank that finds itself in it came after the others gave up: it raises saying so
+  (which ranks left, how long before), never naming itself absent.
 
 The key of a call is the same on every rank that should come: for a group, its name, its
 incarnation and its calls so far; for a call that every rank of a mesh makes
@@ -39,7 +41,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -119,7 +121,7 @@ def wait(work, group, what: str, label: str, timeout: timedelta, roll: Optional[
     except RuntimeError as exc:
         if work.is_completed():  # it failed (a peer gave up), not merely slow
             _fail(record, roll, marked, what, timeout, time.monotonic() - start, exc, group, me)
-    marked = roll.mark()
+    marked = roll.mark(me)
     try:
         left = max(timeout.total_seconds() - (time.monotonic() - start), 0.001)
         work.wait(timedelta(seconds=left))
@@ -171,17 +173,19 @@ class Roll:
     def __init__(self, store, key: str, ranks: Sequence[int], label: str):
         self.store, self.key, self.ranks, self.label = store, key, tuple(ranks), label
 
-    def mark(self) -> bool:
+    def mark(self, rank: int) -> bool:
+        """Append ``rank`` to the ranks that came (one store request)."""
         if self.store is None:
             return False
         try:
-            self.store.append(f"{self.key}/in", f"{G.global_rank()},")
+            self.store.append(f"{self.key}/in", f"{rank},")
             return True
         except (RuntimeError, dist.DistError):
             return False
 
-    def absent(self, pause: float) -> Optional[list]:
-        """The ranks that did not mark; ``None`` when the store cannot say. The first
+    def absent(self, pause: float) -> Optional[Tuple[list, float]]:
+        """The ranks that had not marked when the first rank gave up, and when it did
+        (``time.time()``, its host's clock); ``None`` when the store cannot say. The first
         rank to ask reads the marks and writes the answer for the rest."""
         if self.store is None:
             return None
@@ -189,11 +193,12 @@ class Roll:
         try:
             if self.store.add(f"{key}/failed", 1) == 1:
                 came = {int(r) for r in self.store.get(f"{key}/in").decode().split(",") if r}
-                absent = [r for r in self.ranks if r not in came]
-                self.store.set(f"{key}/absent", ranges(absent) or "-")
-                return absent
+                absent, now = [r for r in self.ranks if r not in came], round(time.time(), 3)
+                self.store.set(f"{key}/absent", f"{ranges(absent) or '-'} @ {now:.3f}")
+                return absent, now
             self.store.wait([f"{key}/absent"], timedelta(seconds=max(pause, 1.0)))
-            return _unranges(self.store.get(f"{key}/absent").decode())
+            text, _, at = self.store.get(f"{key}/absent").decode().partition(" @ ")
+            return _unranges(text), float(at)
         except (RuntimeError, ValueError, dist.DistError):
             return None
 
@@ -233,21 +238,37 @@ def _fail(record: _Group, roll: Roll, marked: bool, what: str, timeout: timedelt
     # A wait can also fail at once (a peer that gave up closed its connections); the
     # ranks that came fail together: each marks, and gives the others as long as the
     # first wait to mark before the answer is read.
+    arrived = time.time() - waited
     if not marked:
-        roll.mark()
+        roll.mark(me)
     pause = min(EARLY_S, timeout.total_seconds() / 4)
     time.sleep(pause)
-    absent = roll.absent(pause)
-    label = roll.label
+    record.closed = message(what, timeout, waited, roll, me, roll.absent(pause), arrived)
+    raise MetricSyncError(record.closed) from cause
+
+
+def message(what: str, timeout: timedelta, waited: float, roll: Roll, me: int,
+            answer: Optional[Tuple[list, float]], arrived: float) -> str:
+    """What rank ``me`` says when its wait on ``roll``'s ranks failed, from the store's
+    ``answer`` (``Roll.absent``); ``arrived``: when its wait began (``time.time()``)."""
+    bound, label = timeout.total_seconds(), roll.label
+    absent = None if answer is None else answer[0]
+    if absent is not None and me in absent:  # the answer was written before this rank came
+        left = [r for r in roll.ranks if r not in absent]
+        late = arrived - answer[1]  # two hosts' clocks: about
+        when = f"about {late:.0f} s before" if late >= 1 else "less than a second before"
+        others = [r for r in absent if r != me]
+        also = f" (rank{'s' if len(others) > 1 else ''} {ranges(others)} had not come either)" if others else ""
+        return (f"{what}: rank{'s' if len(left) > 1 else ''} {ranges(left)} of the {label} gave up waiting "
+                f"for this call (the bound is {bound:g} s) {when} this rank ({me}) came{also}; their "
+                "collectives are out of step with this rank's, so these groups are spent: restart the "
+                "job. Nothing accumulated was lost")
     if absent:
         who = (f"rank{'s' if len(absent) > 1 else ''} {ranges(absent)} of the {label} did not arrive "
                f"(this is rank {me}; every rank of the {label} must call {what} at the same point)")
     elif absent is None:
         who = f"some ranks of the {label} did not arrive (this is rank {me}; the store could not say which)"
     else:
-        who = (f"every rank of the {label} arrived, but not within {timeout.total_seconds():g} s of "
-               f"each other (this is rank {me})")
-    msg = (f"{what}: waited {waited:.1f} s (the bound is {timeout.total_seconds():g} s: DeviceMesh "
-           f"timeout= or TWINKLE_METRICS_TIMEOUT_S); {who}. Nothing accumulated was lost")
-    record.closed = msg
-    raise MetricSyncError(msg) from cause
+        who = f"every rank of the {label} arrived, but not within {bound:g} s of each other (this is rank {me})"
+    return (f"{what}: waited {waited:.1f} s (the bound is {bound:g} s: DeviceMesh timeout= or "
+            f"TWINKLE_METRICS_TIMEOUT_S); {who}. Nothing accumulated was lost")
