@@ -89,6 +89,7 @@ class DeviceMesh(bounded.BoundedWaits):
         self.layout = layout
         self.vpp_size = int(vpp_size or 1)
         self.source = source
+        self._name_waits()
         self._cpu_twins: Dict[Tuple[int, ...], G.ProcessGroup] = {}  # ranks -> gloo group within the bound
         self._bound_made: Optional[timedelta] = None
         if not getattr(_BUILDING, "deferred", False):
