@@ -19,6 +19,7 @@ import contextlib
 import os
 import pickle
 import threading
+import weakref
 from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -108,9 +109,39 @@ def exchange(obj, timeout: Optional[timedelta], what: str) -> List:
     return [pickle.loads(b) for b in G.all_gather_bytes(pickle.dumps(obj), world, wait=wait)]
 
 
+#: per default group (a new ``init_process_group`` starts afresh): the meshes of each kind
+#: built so far, for ``BoundedWaits.wait_key``
+_BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_BUILT_LOCK = threading.Lock()
+
+
+def _built(kind: str) -> int:
+    """How many meshes of ``kind`` this rank has built in this world, this one included."""
+    world = dist.group.WORLD if G.dist_ready() else None
+    if world is None:
+        return 0
+    with _BUILT_LOCK:
+        counts = _BUILT.setdefault(world, {})
+        counts[kind] = n = counts.get(kind, 0) + 1
+    return n
+
+
 class BoundedWaits:
     """What ``DeviceMesh`` knows about the library's waits on its ranks: the bound, the
     CPU groups within it, and whether its groups are still there to wait on."""
+
+    #: a name for this mesh, the same on every rank of it (``_name_waits``)
+    wait_key: str = ""
+
+    def _name_waits(self) -> None:
+        """Name the mesh for the keys its waits write (``comm.waits.Bound``): its source,
+        its sizes, and how many meshes like it were built before it. The same on every
+        rank, which build the same meshes in the same order (as their groups need); a
+        rank's own groups (its data group, its TP x PP group) would name it differently
+        on each rank. No collective."""
+        kind = f"{self.source}:" + "x".join(f"{a}{self.size(a)}" for a in ("tp", "cp", "dp", "pp", "ep"))
+        kind += f"xvpp{self.vpp_size}" if self.vpp_size > 1 else ""
+        self.wait_key = f"{kind}#{_built(kind)}"
 
     def member_ranks(self) -> Optional[Tuple[int, ...]]:
         """Every rank of this mesh, when it spans WORLD (its data, TP and PP groups

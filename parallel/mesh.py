@@ -89,6 +89,7 @@ class DeviceMesh(bounded.BoundedWaits):
         self.layout = layout
         self.vpp_size = int(vpp_size or 1)
         self.source = source
+        self._name_waits()
         self._cpu_twins: Dict[Tuple[int, ...], G.ProcessGroup] = {}  # ranks -> gloo group within the bound
         self._bound_made: Optional[timedelta] = None
         if not getattr(_BUILDING, "deferred", False):
@@ -197,16 +198,22 @@ class DeviceMesh(bounded.BoundedWaits):
         return _timed(mesh, timeout)
 
     @classmethod
-    def current(cls, *, timeout=None) -> "DeviceMesh":
+    def current(cls, process_group=None, *, timeout=None) -> "DeviceMesh":
         """The mesh implied by what is initialised: Megatron's groups when
-        megatron-core's parallel_state is initialised, else WORLD as pure data
-        parallel, else a single rank."""
+        megatron-core's parallel_state is initialised, else ``process_group`` (default
+        WORLD) as pure data parallel, else a single rank.
+
+        A mesh over ``process_group`` is built by its ranks alone, never over WORLD: a
+        group of one rank gives a mesh without collectives, as ``single()``.
+        """
         if not G.dist_ready() or G.world_size() == 1:
             return cls.single()
         ps = sys.modules.get("megatron.core.parallel_state")
         if ps is not None and ps.model_parallel_is_initialized():
             return cls.from_megatron(timeout=timeout)
-        return cls({"dp": dist.group.WORLD}, source="world", timeout=timeout)
+        if process_group is None:
+            return cls({"dp": dist.group.WORLD}, source="world", timeout=timeout)
+        return cls({"dp": process_group}, source="process_group", timeout=timeout)
 
     # -------------------------------------------------------------- accessors
     def create_process_group(self, dims) -> G.ProcessGroup:

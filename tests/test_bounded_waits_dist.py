@@ -256,3 +256,97 @@ def test_every_group_source_bounds_and_names_a_missing_rank(dist_pool):
         assert "ranks 1-7" in text, (source, text)
         assert seconds < GROUPS_S, (source, seconds)
         assert all(o[source] is None for o in out[1:]), source  # theirs to time out later
+
+
+def _named(text, what="did not arrive"):
+    """The ranks a message names before ``what`` (``"ranks 0-3, 6 of the mesh ... did not
+    arrive"`` -> ``{0, 1, 2, 3, 6}``), parsed from the text."""
+    import re
+
+    found = re.search(r"\branks? ([0-9][0-9, -]*?) of the [^;]*? " + what, text)
+    assert found, text
+    out = set()
+    for part in found.group(1).split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+#: scenario -> (ranks that call calculate(), the ranks every one of them must name)
+ABSENT = {
+    "megatron_last_stage_only": (set(range(4, 8)), set(range(4))),  # TP2 x PP2 x DP2
+    "megatron_dp_cp_rank": (set(range(8)) - {6}, {6}),               # TP2 x CP2 x DP2
+    "deepspeed_tp_replica": (set(range(8)) - {5}, {5}),              # PP2 x DP2 x TP2
+    "torch_dp_rank": (set(range(8)) - {2}, {2}),                     # PP2 x DP2 x TP2
+    "twinkle_tp_replica": (set(range(8)) - {3}, {3}),                # DP4 x TP2
+}
+
+
+def case_absent_ranks(scenario):
+    """Some ranks of a mesh that spans the world skip one calculate(); the callers'
+    data and TP x PP groups differ from rank to rank."""
+    from megatron.core import parallel_state as ps
+
+    def mesh():
+        if scenario.startswith("megatron"):
+            cp = 2 if "cp" in scenario else 1
+            ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=3 - cp,
+                                         context_parallel_size=cp, create_gloo_process_groups=False)
+            return DeviceMesh.from_megatron()
+        if scenario.startswith("deepspeed"):
+            return _source_mesh("deepspeed_topology")
+        return _source_mesh(scenario.split("_")[0])
+
+    try:
+        return _with_bound(lambda: _only(ABSENT[scenario][0], _loss(mesh()).calculate))
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("scenario", list(ABSENT))
+def test_every_rank_that_came_names_exactly_the_absent_ones(dist_pool, scenario):
+    out = dist_pool.run(case_absent_ranks, scenario, timeout=180)
+    callers, absent = ABSENT[scenario]
+    for rank, result in enumerate(out):
+        if rank not in callers:
+            assert result is None
+            continue
+        kind, text, seconds = result
+        assert kind == "MetricSyncError" and "calculate()" in text, (rank, text)
+        assert _named(text) == absent, (rank, text)
+        assert seconds < GROUPS_S, (rank, seconds)
+
+
+def case_a_late_rank():
+    """DP8: ranks 1 and 2 call calculate() and give up; rank 0 calls only once both have
+    raised (told through the store, no clock); ranks 3-7 never call."""
+    from datetime import timedelta
+
+    store = G.group_store(dist.group.WORLD)
+    m = _loss(DeviceMesh.from_sizes(dp_size=8, timeout=BOUND_S))
+    rank = dist.get_rank()
+    if rank in (1, 2):
+        out = _only({rank}, m.calculate)
+        store.set(f"tests/late/gave_up/{rank}", "1")
+        return out
+    if rank == 0:
+        store.wait(["tests/late/gave_up/1", "tests/late/gave_up/2"], timedelta(seconds=120))
+        first = _only({0}, m.calculate)
+        return first, _only({0}, m.calculate)  # the group stays spent
+    return None
+
+
+def test_a_rank_that_comes_after_the_others_gave_up_says_so_and_never_names_itself(dist_pool):
+    out = dist_pool.run(case_a_late_rank, timeout=180)
+    for rank in (1, 2):
+        kind, text, _ = out[rank]
+        assert kind == "MetricSyncError" and _named(text) == {0, 3, 4, 5, 6, 7}, text
+    (kind, text, _), (again_kind, again, _) = out[0]
+    assert kind == "MetricSyncError", text
+    assert _named(text, "gave up") == {1, 2}, text
+    assert "restart" in text and "did not arrive" not in text and "this is rank 0" not in text, text
+    import re
+
+    assert re.search(r"\branks 3-7 had not come either\b", text), text  # and not rank 0 itself
+    assert again_kind == "MetricSyncError" and text in again, again
+    assert all(o is None for o in out[3:])

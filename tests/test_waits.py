@@ -1,7 +1,14 @@
-"""The names a failed wait gives: absent ranks as ranges, read back exactly."""
-import pytest
+"""The names a failed wait gives: absent ranks as ranges, read back exactly; the answer
+every rank reads from the store, whenever it comes; what a rank that came late says."""
+import re
+from datetime import timedelta
 
-from twinkle_metrics.comm.waits import _unranges, ranges
+import pytest
+import torch.distributed as dist
+
+from twinkle_metrics.comm.waits import Roll, _unranges, message, ranges
+
+BOUND = timedelta(seconds=10)
 
 
 @pytest.mark.parametrize("ranks,text", [([1, 2, 3, 5], "1-3, 5"), ([7], "7"), ([], ""),
@@ -9,3 +16,47 @@ from twinkle_metrics.comm.waits import _unranges, ranges
 def test_absent_ranks_travel_as_ranges(ranks, text):
     assert ranges(ranks) == text
     assert _unranges(text or "-") == ranks
+
+
+def _roll(store):
+    return Roll(store, "twinkle_metrics/calls/c/1", range(4), "mesh from sizes (ranks 0-3)")
+
+
+def test_one_answer_for_every_rank_and_the_late_rank_finds_itself_in_it():
+    """Ranks 1 and 2 of 0-3 come; rank 1 gives up first and writes the answer; rank 0
+    comes after that, before rank 2 has read it; rank 3 never comes."""
+    store = dist.HashStore()
+    _roll(store).mark(1)
+    _roll(store).mark(2)
+    first = _roll(store).absent(0.01)
+    assert first[0] == [0, 3]
+    _roll(store).mark(0)  # too late to count
+    late, second = _roll(store).absent(0.01), _roll(store).absent(0.01)
+    assert late == first and second == first  # the same ranks and the same time, on every rank
+
+
+def _ranks(pattern, text):
+    found = re.search(pattern, text)
+    assert found, text
+    return set(_unranges(found.group(1)))
+
+
+def test_the_ranks_that_came_name_the_absent_ones():
+    text = message("calculate()", BOUND, 10.0, _roll(None), 2, ([0, 3], 100.0), 90.0)
+    assert _ranks(r"; ranks ([0-9, -]+) of the mesh", text) == {0, 3}, text
+    assert "did not arrive" in text and "this is rank 2" in text, text
+
+
+@pytest.mark.parametrize("late,when", [(12.0, "about 12 s before"), (0.2, "less than a second before"),
+                                       (-0.3, "less than a second before")])
+def test_a_late_rank_says_who_gave_up_and_when_never_naming_itself(late, when):
+    text = message("calculate()", BOUND, 0.0, _roll(None), 0, ([0, 3], 100.0), 100.0 + late)
+    assert _ranks(r"^calculate\(\): ranks ([0-9, -]+) of the mesh from sizes \(ranks 0-3\) gave up", text) == {1, 2}
+    assert f"{when} this rank (0) came" in text, text
+    assert _ranks(r"\(rank ([0-9, -]+) had not come either\)", text) == {3}, text
+    assert "restart the job" in text and "did not arrive" not in text and "waited" not in text, text
+
+
+def test_a_late_rank_alone_absent_names_no_one_else():
+    text = message("calculate()", BOUND, 0.0, _roll(None), 3, ([3], 100.0), 105.0)
+    assert "ranks 0-2 of the mesh" in text and "either" not in text and "3 of the" not in text, text

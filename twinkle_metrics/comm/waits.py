@@ -16,7 +16,14 @@ Naming the ranks that never came uses the group's own store
 * when the wait fails (the bound passed, or a peer that gave up closed the group's
   connections), the rank appends too, gives the others ``EARLY_S`` to do the same, and
   the first rank to fail reads that key once and writes the absent ranks, as ranges
-  (``1-7``), to ``.../absent``; the others read that short answer.
+  (``1-7``), and the time it gave up to ``.../absent``; the others read that short answer.
+  A rank that finds itself in it came after the others gave up: it raises saying so
+  (which ranks left, how long before), never naming itself absent.
+
+The key of a call is the same on every rank that should come: for a group, its name, its
+incarnation and its calls so far; for a call that every rank of a mesh makes
+(``Bound``), the mesh's ``wait_key`` (its source, sizes and place among the meshes built
+alike on every rank) and its calls so far, never a rank's own groups.
 
 A failed wait leaves the group's collectives out of step (the work may still be in
 flight, the absent ranks may enter later), so the group is closed for the library: later
@@ -34,7 +41,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,8 +72,8 @@ class _Group:
 
 _GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> _Group
 #: per default group (a new ``init_process_group`` starts afresh, on every rank alike): the
-#: groups of each name met so far ("serials"), and the calls of each mesh's (data, TP x PP)
-#: groups, for their rolls ("calls")
+#: groups of each name met so far ("serials"), and the calls of each kind on each mesh, for
+#: their rolls ("calls")
 _COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -114,7 +121,7 @@ def wait(work, group, what: str, label: str, timeout: timedelta, roll: Optional[
     except RuntimeError as exc:
         if work.is_completed():  # it failed (a peer gave up), not merely slow
             _fail(record, roll, marked, what, timeout, time.monotonic() - start, exc, group, me)
-    marked = roll.mark()
+    marked = roll.mark(me)
     try:
         left = max(timeout.total_seconds() - (time.monotonic() - start), 0.001)
         work.wait(timedelta(seconds=left))
@@ -126,20 +133,21 @@ class Bound:
     """The bound and names of one call's waits on a mesh: ``what`` (``"calculate()"``),
     the mesh's ``wait_timeout()``, and the roll of its ranks.
 
-    A call that every rank of a mesh makes (``calculate()``) takes the roll of the whole
-    mesh, ``mesh.roll()``: every rank of a mesh that spans the world ends up waiting on
-    one of the call's collectives when some rank is missing (each TP x PP group holds a
-    rank of every data group), so the ranks that never marked it are the absent ones,
-    named in one message on every rank that came."""
+    A call that every rank of a mesh makes (``calculate()``, given its ``groups``) takes
+    the roll of the whole mesh: every rank of a mesh that spans the world ends up waiting
+    on one of the call's collectives when some rank is missing (each TP x PP group holds
+    a rank of every data group), so the ranks that never marked it are the absent ones,
+    named in one message on every rank that came. The roll's key is the mesh's
+    ``wait_key``, ``what`` and the count of such calls on the mesh: the same on every rank
+    (every rank of the mesh makes its calls in one order), where the names of a rank's
+    own groups are not (rank 4's data group is not rank 5's)."""
 
     def __init__(self, what: str, mesh, groups: Sequence = ()):
         self.what, self.mesh, self.timeout = what, mesh, mesh.wait_timeout()
         self.roll = None
         ranks = mesh.member_ranks() if groups else None
         if ranks is not None and len(ranks) > 1:
-            # the call's key: the same on every rank of the mesh, which all make the same
-            # calls on these groups in the same order
-            ident = f"{what}:{mesh.source}:" + ":".join(G.group_name(g) if g is not None else "-" for g in groups)
+            ident = f"{what}:{mesh.wait_key}"
             with _LOCK:
                 calls = _counts("calls")
                 calls[ident] = n = calls.get(ident, 0) + 1
@@ -165,17 +173,19 @@ class Roll:
     def __init__(self, store, key: str, ranks: Sequence[int], label: str):
         self.store, self.key, self.ranks, self.label = store, key, tuple(ranks), label
 
-    def mark(self) -> bool:
+    def mark(self, rank: int) -> bool:
+        """Append ``rank`` to the ranks that came (one store request)."""
         if self.store is None:
             return False
         try:
-            self.store.append(f"{self.key}/in", f"{G.global_rank()},")
+            self.store.append(f"{self.key}/in", f"{rank},")
             return True
         except (RuntimeError, dist.DistError):
             return False
 
-    def absent(self, pause: float) -> Optional[list]:
-        """The ranks that did not mark; ``None`` when the store cannot say. The first
+    def absent(self, pause: float) -> Optional[Tuple[list, float]]:
+        """The ranks that had not marked when the first rank gave up, and when it did
+        (``time.time()``, its host's clock); ``None`` when the store cannot say. The first
         rank to ask reads the marks and writes the answer for the rest."""
         if self.store is None:
             return None
@@ -183,11 +193,12 @@ class Roll:
         try:
             if self.store.add(f"{key}/failed", 1) == 1:
                 came = {int(r) for r in self.store.get(f"{key}/in").decode().split(",") if r}
-                absent = [r for r in self.ranks if r not in came]
-                self.store.set(f"{key}/absent", ranges(absent) or "-")
-                return absent
+                absent, now = [r for r in self.ranks if r not in came], round(time.time(), 3)
+                self.store.set(f"{key}/absent", f"{ranges(absent) or '-'} @ {now:.3f}")
+                return absent, now
             self.store.wait([f"{key}/absent"], timedelta(seconds=max(pause, 1.0)))
-            return _unranges(self.store.get(f"{key}/absent").decode())
+            text, _, at = self.store.get(f"{key}/absent").decode().partition(" @ ")
+            return _unranges(text), float(at)
         except (RuntimeError, ValueError, dist.DistError):
             return None
 
@@ -227,21 +238,37 @@ def _fail(record: _Group, roll: Roll, marked: bool, what: str, timeout: timedelt
     # A wait can also fail at once (a peer that gave up closed its connections); the
     # ranks that came fail together: each marks, and gives the others as long as the
     # first wait to mark before the answer is read.
+    arrived = time.time() - waited
     if not marked:
-        roll.mark()
+        roll.mark(me)
     pause = min(EARLY_S, timeout.total_seconds() / 4)
     time.sleep(pause)
-    absent = roll.absent(pause)
-    label = roll.label
+    record.closed = message(what, timeout, waited, roll, me, roll.absent(pause), arrived)
+    raise MetricSyncError(record.closed) from cause
+
+
+def message(what: str, timeout: timedelta, waited: float, roll: Roll, me: int,
+            answer: Optional[Tuple[list, float]], arrived: float) -> str:
+    """What rank ``me`` says when its wait on ``roll``'s ranks failed, from the store's
+    ``answer`` (``Roll.absent``); ``arrived``: when its wait began (``time.time()``)."""
+    bound, label = timeout.total_seconds(), roll.label
+    absent = None if answer is None else answer[0]
+    if absent is not None and me in absent:  # the answer was written before this rank came
+        left = [r for r in roll.ranks if r not in absent]
+        late = arrived - answer[1]  # two hosts' clocks: about
+        when = f"about {late:.0f} s before" if late >= 1 else "less than a second before"
+        others = [r for r in absent if r != me]
+        also = f" (rank{'s' if len(others) > 1 else ''} {ranges(others)} had not come either)" if others else ""
+        return (f"{what}: rank{'s' if len(left) > 1 else ''} {ranges(left)} of the {label} gave up waiting "
+                f"for this call (the bound is {bound:g} s) {when} this rank ({me}) came{also}; their "
+                "collectives are out of step with this rank's, so these groups are spent: restart the "
+                "job. Nothing accumulated was lost")
     if absent:
         who = (f"rank{'s' if len(absent) > 1 else ''} {ranges(absent)} of the {label} did not arrive "
                f"(this is rank {me}; every rank of the {label} must call {what} at the same point)")
     elif absent is None:
         who = f"some ranks of the {label} did not arrive (this is rank {me}; the store could not say which)"
     else:
-        who = (f"every rank of the {label} arrived, but not within {timeout.total_seconds():g} s of "
-               f"each other (this is rank {me})")
-    msg = (f"{what}: waited {waited:.1f} s (the bound is {timeout.total_seconds():g} s: DeviceMesh "
-           f"timeout= or TWINKLE_METRICS_TIMEOUT_S); {who}. Nothing accumulated was lost")
-    record.closed = msg
-    raise MetricSyncError(msg) from cause
+        who = f"every rank of the {label} arrived, but not within {bound:g} s of each other (this is rank {me})"
+    return (f"{what}: waited {waited:.1f} s (the bound is {bound:g} s: DeviceMesh timeout= or "
+            f"TWINKLE_METRICS_TIMEOUT_S); {who}. Nothing accumulated was lost")

@@ -55,8 +55,9 @@ class Metric:
         device_mesh: the ``parallel.DeviceMesh`` that says which ranks hold disjoint
             data, or Twinkle's ``DeviceMesh`` (converted by
             ``DeviceMesh.from_twinkle``, collective the first time). ``None``:
-            ``DeviceMesh.current()`` at the first ``calculate()`` (Megatron's groups
-            when initialised, else WORLD as pure data parallel).
+            ``DeviceMesh.current(process_group)`` at the first ``calculate()``
+            (Megatron's groups when initialised, else ``process_group`` or WORLD as pure
+            data parallel: a one-rank ``process_group`` never communicates).
         process_group: overrides the mesh's data group (DP x CP) for the reduction. Under
             context parallelism it must hold the mesh's DP x CP ranks (the CP rules follow
             the mesh: ``sequence_group``).
@@ -328,8 +329,8 @@ class Metric:
         return sync_and_compute([self], reset=reset)[0]
 
     def resolve_mesh(self) -> DeviceMesh:
-        if self.device_mesh is None:
-            self.device_mesh = DeviceMesh.current()
+        if self.device_mesh is None:  # a process_group alone: the mesh of its ranks, never WORLD
+            self.device_mesh = DeviceMesh.current(self.process_group)
         return self.device_mesh
 
     def data_group(self):
