@@ -23,6 +23,7 @@ from twinkle_metrics.comm.fused import MetricSyncError
 from twinkle_metrics.comm.pending import CalculateHandle
 from twinkle_metrics.core import fold
 from twinkle_metrics.core.collection import MetricCollection
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric, UnknownArgumentWarning
 from twinkle_metrics.core.state import Origin, State
 from twinkle_metrics.inputs.data_format import InputFeature, ModelOutput
@@ -44,7 +45,7 @@ from twinkle_metrics.metrics.system.moe import MoERoutingMetric
 from twinkle_metrics.metrics.system.norms import ModelNormMetric
 from twinkle_metrics.metrics.system.train import TrainMetric
 
-__all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "Reads", "InputFeature", "ModelOutput",
+__all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "Reads", "Schema", "InputFeature", "ModelOutput",
            "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",

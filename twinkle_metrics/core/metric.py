@@ -18,8 +18,8 @@ A metric is declarations plus two (or three) methods:
   Python numbers, lists for shaped states).
 
 A few declared attributes complete it, each a plain value, never a method to override:
-``agree_over``, ``tp_mismatch_hint``, ``unsliceable``, ``unsliced_states``,
-``fingerprint_exclude`` and ``fingerprint_sync_only``. Everything else (slicing, the
+``agree_over``, ``tp_mismatch_hint``, ``unsliceable``, ``unsliced_states``, ``schema``,
+``reads`` and ``result_keys``. Everything else (slicing, the
 fused sync, asynchronous calculate and the fold-back of a failed interval, checkpoints
 and resuming at another data-parallel size, agreement across ranks) works from the
 declarations; docs/contract.md has the whole contract on one page.
@@ -39,7 +39,7 @@ from parallel.groups import group_ranks
 from twinkle_metrics.comm import pending
 from twinkle_metrics.comm.fused import plain_states, sync_and_compute
 from twinkle_metrics.core import checkpoint, config, slicing, staging
-from twinkle_metrics.core.config import UnknownArgumentWarning, constructor_keywords
+from twinkle_metrics.core.config import Schema, UnknownArgumentWarning, constructor_keywords
 from twinkle_metrics.core.state import Origin, State, move_states, new_states
 from twinkle_metrics.inputs import fields
 
@@ -106,12 +106,10 @@ class Metric:
     #: setting of the metric): a ``MetricCollection`` refuses, when it is built, two members
     #: that could return the same key
     result_keys: ClassVar[Sequence[str]] = ()
-    #: constructor arguments that do not change what a state means (left out of the
-    #: fingerprint, see ``twinkle_metrics.core.config``), e.g. chunk sizes, a model to read
-    fingerprint_exclude: ClassVar[Sequence[str]] = ()
-    #: constructor arguments ranks must agree on but a checkpoint need not (they decide
-    #: which states are created on the fly; ``load_state_dict`` checks the states)
-    fingerprint_sync_only: ClassVar[Sequence[str]] = ()
+    #: what the fingerprint covers (``core.config.Schema``): a version bumped on purpose, the
+    #: constructor arguments that change no state's meaning (``exclude``) and those ranks must
+    #: agree on but a checkpoint need not (``sync_only``)
+    schema: ClassVar[Schema] = Schema()
     #: what ``slice_by`` cannot mean for this metric (None: it can be sliced)
     unsliceable: ClassVar[Optional[str]] = None
     #: states kept for the whole call only, not per slice (e.g. records with global indices)
@@ -240,13 +238,14 @@ class Metric:
 
     # ------------------------------------------------------------------ schema
     def fingerprint(self) -> str:
-        """What a checkpoint must agree on for the states to mean the same: the class and
-        the arguments its constructor was called with (``twinkle_metrics.core.config``),
-        less ``fingerprint_exclude`` and ``fingerprint_sync_only``."""
+        """What a checkpoint must agree on for the states to mean the same: the class, its
+        schema's version and the arguments its constructor was called with
+        (``twinkle_metrics.core.config.Schema``), less the schema's ``exclude`` and
+        ``sync_only``."""
         return config.fingerprint(self, checkpoint=True)
 
     def sync_fingerprint(self) -> str:
-        """What ranks must agree on to sync: the fingerprint with ``fingerprint_sync_only``
+        """What ranks must agree on to sync: the fingerprint with the schema's ``sync_only``
         (checked by every ``calculate()``: ranks that differ raise ``MetricSyncError``)."""
         return config.fingerprint(self)
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_rank, group_size
 from twinkle_metrics.comm import agreement as exchange
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import as_count, f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
@@ -99,7 +100,7 @@ class EmbeddingMetric(Metric):
 
     unsliceable = "its in-batch statistics compare every sequence with the whole data-group batch"
     agree_over = ("data",)  # the row-count agreement and the in-batch gather run over it
-    fingerprint_exclude = ("size_group",)  # a group to exchange sizes over, not a setting
+    schema = Schema(exclude=("size_group",))  # a group to exchange sizes over, not a setting
 
     pos_sum = State("sum")
     pos_min = State("min")

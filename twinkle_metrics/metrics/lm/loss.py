@@ -7,6 +7,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import (
@@ -102,7 +103,7 @@ class LossMetric(Metric):
     result_keys = ('loss', 'num_tokens', 'grad_norm', 'loss_nonfinite', 'ppl',)
 
     # compute-only: a checkpoint written without it (or with the other value) loads alike
-    fingerprint_sync_only = ("ppl",)
+    schema = Schema(sync_only=("ppl",))
 
     loss_total = State("sum")
     entries = State("sum", torch.int64)

@@ -8,6 +8,7 @@ import torch
 
 from parallel import group_size
 from twinkle_metrics.comm import agreement as exchange
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import as_tensor
@@ -235,7 +236,7 @@ class GRPOMetric(PolicySums, Metric):
     #: clip statistics per sequence (GSPO) instead of per token
     sequence_level_clip = False
     #: working-memory knobs: they change no number
-    fingerprint_exclude = ("entropy_chunk_size", "entropy_chunk_bytes")
+    schema = Schema(exclude=("entropy_chunk_size", "entropy_chunk_bytes"))
 
     def __init__(self, device_mesh=None, process_group=None, *, ignore_index: int = -100,
                  temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,

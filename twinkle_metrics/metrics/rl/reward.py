@@ -7,6 +7,7 @@ from typing import Any, Dict, Hashable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.slicing import SEP
 from twinkle_metrics.core.state import State
@@ -115,7 +116,7 @@ class CompletionRewardMetric(Metric):
 
     # fixed names or names as they come decide which states are created on the fly: ranks
     # must agree on it, while a checkpoint loads across the two (its states are checked)
-    fingerprint_sync_only = ("reward_names",)
+    schema = Schema(sync_only=("reward_names",))
 
     len_count = State("sum", torch.int64)
     len_sum = State("sum", torch.float64)

@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import fits_int64
@@ -127,9 +128,8 @@ class MoERoutingMetric(Metric):
 
     unsliceable = "router statistics are per token of a layer, not per sequence"
 
-    fingerprint_exclude = ("per_layer",)
-    # compute-only: ranks must agree on the keys, a checkpoint loads whatever it was
-    fingerprint_sync_only = ("percentiles",)
+    # percentiles are compute-only: ranks must agree on the keys, a checkpoint loads whatever it was
+    schema = Schema(exclude=("per_layer",), sync_only=("percentiles",))
 
     def __init__(self, device_mesh=None, process_group=None, *, num_layers: int, num_experts: int,
                  sequence_parallel: bool = False, per_layer: bool = True,
