@@ -45,8 +45,8 @@ from twinkle_metrics.metrics.system.moe import MoERoutingMetric
 from twinkle_metrics.metrics.system.norms import ModelNormMetric
 from twinkle_metrics.metrics.system.train import TrainMetric
 
-__all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "Reads", "Schema", "InputFeature", "ModelOutput",
-           "microbatches",
+__all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "Reads", "Schema", "InputFeature",
+           "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
            "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "ModelNormMetric", "MoERoutingMetric",

@@ -94,6 +94,10 @@ class MetricCollection:
     def __len__(self) -> int:
         return len(self._items)
 
+    def members(self) -> List:
+        """``[(name, metric)]`` in order (names are ``""`` in the list form)."""
+        return list(self._items)
+
     def __iter__(self) -> Iterator[Metric]:
         return (m for _, m in self._items)
 
