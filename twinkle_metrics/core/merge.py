@@ -63,12 +63,12 @@ def _match(items, decoded: List[List[Entry]], single: bool, what: str) -> List[L
         for i, entries in enumerate(decoded):
             hits = [e for e in entries if e.cls == cls]
             if not hits:
-                raise ValueError(f"{what}: export {i} carries no {cls} (it carries {[e.label for e in entries]}); "
+                raise ValueError(f"{what}: export {i} carries no {cls} (it carries {', '.join(e.label for e in entries)}); "
                                  "pass the exports of this metric, or build the driver metric of the class the "
                                  "workers exported")
             if len(hits) > 1:
                 raise ValueError(f"{what}: export {i} carries {len(hits)} metrics of class {cls} "
-                                 f"({[e.label for e in hits]}); merge it with a MetricCollection of the same names")
+                                 f"({', '.join(e.label for e in hits)}); merge it with a MetricCollection of the same names")
             out[0].append(hits[0])
         return out
     keys: Dict[Tuple[str, str], int] = {}
@@ -87,7 +87,7 @@ def _match(items, decoded: List[List[Entry]], single: bool, what: str) -> List[L
                                  "from a dict {name: metric}")
             seen.add(key)
             if key not in keys:
-                held = [_label(n, m) for n, m in items]
+                held = ", ".join(_label(n, m) for n, m in items)
                 raise ValueError(f"{what}: export {i} ({e.where}) carries {e.label}, which this collection does not "
                                  f"hold (it holds {held}); build the driver's collection with the workers' metrics "
                                  "and names")
