@@ -28,6 +28,7 @@ import time
 import torch
 
 from benchmarks import common, suite
+from benchmarks.bench_sync_scaling import _time  # median seconds over repetitions filling a budget
 
 SIZES = (1, 8, 64, 256, 1024)
 QUANTILES = (0.5, 0.9, 0.99)
@@ -49,17 +50,6 @@ def fed(quantiles: bool):
         for name, m in zip(suite.CORE, c):
             suite._accumulate_ours(name, m, b)
     return c
-
-
-def _time(fn, budget_s: float, min_reps: int = 3, max_reps: int = 200) -> float:
-    fn()
-    times = []
-    start = time.perf_counter()
-    while len(times) < min_reps or (len(times) < max_reps and time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return common.median(times)
 
 
 def _timed_after(make, act, budget_s: float, min_reps: int = 3, max_reps: int = 100) -> float:

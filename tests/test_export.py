@@ -351,6 +351,8 @@ def _bad_cases():
          ValueError, r"export 0: field \"metrics\[0\].states\['loss_total'\]\" holds 'x'"),
         ("float in int64", _edit(exports, 1, lambda e: e["metrics"][1]["states"]["correct"].__setitem__(1, 2.5)),
          ValueError, r"export 1: field \"metrics\[1\].states\['correct'\]\" holds 2.5"),
+        ("int past int64", _edit(exports, 1, lambda e: e["metrics"][1]["states"]["correct"].__setitem__(1, 2 ** 63)),
+         ValueError, "holds 9223372036854775808; an int64 state holds ints in int64 range"),
         ("bool rank", _edit(exports, 0, lambda e: e["place"].__setitem__("tp_rank", True)), TypeError,
          "export 0: field 'place.tp_rank' is a bool"),
         ("rank past size", _edit(exports, 1, lambda e: e["place"].__setitem__("data_rank", 2)), ValueError,

@@ -6,6 +6,7 @@ over the TP x PP positions, ``fused._unpack``). No process group is involved.
 """
 from __future__ import annotations
 
+import array
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -59,7 +60,9 @@ class Rows:
                 for name, spec, _ in entries:
                     value = row.get(name)
                     flat.extend(value if value is not None else [spec.identity] * spec.numel)
-            block = torch.tensor(flat, dtype=dtype).reshape(n, -1)
+            # through array: a C loop over the numbers, several times faster than torch.tensor(list)
+            packed = array.array("d" if dtype == torch.float64 else "q", flat)
+            block = torch.frombuffer(packed, dtype=dtype).reshape(n, -1) if flat else torch.zeros(n, 0, dtype=dtype)
             out[:, cols] = block if dtype == torch.float64 else block.view(torch.float64)
         return out
 

@@ -28,6 +28,7 @@ the metric from (``twinkle_metrics.from_export``); any that are not plain JSON a
 """
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Mapping
 from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
@@ -293,6 +294,15 @@ def _decl(bad: _Bad, obj: Any, field: str) -> Tuple[Dict[str, Any], int]:
     return decl, math.prod(shape)
 
 
+def _int64s(values: List[int]) -> bool:
+    """Whether every int fits int64 (a C loop, as the rows are built)."""
+    try:
+        array.array("q", values)
+    except OverflowError:
+        return False
+    return True
+
+
 def _values(bad: _Bad, where: str, value: Any, decl: Dict[str, Any], numel: int) -> List[Any]:
     shaped = bool(decl["shape"])
     flat = value if shaped else [value]
@@ -300,13 +310,14 @@ def _values(bad: _Bad, where: str, value: Any, decl: Dict[str, Any], numel: int)
         raise bad.type(where, value, f"a flat list of {numel} numbers (shape {decl['shape']})")
     if len(flat) != numel:
         raise bad.value(where, f"holds {len(flat)} numbers; its shape {decl['shape']} needs {numel}")
+    kinds = set(map(type, flat))  # one pass in C: histograms hold thousands of numbers
     if decl["dtype"] == "int64":
-        if not all(type(v) is int for v in flat) or not all(_I64[0] <= v < _I64[1] for v in flat):
+        if kinds - {int} or not _int64s(flat):
             wrong = next(v for v in flat if type(v) is not int or not _I64[0] <= v < _I64[1])
             raise bad.value(where, f"holds {wrong!r}; an int64 state holds ints in int64 range")
-        return list(flat)
-    if all(type(v) is float for v in flat):
-        return list(flat)
+        return flat
+    if kinds <= {float}:
+        return flat
     out = []
     for v in flat:
         if type(v) is float:
