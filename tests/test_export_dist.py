@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from parallel import DeviceMesh
+from tests.moeref import losses, make_layer, piece
 from tests.refmetric import dp_shards
 from tests.rlref import make_rl_batch, ragged
 from twinkle_metrics import (
@@ -19,13 +20,19 @@ from twinkle_metrics import (
     GRPOMetric,
     LossMetric,
     MetricCollection,
+    MoERoutingMetric,
     PassAtKMetric,
     from_export,
 )
 from twinkle_metrics.core.merge import equal
-from twinkle_metrics.testing import CollectiveCounter, assert_results_close, state_dict_differences
+from twinkle_metrics.testing import (
+    CollectiveCounter,
+    assert_layout_invariant,
+    assert_results_close,
+    state_dict_differences,
+)
 
-pytestmark = [pytest.mark.xdist_group("dist"), pytest.mark.megatron]
+pytestmark = pytest.mark.xdist_group("dist")
 
 SEED, N_SEQ, SEQ, V = 5, 12, 8, 16
 
@@ -106,6 +113,7 @@ def _exports(ranks):
     return [json.loads(text) for text, _, _ in ranks]
 
 
+@pytest.mark.megatron
 def test_a_driver_merges_the_json_of_every_rank_into_the_whole_batch(ranks):
     whole = whole_results()
     # the comparison can fail: clipping, KL records, quantiles and rewards all carry numbers
@@ -142,6 +150,7 @@ def _malformed(exports):
     return out
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize("case", [
     ("dropped data shard", lambda ex: [e for e in ex if e["place"]["data_rank"] != 1], ValueError,
      "no export of interval 0 holds data shard 1 of 2"),
@@ -161,6 +170,32 @@ def test_what_a_driver_refuses(ranks, case):
     assert not state_dict_differences(before, driver.state_dict())
 
 
+@pytest.mark.megatron
 def test_a_driver_built_with_other_arguments_refuses(ranks):
     with pytest.raises(ValueError, match=r"field 'metrics\[2\].fingerprint'.*top_k_kl=4.*top_k_kl=3"):
         make(top_k=3).calculate_from(_exports(ranks))
+
+
+# ------------------------------------------------ states every stage contributes: MoE routing
+MOE_L, MOE_E, MOE_K, MOE_T, MOE_CHUNKS = 4, 6, 2, 40, 4
+
+
+def make_moe(mesh):
+    return MoERoutingMetric(mesh, num_layers=MOE_L, num_experts=MOE_E)
+
+
+def feed_moe(m, shard):
+    """Stage p routes layers p, p + pp, ...; the data ranks (DP x CP) share out 4 fixed
+    chunks of each layer's tokens; TP replicas route the same tokens."""
+    me, n = shard.dp_rank * shard.cp_size + shard.cp_rank, shard.dp_size * shard.cp_size
+    for layer in range(shard.pp_rank, MOE_L, shard.pp_size):
+        data = make_layer(100 * shard.interval + layer, MOE_T, MOE_E, MOE_K)
+        for c in range(me, MOE_CHUNKS, n):
+            rows = torch.arange(MOE_T).tensor_split(MOE_CHUNKS)[c].tolist()
+            m.observe(layer, **piece(data, rows, MOE_K), **losses(shard.interval, layer, c))
+
+
+def test_stage_scoped_states_merge_from_every_stage(dist_pool):
+    """MoE routing counts of scope "stage": the export path of the layout harness merges every
+    stage's exports (the data sources' alone are not enough, and are not tried)."""
+    assert_layout_invariant(make_moe, feed_moe, ["pp2xdp2", "tp2xpp2xdp2", "cp2xdp2"], pool=dist_pool)
