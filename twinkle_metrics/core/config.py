@@ -90,11 +90,14 @@ def settle_arguments(metric, unknown) -> None:
     cls = type(metric)
     skip = set(NEVER) | set(unknown) | declared(cls, "fingerprint_exclude")
     out: Dict[str, str] = {}
+    values: Dict[str, Any] = {}  # as given: what an export hands a driver to rebuild the metric
     for name, value in metric.__dict__.get("_arguments", {}).items():
         if name in skip or (name == "slice_by" and value is None):  # unsliced: as before slicing existed
             continue
         out[name] = _text(metric, name, value)
+        values[name] = value
     metric._arguments = out
+    metric._argument_values = values
 
 
 def _text(metric, name: str, value) -> str:
