@@ -63,12 +63,13 @@ def _match(items, decoded: List[List[Entry]], single: bool, what: str) -> List[L
         for i, entries in enumerate(decoded):
             hits = [e for e in entries if e.cls == cls]
             if not hits:
-                raise ValueError(f"{what}: export {i} carries no {cls} (it carries {[e.label for e in entries]}); "
-                                 "pass the exports of this metric, or build the driver metric of the class the "
-                                 "workers exported")
+                carries = ", ".join(e.label for e in entries)
+                raise ValueError(f"{what}: export {i} carries no {cls} (it carries {carries}); pass the exports of "
+                                 "this metric, or build the driver metric of the class the workers exported")
             if len(hits) > 1:
-                raise ValueError(f"{what}: export {i} carries {len(hits)} metrics of class {cls} "
-                                 f"({[e.label for e in hits]}); merge it with a MetricCollection of the same names")
+                raise ValueError(f"{what}: export {i} carries {len(hits)} metrics of class {cls} ("
+                                 + ", ".join(e.label for e in hits) + "); merge it with a MetricCollection of the "
+                                 "same names")
             out[0].append(hits[0])
         return out
     keys: Dict[Tuple[str, str], int] = {}
@@ -87,7 +88,7 @@ def _match(items, decoded: List[List[Entry]], single: bool, what: str) -> List[L
                                  "from a dict {name: metric}")
             seen.add(key)
             if key not in keys:
-                held = [_label(n, m) for n, m in items]
+                held = ", ".join(_label(n, m) for n, m in items)
                 raise ValueError(f"{what}: export {i} ({e.where}) carries {e.label}, which this collection does not "
                                  f"hold (it holds {held}); build the driver's collection with the workers' metrics "
                                  "and names")
@@ -152,19 +153,22 @@ def _state_names(scratch, entries: List[Entry], what: str) -> List[str]:
     """Every state of the merge (the driver's and the union of the exports'), each
     declared on the driver as in the exports; the ones created on the fly are created on
     the scratch copy, as the sync creates them on ranks that lack them."""
-    names = set(scratch._specs)
+    known: Dict[str, Dict[str, Any]] = {}  # each state's declaration on the driver
     for e in entries:
         for name, decl in e.decls.items():
-            spec = scratch._specs.get(name) or scratch.state_spec(name)
-            if spec is None:
-                raise ValueError(f"{what}: export {e.index}: field '{e.where}.states' holds {e.label}.{name}, which "
-                                 "the driver's metric neither declares nor creates on the fly; build the driver "
-                                 "metric with the workers' arguments")
-            if decl_of(spec) != decl:
+            mine = known.get(name)
+            if mine is None:
+                spec = scratch._specs.get(name) or scratch.state_spec(name)
+                if spec is None:
+                    raise ValueError(f"{what}: export {e.index}: field '{e.where}.states' holds {e.label}.{name}, "
+                                     "which the driver's metric neither declares nor creates on the fly; build the "
+                                     "driver metric with the workers' arguments")
+                mine = known[name] = decl_of(spec)
+            if decl is not mine and decl != mine:
                 raise ValueError(f"{what}: export {e.index}: field '{e.where}.decls' declares {e.label}.{name} as "
-                                 f"{decl} but the driver's metric as {decl_of(spec)}; run the same version of the "
+                                 f"{decl} but the driver's metric as {mine}; run the same version of the "
                                  "library on the workers and the driver")
-            names.add(name)
+    names = set(scratch._specs) | set(known)
     if scratch.slice_by is not None:
         error = slicing.over_bound(scratch, slicing.held(names), scratch.max_slices, "sync")
         if error:

@@ -86,6 +86,10 @@ def from_export(export) -> MetricCollection:
                                  "was changed after construction, or another library version exported it); build "
                                  "the driver metric yourself")
             items[key] = metric
-    if all(name == "" for name, _ in items):
+    names = [name for name, _ in items]
+    if all(name == "" for name in names):
         return MetricCollection(list(items.values()))
+    if len(set(names)) < len(names):
+        raise ValueError(f"{what}: the exports carry metrics under the names {names}, some twice (from several "
+                         "collections); build the driver's collection yourself")
     return MetricCollection({name: m for (name, _), m in items.items()})
