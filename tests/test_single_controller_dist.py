@@ -45,9 +45,14 @@ def case_verl(code):
     train_mini_batch's flattening and append_to_dict (``tests/verlref.py``: verl's code)."""
     gather, append, VerlMetric = verlref.worker_helpers()
     mesh = DeviceMesh.from_sizes(tp_size=2, pp_size=2, dp_size=2)
+    source = mesh.tp_rank == 0 and mesh.is_last_stage  # is_mp_src_rank_with_outputs (CP 1)
+    worker = types.SimpleNamespace(engine=types.SimpleNamespace(is_mp_src_rank_with_outputs=lambda: source))
     output = {"metrics": {"pg_loss": [float(mesh.dp_rank)]}}  # what engine.train_batch returned
-    _run(code, "verl worker", output=output, tm_metrics=fed(mesh))
-    if not (mesh.tp_rank == 0 and mesh.is_last_stage):  # is_mp_src_rank_with_outputs
+    tm_metrics = fed(mesh)
+    _run(code, "verl worker", self=worker, output=output, tm_metrics=tm_metrics)
+    assert tm_metrics["lm"].calculate() == {}  # every rank's interval ended, not only the sources'
+    if not source:
+        assert "twinkle" not in output["metrics"]
         return None
     step = {}
     append(step, verlref.flatten_mini_batch(gather(output["metrics"], group=mesh.dp_group), VerlMetric))

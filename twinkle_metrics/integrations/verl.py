@@ -4,9 +4,9 @@ On the workers, the metrics accumulate as usual (in the loss function, every mic
 and each rank puts its export into the metrics dict of its update, once per update and
 wrapped in a list (verl flattens one level of list per data-parallel gather)::
 
-    output["metrics"]["twinkle"] = [metrics.export()]    # every rank, once per train_batch
-
-(every rank exports, so that every rank's interval ends; verl sends the source ranks' on).
+    tm_export = [metrics.export()]                  # every rank, once per train_batch
+    if self.engine.is_mp_src_rank_with_outputs():   # the ranks whose output goes on
+        output["metrics"]["twinkle"] = tm_export
 
 verl gathers the dict over data parallelism (``all_gather_object``), flattens one level of
 list, keeps the model-parallel source ranks (TP rank 0, last stage, CP rank 0) and extends
