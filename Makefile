@@ -12,6 +12,9 @@ STAMP := $(VENV)/.installed-$(CKSUM)
 TORCH ?= torch==2.13.0
 MEGATRON ?= megatron-core==0.16.1
 EXTRAS := .[megatron,deepspeed,loggers,test]
+# verl's metric code, for tests/test_verl*.py: without its dependencies (vllm, ray, transformers,
+# ...), which those tests do not import (they read verl's files: tests/verlref.py)
+VERL ?= verl==0.9.1
 
 # The second leg. torch 2.14.1 is the registry's CUDA build (~3 GB of wheels with its nvidia
 # libraries, pinning triton 3.8); it runs on CPU. Its wheels are kept in WHEELS312, outside the
@@ -42,6 +45,7 @@ $(STAMP):
 	$(call pip,$(VENV),--upgrade pip)
 	$(call pip,$(VENV),"$(TORCH)")
 	$(call pip,$(VENV),-e "$(EXTRAS)" "$(MEGATRON)")
+	$(call pip,$(VENV),--no-deps "$(VERL)")
 	rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)

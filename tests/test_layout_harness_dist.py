@@ -51,6 +51,15 @@ class ChattyMean(MaskedMean):
         return out
 
 
+class MiscountedExport(MaskedMean):
+    """Right calculate(), but its exports count one token too many on each rank."""
+
+    def export(self):
+        out = super().export()
+        out["metrics"][0]["states"]["count"][1] += 1
+        return out
+
+
 def batch(interval):
     g = torch.Generator().manual_seed(100 + interval)
     labels = torch.randint(0, 9, (NSEQ, SEQ), generator=g)
@@ -106,6 +115,16 @@ def test_extra_collective_trips_the_budget(dist_pool):
     assert "budget of 2" in str(e.value)
     # the same metric under a budget that allows it
     assert_layout_invariant(ChattyMean, feed, ["tp2xdp2"], pool=dist_pool, max_collectives=3)
+
+
+def test_a_wrong_export_names_the_layout_and_the_driver(dist_pool):
+    """The export path is checked too: a driver merging the exports must get the single
+    process's numbers; ``exports=False`` leaves it out."""
+    with pytest.raises(AssertionError) as e:
+        assert_layout_invariant(MiscountedExport, feed, ["tp2xdp2"], pool=dist_pool)
+    assert "layout 'tp2xdp2', rank driver (every rank's export), interval 0" in str(e.value)
+    assert "tokens: " in str(e.value)
+    assert_layout_invariant(MiscountedExport, feed, ["tp2xdp2"], pool=dist_pool, exports=False)
 
 
 def test_budget_check_and_shards_unit():

@@ -11,8 +11,9 @@ the test that reads the block from the README and runs it in its own setting (th
 recipe in megatron-core's schedule on 1 and 4 gloo ranks). A block without a marker, or
 with an unknown name, fails ``test_every_block_has_a_runner``.
 
-``docs/contract.md`` and ``docs/testing.md`` are left out: their examples run in their own
-tests (``tests/test_contract_doc.py``, and those of ``twinkle_metrics.testing``).
+``docs/contract.md``, ``docs/testing.md`` and ``docs/single-controller.md`` are left out: their
+examples run in their own tests (``tests/test_contract_doc.py``, those of
+``twinkle_metrics.testing``, ``tests/test_single_controller_dist.py``).
 """
 import glob
 import json
@@ -31,7 +32,7 @@ from twinkle_metrics.testing.rendezvous import Rendezvous
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = re.compile(r"^<!-- readme-test: ([a-z0-9-]+) -->$")
-NOT_HERE = {"docs/contract.md", "docs/testing.md"}
+NOT_HERE = {"docs/contract.md", "docs/testing.md", "docs/single-controller.md"}
 
 
 def documents():

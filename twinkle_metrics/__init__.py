@@ -24,6 +24,8 @@ from twinkle_metrics.comm.pending import CalculateHandle
 from twinkle_metrics.core import fold
 from twinkle_metrics.core.collection import MetricCollection
 from twinkle_metrics.core.config import Schema
+from twinkle_metrics.core.export import is_export
+from twinkle_metrics.core.merge import agreed_results
 from twinkle_metrics.core.metric import Metric, UnknownArgumentWarning
 from twinkle_metrics.core.state import Origin, State
 from twinkle_metrics.inputs.data_format import InputFeature, ModelOutput
@@ -31,6 +33,7 @@ from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import microbatches
 from twinkle_metrics.integrations.router_hooks import register_router_hooks
 from twinkle_metrics.kernels.argmax import vocab_parallel_argmax
+from twinkle_metrics.metrics import from_export
 from twinkle_metrics.metrics.lm.accuracy import Accuracy
 from twinkle_metrics.metrics.lm.embedding import EmbeddingMetric
 from twinkle_metrics.metrics.lm.loss import LossMetric
@@ -51,5 +54,6 @@ __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "Reads
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
            "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "ModelNormMetric", "MoERoutingMetric",
            "PassAtKMetric", "StalenessMetric",
-           "register_router_hooks", "UnknownArgumentWarning", "vocab_parallel_argmax", "CalculateHandle", "fold"]
+           "register_router_hooks", "UnknownArgumentWarning", "vocab_parallel_argmax", "CalculateHandle", "fold",
+           "is_export", "from_export", "agreed_results"]
 __version__ = "0.2.0"

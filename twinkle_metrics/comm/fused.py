@@ -351,30 +351,40 @@ def _check_tp_agreement(plan: _Plan, metrics, host: torch.Tensor, share_group) -
     stages: Dict[float, List[int]] = {}
     for r, pp in enumerate(host[:, _H_PP].tolist()):
         stages.setdefault(pp, []).append(r)
-    fcols, icols = plan.check_columns(False), plan.check_columns(True)
-    ints = host.view(torch.int64)
     ranks = group_ranks(share_group)
     for members in stages.values():
         first = members[0]
         for r in members[1:]:
-            bad = (~torch.isclose(host[r, fcols], host[first, fcols], rtol=_TP_RTOL, atol=_TP_ATOL,
-                                  equal_nan=True)).nonzero().flatten().tolist()
-            col = int(fcols[bad[0]]) if bad else None
-            bad_i = (ints[r, icols] != ints[first, icols]).nonzero().flatten().tolist()
-            if bad_i and (col is None or int(icols[bad_i[0]]) < col):
-                col = int(icols[bad_i[0]])
-            if col is None:
+            found = first_disagreement(plan, metrics, host, first, r)
+            if found is None:
                 continue
-            i, name = plan.owner[col - _HEADER]
-            m = metrics[i]
-            view = ints if m._specs[name].dtype == torch.int64 else host
-            a, b = view[first, col].item(), view[r, col].item()
+            m, name, a, b = found
             hint = m.tp_mismatch_hint
             raise MetricSyncError(
                 f"calculate(): ranks {ranks[first]} and {ranks[r]} are TP replicas of one pipeline "
                 f"stage but disagree on {type(m).__name__}.{name} ({a} vs {b}); TP replicas see the "
                 "same tokens and must reduce to the same numbers"
                 + (f"; {hint}" if hint else "; check that inputs are not split over the TP group"))
+
+
+def first_disagreement(plan: _Plan, metrics, rows: torch.Tensor, first: int, other: int) -> Optional[tuple]:
+    """``(metric, state, value in row first, value in row other)`` of the first state, in
+    buffer order, on which two rows of TP replicas differ beyond the replicas' tolerance
+    (states declared ``per_rank`` or of scope ``"model"`` left out); None when they agree."""
+    fcols, icols = plan.check_columns(False), plan.check_columns(True)
+    ints = rows.view(torch.int64)
+    bad = (~torch.isclose(rows[other, fcols], rows[first, fcols], rtol=_TP_RTOL, atol=_TP_ATOL,
+                          equal_nan=True)).nonzero().flatten().tolist()
+    col = int(fcols[bad[0]]) if bad else None
+    bad_i = (ints[other, icols] != ints[first, icols]).nonzero().flatten().tolist()
+    if bad_i and (col is None or int(icols[bad_i[0]]) < col):
+        col = int(icols[bad_i[0]])
+    if col is None:
+        return None
+    i, name = plan.owner[col - _HEADER]
+    m = metrics[i]
+    view = ints if _spec(m, name).dtype == torch.int64 else rows
+    return m, name, view[first, col].item(), view[other, col].item()
 
 
 def _unpack(vec: torch.Tensor, plan: _Plan, metrics) -> List[Dict[str, Any]]:

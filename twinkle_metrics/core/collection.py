@@ -9,6 +9,8 @@ from twinkle_metrics.comm import pending
 from twinkle_metrics.comm.agreement import join_failed
 from twinkle_metrics.comm.fused import sync_and_compute
 from twinkle_metrics.core import checkpoint, staging
+from twinkle_metrics.core.export import export_metrics
+from twinkle_metrics.core.merge import merge_exports
 from twinkle_metrics.core.metric import Metric, end_interval
 from twinkle_metrics.inputs import fields
 
@@ -172,6 +174,26 @@ class MetricCollection:
                                      "the metrics as a dict {name: metric} to prefix their keys")
                 out[full] = value
         return out
+
+    def export(self) -> Dict[str, Any]:
+        """Every metric's states as one plain JSON value, for a driver's ``calculate_from``;
+        not collective, one copy to the host; ends every metric's interval, as
+        ``calculate()`` does (see ``Metric.export``)."""
+        metrics = [m for _, m in self._items]
+        for m in metrics:
+            pending.settle(m)
+        out = export_metrics(self._items, "MetricCollection.export()")
+        for m in metrics:
+            end_interval(m)
+        return out
+
+    def calculate_from(self, exports: Sequence[Mapping[str, Any]], *, merge_intervals: bool = False) -> Dict[str, Any]:
+        """On a driver: the dict ``calculate()`` returns on the workers, from their exports
+        (see ``Metric.calculate_from``). Each metric merges from the exports that carry it
+        (same name and class): the exports of several worker groups, each holding its own
+        metrics, go in one list. Never touches the metrics' own states."""
+        return self._combine(merge_exports(self._items, exports, merge_intervals=merge_intervals, single=False,
+                                           what="MetricCollection.calculate_from"))
 
     def reset(self) -> "MetricCollection":
         for _, m in self._items:

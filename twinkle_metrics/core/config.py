@@ -89,10 +89,13 @@ def settle_arguments(metric, unknown) -> None:
     cls = type(metric)
     skip = set(NEVER) | set(unknown) | set(schema_of(cls).exclude)
     out: Dict[str, str] = {}
+    values: Dict[str, Any] = {}  # as given: what an export hands a driver to rebuild the metric
     for name, value in metric.__dict__.get("_arguments", {}).items():
         if name not in skip:
             out[name] = _text(metric, name, value)
+            values[name] = value
     metric._arguments = out
+    metric._argument_values = values
 
 
 def _text(metric, name: str, value) -> str:

@@ -40,6 +40,8 @@ from twinkle_metrics.comm import pending
 from twinkle_metrics.comm.fused import plain_states, sync_and_compute
 from twinkle_metrics.core import checkpoint, config, slicing, staging
 from twinkle_metrics.core.config import Schema, UnknownArgumentWarning, constructor_keywords
+from twinkle_metrics.core.export import export_metrics
+from twinkle_metrics.core.merge import merge_exports
 from twinkle_metrics.core.state import Origin, State, move_states, new_states
 from twinkle_metrics.inputs import fields
 
@@ -326,6 +328,46 @@ class Metric:
             return pending.submit([self], lambda results: results[0], reset, type(self).__name__)
         pending.settle(self)
         return sync_and_compute([self], reset=reset)[0]
+
+    def export(self) -> Dict[str, Any]:
+        """This rank's states as plain JSON, for a driver to merge (``calculate_from``).
+
+        Not collective: one copy of the states to the host, no other device wait. Ends
+        the interval as ``calculate()`` does (the states reset, the interval number
+        advances). The value holds the format version, this rank's place in the mesh
+        (data shard, TP/PP position), the interval number, and per metric its class,
+        fingerprint, constructor arguments and states (``twinkle_metrics.core.export``).
+        Raises ``RuntimeError`` while an asynchronous ``calculate()`` of it is in flight.
+        """
+        pending.settle(self)
+        out = export_metrics([("", self)], f"{type(self).__name__}.export()")
+        end_interval(self)
+        return out
+
+    def calculate_from(self, exports: Sequence[Mapping[str, Any]], *,
+                       merge_intervals: bool = False) -> Dict[str, Any]:
+        """On a driver: the dict ``calculate()`` returns on the workers, from their exports.
+
+        Build the metric with the workers' arguments and no mesh. ``exports``: the
+        ``export()`` of workers covering every data shard (DP x CP rank) of the last stage
+        at least once (every stage's for states of scope ``"stage"``, every rank's for
+        ``"model"``); TP replicas and other stages may come too, and must agree. Not
+        collective; never touches this metric's own states. ``merge_intervals=True``
+        merges exports of several intervals, each complete, as one long interval.
+        Raises ``ValueError``/``TypeError`` naming the export and the field
+        (``twinkle_metrics.core.merge``).
+
+        Example:
+            >>> import json
+            >>> from twinkle_metrics import LossMetric
+            >>> worker = LossMetric(loss_reduction="sum")
+            >>> _ = worker.accumulate(None, {"loss": 6.0, "num_tokens": 3})
+            >>> sent = json.dumps(worker.export())                  # what travels
+            >>> LossMetric(loss_reduction="sum").calculate_from([json.loads(sent)])["loss"]
+            2.0
+        """
+        return merge_exports([("", self)], exports, merge_intervals=merge_intervals, single=True,
+                                   what=f"{type(self).__name__}.calculate_from")[0]
 
     def resolve_mesh(self) -> DeviceMesh:
         if self.device_mesh is None:  # a process_group alone: the mesh of its ranks, never WORLD

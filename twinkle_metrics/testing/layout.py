@@ -24,6 +24,7 @@ all hold different tokens (``shard.dp_size == 4``) in expert groups of 2
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing as mp
 import pickle
 import re
@@ -142,9 +143,12 @@ def layout_mesh(layout: Layout, timeout_s: float = 60, source: str = "layout") -
 
 
 def run_layout_rank(name: str, make_metric: Callable, feed: Callable, intervals: int,
-                    timeout_s: float) -> Optional[List[tuple]]:
-    """One rank's part of a layout (a ``DistPool`` job): ``[(results, collectives), ...]``
-    per interval, or ``None`` on a rank outside the layout."""
+                    timeout_s: float, exports: bool = False) -> Optional[List[tuple]]:
+    """One rank's part of a layout (a ``DistPool`` job): ``[(results, collectives, export),
+    ...]`` per interval, or ``None`` on a rank outside the layout. ``exports``: a twin of
+    the metric is fed alike and exported each interval (its JSON text; else None), and a
+    third one fed every interval calculates once, at the end: one more entry
+    ``(results, None, None)`` (what a driver merging every interval must return)."""
     import torch.distributed as dist
 
     layout = parse_layout(name)
@@ -152,12 +156,22 @@ def run_layout_rank(name: str, make_metric: Callable, feed: Callable, intervals:
     if mesh is None:
         return None
     metric = make_metric(mesh)
+    twin = make_metric(mesh) if exports else None
+    long = make_metric(mesh) if exports else None
     out = []
     for i in range(intervals):
-        feed(metric, shard_of(layout, dist.get_rank(), i, name))
+        shard = shard_of(layout, dist.get_rank(), i, name)
+        feed(metric, shard)
         with CollectiveCounter() as c:
             res = metric.calculate()
-        out.append((res, c.total))
+        sent = None
+        if twin is not None:
+            feed(twin, shard)
+            sent = json.dumps(twin.export(), allow_nan=False)  # strict JSON, as any transport takes it
+            feed(long, shard)
+        out.append((res, c.total, sent))
+    if long is not None:
+        out.append((long.calculate(), None, None))
     return out
 
 
@@ -212,7 +226,7 @@ def assert_layout_invariant(make_metric: Callable, feed: Callable,
                             layouts: Union[str, Sequence[str]] = DEFAULT_LAYOUTS, *,
                             intervals: int = 2, rel: float = 1e-9, abs_tol: float = 1e-12,
                             ignore: Union[None, Collection[str], Callable[[str], bool]] = None,
-                            max_collectives: Optional[int] = None,
+                            max_collectives: Optional[int] = None, exports: bool = True,
                             pool: Optional[DistPool] = None, start_method: Optional[str] = None,
                             timeout_s: float = 60, job_timeout_s: float = 300) -> LayoutReport:
     """Raise ``AssertionError`` unless every rank of every layout gets the single process's results.
@@ -224,6 +238,14 @@ def assert_layout_invariant(make_metric: Callable, feed: Callable,
     after the first) may issue at most the library's collectives: 1, or 2 with TP or PP
     (``max_collectives`` replaces it).
 
+    With ``exports=True`` (default) a twin of the metric on every rank is fed alike and
+    ``export()``-ed each interval, and a driver (``make_metric(DeviceMesh.single())``, no
+    group) must get the single process's results from ``calculate_from``: given every
+    rank's export (as strict JSON); given the data sources' alone (last stage, TP rank 0)
+    where every state is of scope ``"data"``; and given every interval's exports with
+    ``merge_intervals=True``, what the ranks' own ``calculate()`` of one interval spanning
+    them all returns (a third instance per rank).
+
     Args:
         make_metric: ``make_metric(mesh)`` builds the metric (or a ``MetricCollection``).
         feed: ``feed(metric, shard)`` accumulates this rank's part of interval ``shard.interval``.
@@ -232,6 +254,7 @@ def assert_layout_invariant(make_metric: Callable, feed: Callable,
         layouts: layout strings (see the module docstring).
         rel, abs_tol: relative and absolute tolerance of the comparison (NaN equals NaN).
         ignore: result keys left out of the comparison (names, or a predicate), e.g. wall-clock rates.
+        exports: check the export path too (above); False for a metric that cannot export.
         pool: a ``DistPool`` to run on (its first ranks; the others idle). None: fresh ranks
             per layout, sized from it, killed afterwards.
         start_method: for fresh ranks: ``"fork"`` (default where available and this process
@@ -263,25 +286,53 @@ def assert_layout_invariant(make_metric: Callable, feed: Callable,
         reference.append(single.calculate())
     report = LayoutReport(reference, {}, {})
     for name, layout in parsed.items():
-        out = _run(name, layout, make_metric, feed, intervals, pool, start_method, timeout_s, job_timeout_s)
-        per_rank = out[:layout.world_size]
-        report.results[name] = [[res for res, _ in r] for r in per_rank]
-        report.collectives[name] = [[n for _, n in r] for r in per_rank]
+        out = _run(name, layout, make_metric, feed, intervals, pool, start_method, timeout_s, job_timeout_s,
+                   exports)
+        per_rank = [r[:intervals] for r in out[:layout.world_size]]
+        report.results[name] = [[res for res, _, _ in r] for r in per_rank]
+        report.collectives[name] = [[n for _, n, _ in r] for r in per_rank]
         budget = max_collectives if max_collectives is not None else collective_budget(layout)
         for rank, r in enumerate(per_rank):
-            for i, (res, _) in enumerate(r):
+            for i, (res, _, _) in enumerate(r):
                 check_results(name, rank, i, res, reference[i], rel, abs_tol, ignore)
             check_collectives(name, rank, report.collectives[name][rank], budget)
+        if exports:
+            sent = [[json.loads(text) for _, _, text in r] for r in per_rank]
+            check_exports(name, make_metric, sent, reference, out[0][intervals][0], rel, abs_tol, ignore)
     return report
 
 
-def _run(name, layout, make_metric, feed, intervals, pool, start_method, timeout_s, job_timeout_s):
+def check_exports(name: str, make_metric: Callable, sent: List[List[Dict[str, Any]]],
+                  reference: List[Dict[str, Any]], whole: Dict[str, Any], rel: float, abs_tol: float,
+                  ignore) -> None:
+    """``AssertionError`` naming the layout and the exports a driver merged when its
+    ``calculate_from`` differs from the single process (``reference``: per interval), or,
+    merging every interval, from the ranks' own calculate() of one interval spanning them
+    all (``whole``; records that count sequences over the interval count them rank by
+    rank there). ``sent[rank][interval]``: the exports."""
+    driver = make_metric(DeviceMesh.single())
+    for i, ref in enumerate(reference):
+        exports = [r[i] for r in sent]
+        check_results(name, "driver (every rank's export)", i, driver.calculate_from(exports), ref, rel,
+                      abs_tol, ignore)
+        scopes = {d["scope"] for e in exports for m in e["metrics"] for d in m["decls"]}
+        if scopes == {"data"}:
+            sources = [e for e in exports if e["place"]["source"]]
+            check_results(name, "driver (the data sources' exports)", i, driver.calculate_from(sources), ref, rel,
+                          abs_tol, ignore)
+    every = [e for r in sent for e in r]
+    check_results(name, "driver (every interval, merge_intervals=True)", "all",
+                  driver.calculate_from(every, merge_intervals=True), whole, rel, abs_tol, ignore)
+
+
+def _run(name, layout, make_metric, feed, intervals, pool, start_method, timeout_s, job_timeout_s, exports):
     own = pool is None
     if own:
         pool = DistPool(layout.world_size, timeout_s, start_method=start_method or _default_start_method(),
                         restart_on_failure=False)
     try:
-        return pool.run(run_layout_rank, name, make_metric, feed, intervals, timeout_s, timeout=job_timeout_s)
+        return pool.run(run_layout_rank, name, make_metric, feed, intervals, timeout_s, exports,
+                        timeout=job_timeout_s)
     except AssertionError as e:
         raise AssertionError(f"layout {name!r}: {e}") from None
     except TimeoutError as e:
