@@ -208,11 +208,10 @@ def main(argv=None):
         reports = loss_fn.pop()  # [] on stages other than the last
         tokens = sum(int((lab != -100).sum()) for _, lab in batches)
         norm = norms.pop() if norms else None
-        for metric in step_metrics:
-            metric.accumulate(None, reports, grad_norm=norm, lr=engine.get_lr()[0],
-                              step=(step + 1) * t["num_microbatches"],
-                              gradient_accumulation_steps=t["num_microbatches"], tokens=tokens,
-                              samples=t["num_microbatches"] * t["micro_batch_size"])
+        step_metrics.accumulate(None, reports, grad_norm=norm, lr=engine.get_lr()[0],
+                                step=(step + 1) * t["num_microbatches"],
+                                gradient_accumulation_steps=t["num_microbatches"], tokens=tokens,
+                                samples=t["num_microbatches"] * t["micro_batch_size"])
         if reports:
             debug.write("schedule", step=step + 1, pairs=[r["lm loss"].tolist() for r in reports],
                         deepspeed_loss=ds_losses[-1])

@@ -251,9 +251,8 @@ def run(args, cfg, env, ps, tensor_parallel, get_forward_backward_func, on_cpu, 
         optimizer.step()
 
         tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
-        for metric in step_metrics:
-            metric.accumulate(None, losses_reduced, grad_norm=norm, lr=lr, step=(step + 1) * M,
-                              gradient_accumulation_steps=M, tokens=tokens, samples=M * B)
+        step_metrics.accumulate(None, losses_reduced, grad_norm=norm, lr=lr, step=(step + 1) * M,
+                                gradient_accumulation_steps=M, tokens=tokens, samples=M * B)
         if losses_reduced:
             debug.write("schedule", step=step + 1,
                         pairs=[d["lm loss"].tolist() for d in losses_reduced])

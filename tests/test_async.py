@@ -58,9 +58,18 @@ def test_async_reset_false_keeps_the_interval():
 
 
 def test_async_error_surfaces_from_wait():
-    coll = MetricCollection([LossMetric(), LossMetric()])  # two metrics report 'loss'
+    class Loss(Metric):  # declares no result_keys: the clash shows when both return 'loss'
+        total = State("sum")
+
+        def update(self, inputs, outputs, **kwargs):
+            return {"total": outputs["loss"]}
+
+        def compute(self, s):
+            return {"loss": s["total"]}
+
+    coll = MetricCollection([Loss(), Loss()])
     for m in coll:
-        m.accumulate({"labels": torch.tensor([[1, -100]])}, {"loss": torch.tensor(2.0)})
+        m.accumulate(None, {"loss": torch.tensor(2.0)})
     handle = coll.calculate(async_op=True)
     with pytest.raises(ValueError, match="comes from two metrics"):
         handle.wait()

@@ -76,8 +76,8 @@ def test_collection_drives_metrics_through_public_or_package_functions():
     assert private == []
 
 
-def test_a_fingerprint_names_the_class_by_its_module():
-    assert LossMetric().fingerprint().startswith("twinkle_metrics.metrics.lm.loss.LossMetric(")
+def test_a_fingerprint_names_the_class_and_its_schema_version_not_its_module():
+    assert LossMetric().fingerprint().startswith("LossMetric/v1(loss_reduction='mean', ")
 
 
 # ----------------------------------------------------------------------------- Origin

@@ -226,7 +226,11 @@ def test_misspelt_keywords_raise_with_a_suggestion():
     with pytest.raises(TypeError, match="'grad_norms'.*did you mean 'grad_norm'"):
         LossMetric().accumulate(None, {"loss": 1.0}, grad_norms=1.0)
     m = LossMetric()
-    m.accumulate(None, {"loss": 1.0}, lr=1e-4, step=3, old_logps=None)  # other metrics' keywords
+    m.accumulate(None, {"loss": 1.0}, lr=1e-4, step=3)  # Twinkle's common keywords: every metric takes them
+    with pytest.raises(TypeError, match="LossMetric.accumulate: unexpected keyword argument 'old_logps'"):
+        m.accumulate(None, {"loss": 1.0}, old_logps=None)  # another metric's: only where that metric is
+    coll = MetricCollection([m, GRPOMetric()])
+    coll.accumulate(None, {"loss": 1.0}, old_logps=None)  # the collection's members take it
     assert m.calculate() == {"loss": 1.0}
 
 

@@ -37,13 +37,17 @@ def test_accuracy_matches_reference_and_twinkle_keys():
     assert_results_close(got, _ref_accuracy(labels, logits))
 
 
-def test_accuracy_right_aligns_labels_and_uses_completion_mask():
+def test_accuracy_right_aligns_labels_when_asked_and_uses_completion_mask():
     labels, logits = _lm(1, s=7)
     short = logits[:, 1:]                       # logits one shorter than labels
     mask = torch.ones_like(labels)
     mask[:, :3] = 0
-    got = Accuracy().accumulate({"labels": labels, "completion_mask": mask}, {"logits": short}).calculate()
+    got = Accuracy(align="right").accumulate({"labels": labels, "completion_mask": mask}, {"logits": short}).calculate()
     assert_results_close(got, _ref_accuracy(labels, short, mask))
+    m = Accuracy()  # by default longer labels are a shift to fix, not to guess
+    with pytest.raises(ValueError, match=r"labels \[4, 7\] do not match logits \[4, 6, 11\].*align='right'"):
+        m.accumulate({"labels": labels, "completion_mask": mask}, {"logits": short})
+    assert m.calculate() == {}
 
 
 def test_accuracy_microbatch_list_equals_whole_and_bf16():
@@ -55,7 +59,8 @@ def test_accuracy_microbatch_list_equals_whole_and_bf16():
     assert_results_close(as_list, whole)
     assert_results_close(as_dicts, whole)
     assert Accuracy().accumulate([], {}).calculate() == {}
-    assert Accuracy().accumulate({"labels": labels}, {"loss": 1.0}).calculate() == {}  # no logits: skipped
+    with pytest.raises(ValueError, match=r"got inputs\['labels'\] but no outputs\['logits'\]"):
+        Accuracy().accumulate({"labels": labels}, {"loss": 1.0})  # labels without logits: part of a call
 
 
 def test_accuracy_errors_name_field_and_shapes():
@@ -66,9 +71,9 @@ def test_accuracy_errors_name_field_and_shapes():
         Accuracy().accumulate({"labels": labels[:3]}, {"logits": logits})
     with pytest.raises(TypeError, match="Accuracy: labels must have an integer dtype, got torch.float32"):
         Accuracy().accumulate({"labels": labels.float()}, {"logits": logits})
-    with pytest.raises(ValueError, match="Accuracy: labels missing"):
+    with pytest.raises(ValueError, match=r"Accuracy: got outputs\['logits'\] but no inputs\['labels'\]"):
         Accuracy().accumulate({"input_ids": labels}, {"logits": logits})
-    with pytest.raises(ValueError, match="Accuracy: labels missing"):
+    with pytest.raises(ValueError, match=r"Accuracy: got outputs\['logits'\] but no inputs\['labels'\]"):
         Accuracy().accumulate(None, {"logits": logits})
     with pytest.raises(ValueError, match=r"Accuracy: outputs\['logits'\] has 3 entries but there are 2"):
         Accuracy().accumulate([{"labels": labels[:2]}, {"labels": labels[2:]}], {"logits": [logits] * 3})
@@ -328,7 +333,7 @@ def test_embedding_errors():
     with pytest.raises(ValueError, match=r"EmbeddingMetric: labels of microbatch 0 have 8 entries \(shape \[8\]\) "
                                          r"but embeddings have 9 rows \(shape \[9, 5\]\)"):
         EmbeddingMetric().accumulate({"labels": labels[:8]}, {"embeddings": emb})
-    with pytest.raises(ValueError, match="EmbeddingMetric: labels missing"):
+    with pytest.raises(ValueError, match=r"EmbeddingMetric: got outputs 'embeddings' or 'logits' but no inputs"):
         EmbeddingMetric().accumulate(None, {"embeddings": emb})
     with pytest.raises(TypeError, match="EmbeddingMetric: labels must have an integer dtype"):
         EmbeddingMetric().accumulate({"labels": labels.float()}, {"embeddings": emb})
@@ -388,7 +393,7 @@ def test_accuracy_float_completion_mask_counts_nonzero():
 
 
 def test_accuracy_list_outputs_without_labels_is_an_error():
-    with pytest.raises(ValueError, match="Accuracy: labels missing"):
+    with pytest.raises(ValueError, match=r"Accuracy: got outputs\['logits'\] but no inputs\['labels'\]"):
         Accuracy().accumulate(None, [{"logits": torch.randn(1, 3, 5)}])
 
 

@@ -166,7 +166,7 @@ BAD = [
     (dict(layer=0, z_loss="big"), TypeError, "z_loss'] must be a number or a 0-d tensor, got str"),
     (dict(layer=0, tokens_dropped=1.5), TypeError, "tokens_dropped'] must be an int"),
     (dict(layer=0, routing_mpa=torch.ones(3, E, dtype=torch.bool)), ValueError,
-     "unknown field 'routing_mpa' in outputs; did you mean 'routing_map'?"),
+     "outputs hold 'routing_mpa', which no metric of this call reads: did you mean 'routing_map'?"),
 ]
 
 

@@ -105,10 +105,10 @@ def test_loss_clean_data_keeps_the_key_set():
 
 def test_loss_misspelt_report_key_is_an_error():
     m = LossMetric().accumulate(None, [{"lm loss": torch.tensor([1.0, 2.0])}])
-    _rejected(m, ValueError, r"LossMetric: outputs\[0\] has no 'lm loss' \(got keys \['lm_loss'\]\); did you mean "
-                             r"'lm_loss'\? pass loss_key='lm_loss'",
+    _rejected(m, ValueError, r"LossMetric: no outputs 'lm loss' or 'loss', but the outputs hold 'lm_loss'.*did you "
+                             r"mean 'lm loss', or pass loss_key='lm_loss'",
               None, [{"lm_loss": torch.tensor([1.0, 2.0])}])
-    _rejected(m, ValueError, r"did you mean 'LM-Loss'",
+    _rejected(m, ValueError, r"pass loss_key='LM-Loss'",
               None, {"LM-Loss": torch.tensor(1.0)})
     _rejected(m, ValueError, r"did you mean 'loss sum'",  # a report pair under another name
               None, [{"loss sum": torch.tensor([1.0, 2.0])}])
@@ -442,10 +442,10 @@ def test_rl_logps_without_inputs_are_errors():
     b = make_rl_batch(60)
     for cls in (GRPOMetric, GSPOMetric, DPOMetric):
         m = cls().accumulate({"labels": b["labels"]}, {"logps": b["logps"]})
-        _rejected(m, ValueError, rf"{cls.__name__}: outputs\['logps'\] given but inputs is None; per-token "
-                                 "log-probs need the token mask: pass the InputFeature",
+        _rejected(m, ValueError, rf"{cls.__name__}: got outputs\['logps'\] but no inputs 'labels' or "
+                                 "'completion_mask'.*inputs is None",
                   None, {"logps": b["logps"]})
-        _rejected(m, ValueError, "given but inputs is None", None, [{"logps": b["logps"]}])
+        _rejected(m, ValueError, "but no inputs 'labels' or 'completion_mask'", None, [{"logps": b["logps"]}])
         assert cls().accumulate([], []).calculate() == {}        # a non-last pipeline stage
         assert cls().accumulate({"labels": b["labels"]}, None).calculate() == {}
     m = DPOMetric()
@@ -465,18 +465,19 @@ def test_rl_ignored_arguments_are_errors():
               {"labels": lab}, {"logps": lp}, ref_outputs={"logits": lp})
     _rejected(g, ValueError, "GRPOMetric: got both ref_logps= and ref_outputs=",
               {"labels": lab}, {"logps": lp}, ref_logps=b["ref"], ref_outputs={"logps": b["ref"]})
-    _rejected(g, ValueError, r"GRPOMetric: outputs of microbatch 0 have no 'logps'", {"labels": lab}, {"logp": lp})
+    _rejected(g, ValueError, r"GRPOMetric: no outputs\['logps'\], but the outputs hold 'logp'.*did you mean 'logps'",
+              {"labels": lab}, {"logp": lp})
     d = DPOMetric().accumulate({"labels": lab}, {"logps": lp})
-    _rejected(d, ValueError, r"DPOMetric: outputs of microbatch 0 have no 'logps'.*got fields \['logp'\]",
+    _rejected(d, ValueError, r"DPOMetric: no outputs\['logps'\], but the outputs hold 'logp'.*did you mean 'logps'",
               {"labels": lab}, {"logp": lp})
     _rejected(d, ValueError, r"DPOMetric: reference outputs for outputs of microbatch 0 have no 'logps'",
               {"labels": lab}, {"logps": lp}, ref_outputs={"logp": b["ref"]})
-    _rejected(d, ValueError, r"DPOMetric: got ref_chosen=/ref_rejected= without chosen=/rejected=",
+    _rejected(d, ValueError, r"DPOMetric: got keyword 'ref_chosen' but no keyword 'chosen'",
               {"labels": lab}, {"logps": lp}, ref_chosen={"logps": b["ref"][0::2]})
     _rejected(d, ValueError, r"DPOMetric: got chosen=/rejected= and also inputs/outputs",
               {"labels": lab}, {"logps": lp}, chosen=({"labels": lab[0::2]}, {"logps": lp[0::2]}),
               rejected=({"labels": lab[1::2]}, {"logps": lp[1::2]}))
-    _rejected(d, ValueError, r"DPOMetric: outputs has 'rejected_logps' but no 'chosen_logps'",
+    _rejected(d, ValueError, r"DPOMetric: got outputs\['rejected_logps'\] but no outputs\['chosen_logps'\]",
               None, {"rejected_logps": torch.tensor([-1.0])})
 
 

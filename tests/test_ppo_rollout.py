@@ -116,7 +116,8 @@ def test_ppo_value_reports_what_the_inputs_define():
     assert set(m.calculate()) == {"train/value_mean"}
     m.accumulate({"labels": lab}, {"values": b["values"]}, returns=b["returns"])
     assert set(m.calculate()) == {"train/value_mean", "train/return_mean", "train/explained_variance"}
-    m.accumulate({"labels": lab}, None, returns=b["returns"])  # no outputs: nothing
+    with pytest.raises(ValueError, match=r"got keyword 'returns' but no outputs\['values'\]"):
+        m.accumulate({"labels": lab}, None, returns=b["returns"])  # part of a value step
     m.accumulate({"labels": lab}, {"logps": b["train"]}, advantages=b["adv"])  # a policy step: not ours
     assert m.calculate() == {}
 
@@ -281,9 +282,9 @@ def test_errors_name_metric_field_and_expected():
         (v, ({"labels": lab}, {"values": b["values"]}), {"old_values": [[1.0]] * 3}, ValueError,
          r"PPOValueMetric: old_values has 3 entries; expected one per microbatch \(1\) or one per sequence \(12\)"),
         (v, ({"labels": lab}, {"logps": b["values"]}), {"returns": b["returns"]}, ValueError,
-         r"PPOValueMetric: outputs of microbatch 0 have no 'values'"),
+         r"PPOValueMetric: got keyword 'returns' but no outputs\['values'\]"),
         (v, (None, {"values": b["values"]}), {}, ValueError,
-         r"PPOValueMetric: outputs\['values'\] given but inputs is None"),
+         r"PPOValueMetric: got outputs\['values'\] but no inputs 'labels' or 'completion_mask'"),
         (v, ({"labels": lab}, {"values": "x"}), {}, TypeError, r"PPOValueMetric: outputs\['values'\] must be a tensor"),
         (v, ({"labels": lab}, {"values": b["values"]}), {"old_value": b["old"]}, TypeError,
          r"unexpected keyword argument 'old_value'; did you mean 'old_values'"),

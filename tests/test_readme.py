@@ -151,6 +151,7 @@ with torch.no_grad():
         want.append([total / count, count])
 json.dump({"printed": [[s, r["loss"], r["num_tokens"]] for s, r in printed], "want": want},
           open(sys.argv[2], "w"))
+torch.distributed.destroy_process_group()  # as torch asks: without it the exit may abort
 """
 
 

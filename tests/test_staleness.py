@@ -126,7 +126,7 @@ def test_completion_mask_and_one_dimensional_labels():
     (dict(rollout_versions=torch.zeros(3, 5, dtype=torch.int64)), ValueError, r"expected \[3\] .*or \[3, 4\]"),
     (dict(rollout_versions=torch.zeros(3)), TypeError, "rollout_versions must hold integer versions"),
     (dict(rollout_versions=[1, 2, 11]), ValueError, r"version 11 \(sequence 2\), newer than policy_version=10"),
-    (dict(rollout_versions=[1, 2, 3], policy_version=None), TypeError, "policy_version must be an int"),
+    (dict(rollout_versions=[1, 2, 3], policy_version=None), ValueError, "but no keyword 'policy_version'"),
     (dict(rollout_versions=[1, 2.5, 3]), TypeError, "rollout_versions must hold one int per sequence"),
     (dict(in_flight="3"), TypeError, "in_flight must be a number"),
 ])
@@ -138,7 +138,8 @@ def test_bad_input_raises_naming_the_field_and_changes_nothing(kwargs, error, ma
     with pytest.raises(error, match=match):
         m.accumulate({"labels": labels}, None, **{"policy_version": 10, **kwargs})
     assert not state_dict_differences(before, m.state_dict())
-    with pytest.raises(ValueError, match="rollout_versions given but inputs is None"):
+    with pytest.raises(ValueError, match="got keyword 'rollout_versions' but no inputs 'labels' or "
+                                         "'completion_mask'.*inputs is None"):
         m.accumulate(None, None, policy_version=10, rollout_versions=[1])
 
 

@@ -259,9 +259,11 @@ def test_twinkle_constructor_positional_mesh_and_unknown_kwargs(cls):
         cls(None, None, **required, **{key: 2})  # once per class and argument
 
 
-def test_unknown_kwarg_warning_suggests_the_known_one():
-    with pytest.warns(UnknownArgumentWarning, match=r"'loss_reductoin' \(did you mean 'loss_reduction'\?\)"):
-        LossMetric(None, None, loss_reductoin="sum")
+def test_a_misspelt_argument_raises_and_an_extra_one_warns():
+    with pytest.raises(TypeError, match=r"'loss_reductoin': did you mean 'loss_reduction'\?"):
+        LossMetric(None, None, loss_reductoin="sum")  # would silently build a 'mean' metric
+    with pytest.warns(UnknownArgumentWarning, match=r"ignoring unknown constructor argument 'adapter_name'"):
+        LossMetric(None, None, adapter_name="default")  # Twinkle's constructors take **kwargs: extras pass
 
 
 # -------------------------------------------------------------- 8 ranks

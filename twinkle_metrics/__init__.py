@@ -23,11 +23,13 @@ from twinkle_metrics.comm.fused import MetricSyncError
 from twinkle_metrics.comm.pending import CalculateHandle
 from twinkle_metrics.core import fold
 from twinkle_metrics.core.collection import MetricCollection
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.export import is_export
 from twinkle_metrics.core.merge import agreed_results
 from twinkle_metrics.core.metric import Metric, UnknownArgumentWarning
 from twinkle_metrics.core.state import Origin, State
 from twinkle_metrics.inputs.data_format import InputFeature, ModelOutput
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import microbatches
 from twinkle_metrics.integrations.router_hooks import register_router_hooks
 from twinkle_metrics.kernels.argmax import vocab_parallel_argmax
@@ -46,7 +48,8 @@ from twinkle_metrics.metrics.system.moe import MoERoutingMetric
 from twinkle_metrics.metrics.system.norms import ModelNormMetric
 from twinkle_metrics.metrics.system.train import TrainMetric
 
-__all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "InputFeature", "ModelOutput", "microbatches",
+__all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "Reads", "Schema", "InputFeature",
+           "ModelOutput", "microbatches",
            "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
            "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "ModelNormMetric", "MoERoutingMetric",

@@ -8,8 +8,6 @@ never for the accelerator, so ``testing.forbid_device_waits`` lets reads inside
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 import warnings
 from datetime import timedelta
 from typing import List, Optional, Sequence
@@ -20,23 +18,7 @@ import torch.distributed as dist
 from parallel import comm_device
 from parallel.groups import group_ranks, is_cpu_group
 from twinkle_metrics.comm import waits
-
-_state = threading.local()
-
-
-def host_reads_active() -> bool:
-    return getattr(_state, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def host_reads():
-    """Marks reads of CPU tensors that only ever held host-known values."""
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _state.depth -= 1
-
+from twinkle_metrics.inputs.checks import host_reads, host_reads_active  # noqa: F401 - also this module's
 
 _warned = set()
 

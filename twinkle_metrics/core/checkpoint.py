@@ -15,7 +15,7 @@ from typing import Dict
 import torch
 
 from twinkle_metrics.comm import pending
-from twinkle_metrics.core import slicing
+from twinkle_metrics.core import config, slicing
 
 #: key of the schema fingerprint in a metric's ``state_dict()``
 FINGERPRINT_KEY = "__fingerprint__"
@@ -32,10 +32,11 @@ def stage_load(self, state_dict) -> tuple:
     mine = self.fingerprint()
     for i, d in enumerate(dicts):
         theirs = d.get(FINGERPRINT_KEY)
-        if theirs is not None and theirs != mine:
+        why = None if theirs is None or theirs == mine else config.checkpoint_mismatch(self, theirs)
+        if why is not None:
             where = f"state dict {i}" if len(dicts) > 1 else "the state dict"
             raise ValueError(f"{name}.load_state_dict: {where} was saved by {theirs} but this "
-                             f"metric is {mine}; build the metric with the same class and "
+                             f"metric is {mine}: {why}; build the metric with the same class and "
                              "arguments as the run that saved it")
     names = set().union(*(set(d) - {FINGERPRINT_KEY} for d in dicts))
     specs = dict(self._specs)

@@ -1,6 +1,7 @@
 """``MetricCollection``: several metrics, one fused sync."""
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from parallel import DeviceMesh, as_device_mesh
@@ -11,6 +12,52 @@ from twinkle_metrics.core import checkpoint, staging
 from twinkle_metrics.core.export import export_metrics
 from twinkle_metrics.core.merge import merge_exports
 from twinkle_metrics.core.metric import Metric, end_interval
+from twinkle_metrics.inputs import fields
+
+
+def _label(i: int, name: str, m) -> str:
+    return f"member {i} ({name!r}: {type(m).__name__})" if name else f"member {i} ({type(m).__name__})"
+
+
+def _refuse_clashes(items) -> None:
+    """Raise ``ValueError`` when the same metric comes twice (each call would fold into it
+    twice) or when two members could return the same key (``Metric.result_keys``): found
+    when the collection is built, on every rank alike, before any collective."""
+    seen = {}
+    for i, (name, m) in enumerate(items):
+        j = seen.setdefault(id(m), i)
+        if j != i:
+            raise ValueError(f"MetricCollection: {_label(j, *items[j])} and {_label(i, name, m)} are the same "
+                             "metric object, which would fold every call in twice; build a second metric")
+    keys = [[full_key(name, k) for k in m.keys_declared()] for name, m in items]
+    for i in range(len(items)):
+        for j in range(i):
+            key = _common(keys[j], keys[i])
+            if key is not None:
+                raise ValueError(f"MetricCollection: {_label(j, *items[j])} and {_label(i, *items[i])} both return "
+                                 f"{key!r}; pass the metrics as a dict {{name: metric}} to prefix their keys "
+                                 "(an empty name keeps a member's keys as they are)")
+
+
+def full_key(name: str, key: str) -> str:
+    return f"{name}/{key}" if name else key
+
+
+def _common(a, b) -> Optional[str]:
+    """A key both lists of result keys name: the same key, or a key of one that a pattern
+    (``*``) of the other matches. Two patterns are not compared: what they match depends on
+    the data (reward names, slices), so ``calculate()`` checks those."""
+    for x in a:
+        for y in b:
+            if "*" in x and "*" in y:
+                continue
+            if x == y or ("*" in x and _matches(x, y)) or ("*" in y and _matches(y, x)):
+                return y if "*" in x else x
+    return None
+
+
+def _matches(pattern: str, key: str) -> bool:
+    return re.fullmatch(".*".join(map(re.escape, pattern.split("*"))), key) is not None
 
 
 class MetricCollection:
@@ -40,12 +87,18 @@ class MetricCollection:
         for name, m in items:
             if not isinstance(m, Metric):
                 raise TypeError(f"MetricCollection: {name or type(m).__name__} is not a Metric")
+        _refuse_clashes(items)
+        for _, m in items:
             if device_mesh is not None and m.device_mesh is None:
                 m.device_mesh = device_mesh
         self._items: List = items
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def members(self) -> List:
+        """``[(name, metric)]`` in order (names are ``""`` in the list form)."""
+        return list(self._items)
 
     def __iter__(self) -> Iterator[Metric]:
         return (m for _, m in self._items)
@@ -59,7 +112,12 @@ class MetricCollection:
         raise KeyError(f"MetricCollection: no metric named {key!r}; have {[n for n, _ in self._items]}")
 
     def accumulate(self, inputs=None, outputs=None, **kwargs) -> "MetricCollection":
-        """Pass the same call to every metric (each takes the keyword arguments it knows).
+        """Pass the same call to every metric; each gets the keyword arguments it takes.
+
+        The call is checked once against what every member reads (``inputs.fields``): a
+        member the call carries only part of a record for is excused when another member
+        reads all of it (the call was meant for that one), and a keyword no member takes
+        raises ``TypeError``.
 
         All or nothing: every metric stages its part first and only when all
         succeeded are they folded in, so input one metric rejects leaves every metric
@@ -68,10 +126,17 @@ class MetricCollection:
         ``accumulate``, so every rank raises together (``twinkle_metrics.exchange``).
         """
         metrics = [m for _, m in self._items]
+        try:
+            own = fields.check_call(metrics, inputs, outputs, kwargs)
+        except Exception as exc:  # peers of the members that communicate raise with this rank
+            for n in metrics:
+                if n.exchange_groups():
+                    join_failed(n, exc, fresh=True)
+            raise
         staged = []
         for i, m in enumerate(metrics):
             try:
-                staged.append(staging.stage(m, inputs, outputs, kwargs))
+                staged.append(staging.stage(m, inputs, outputs, own[i], checked=True))
             except Exception as exc:  # an interrupt joins nothing: it ends the job
                 for n in metrics[i + 1:]:
                     if n.exchange_groups():
@@ -103,7 +168,7 @@ class MetricCollection:
         out: Dict[str, Any] = {}
         for (name, _m), results in zip(self._items, per_metric):
             for key, value in results.items():
-                full = f"{name}/{key}" if name else key
+                full = full_key(name, key)
                 if full in out:  # raised before any reset: the interval is not lost
                     raise ValueError(f"MetricCollection: key {full!r} comes from two metrics; pass "
                                      "the metrics as a dict {name: metric} to prefix their keys")

@@ -15,8 +15,8 @@ fingerprinted as it is). Every value enters it by value:
   qualified name (and a function's code).
 
 Anything else (a model, a process group) is refused at construction with an error that
-names the argument, unless the class lists it in ``fingerprint_exclude`` (arguments that
-do not change what a state means: chunk sizes, a model to read). ``device_mesh``,
+names the argument, unless the class's ``schema`` excludes it (``Schema(exclude=...)``:
+arguments that do not change what a state means: chunk sizes, a model to read). ``device_mesh``,
 ``process_group`` and ``max_slices`` never enter it, nor do unknown arguments (ignored,
 with a warning, as Twinkle's metrics ignore them).
 """
@@ -27,18 +27,17 @@ import enum
 import functools
 import hashlib
 import inspect
+import re
 import warnings
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from twinkle_metrics.inputs.fields import typo_of
+
 #: arguments of ``Metric.__init__`` that never enter a fingerprint
 NEVER = frozenset({"self", "device_mesh", "process_group", "max_slices"})
-#: Keyword arguments of ``accumulate`` that some metric's ``update`` names. A trainer
-#: passes one shared kwargs dict to every metric (Twinkle's convention), so a keyword
-#: one metric uses is accepted by all; one that no metric knows is a mistake.
-KNOWN_KWARGS: Set[str] = set()
 #: (metric class, argument) pairs already warned about: one warning each per process
 _WARNED: Set[Tuple[type, str]] = set()
 
@@ -88,14 +87,13 @@ def settle_arguments(metric, unknown) -> None:
     arguments and excluded ones left out, the rest checked to be comparable. Raises
     ``TypeError`` naming an argument that cannot be compared."""
     cls = type(metric)
-    skip = set(NEVER) | set(unknown) | declared(cls, "fingerprint_exclude")
+    skip = set(NEVER) | set(unknown) | set(schema_of(cls).exclude)
     out: Dict[str, str] = {}
     values: Dict[str, Any] = {}  # as given: what an export hands a driver to rebuild the metric
     for name, value in metric.__dict__.get("_arguments", {}).items():
-        if name in skip or (name == "slice_by" and value is None):  # unsliced: as before slicing existed
-            continue
-        out[name] = _text(metric, name, value)
-        values[name] = value
+        if name not in skip:
+            out[name] = _text(metric, name, value)
+            values[name] = value
     metric._arguments = out
     metric._argument_values = values
 
@@ -122,19 +120,140 @@ def current(metric) -> Dict[str, str]:
     return out
 
 
-def declared(cls, attribute: str) -> Set[str]:
-    """The names ``cls`` and every class above it list in ``attribute`` (``fingerprint_exclude``,
-    ``fingerprint_sync_only``)."""
-    return {n for klass in cls.__mro__ for n in vars(klass).get(attribute, ())}
+class Schema:
+    """What a metric's fingerprint covers, declared once per class (``schema = Schema(...)``).
+
+    Args:
+        version: bumped by the author on purpose when what a state means changes in a way the
+            arguments do not say (a new definition, a state reused for another quantity):
+            checkpoints of another version are refused.
+        exclude: constructor arguments that change no state's meaning (chunk sizes, a group
+            or a model to read): left out.
+        sync_only: arguments ranks must agree on but a checkpoint need not (they change only
+            ``compute``, or which states are created on the fly; ``load_state_dict`` checks
+            the states themselves).
+
+    The fingerprint is ``Class/vN(argument=value, ...)`` over every other argument the
+    constructor was called with, defaults included. A checkpoint loads when its class name
+    and version are this metric's and every argument either side names holds the same value,
+    an argument the checkpoint does not name counting as its default: so a state dict saved
+    before an argument with a default was added, or before the class moved module, still
+    loads, and one saved with another setting that changes a state's meaning does not.
+    """
+
+    def __init__(self, version: int = 1, exclude: Sequence[str] = (), sync_only: Sequence[str] = ()):
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(f"Schema: version must be an int >= 1, got {version!r}")
+        for what, names in (("exclude", exclude), ("sync_only", sync_only)):
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise TypeError(f"Schema: {what} must be a tuple of argument names, got {names!r}")
+        self.version, self.exclude, self.sync_only = version, tuple(exclude), tuple(sync_only)
+
+    def __repr__(self):
+        return f"Schema(version={self.version}, exclude={self.exclude}, sync_only={self.sync_only})"
+
+
+def schema_of(cls) -> Schema:
+    schema = getattr(cls, "schema", None)
+    if not isinstance(schema, Schema):
+        raise TypeError(f"{cls.__name__}.schema must be a Schema(...), got {schema!r}")
+    return schema
 
 
 def fingerprint(metric, checkpoint: bool = False) -> str:
-    """``Class(name=value, ...)`` over the recorded arguments; ``checkpoint=True`` leaves
-    out ``fingerprint_sync_only`` (what ranks must agree on, a checkpoint need not)."""
+    """``Class/vN(name=value, ...)`` over the recorded arguments; ``checkpoint=True`` leaves
+    out the schema's ``sync_only`` (what ranks must agree on, a checkpoint need not)."""
     cls = type(metric)
-    skip = declared(cls, "fingerprint_sync_only") if checkpoint else ()
+    schema = schema_of(cls)
+    skip = schema.sync_only if checkpoint else ()
     parts = [f"{k}={v}" for k, v in current(metric).items() if k not in skip]
-    return f"{cls.__module__}.{cls.__qualname__}({', '.join(parts)})"
+    return f"{cls.__name__}/v{schema.version}({', '.join(parts)})"
+
+
+_FINGERPRINT = re.compile(r"(?P<path>[\w.]+?)(?:/v(?P<version>\d+))?\((?P<args>.*)\)", re.S)
+
+
+def parse_fingerprint(text: str) -> Optional[Tuple[str, int, Dict[str, str]]]:
+    """``(class name, version, {argument: value text})`` of a fingerprint, this format or the
+    one before it (``module.path.Class(name=value, ...)``, version 1); None when it is neither."""
+    m = _FINGERPRINT.fullmatch(text) if isinstance(text, str) else None
+    if m is None:
+        return None
+    args: Dict[str, str] = {}
+    for part in _top_level(m.group("args")):
+        name, eq, value = part.partition("=")
+        if not eq or not name.strip().isidentifier():
+            return None
+        args[name.strip()] = value.strip()
+    return m.group("path").rpartition(".")[2], int(m.group("version") or 1), args
+
+
+def _top_level(text: str) -> List[str]:
+    """``text`` split at the commas outside brackets and quotes."""
+    parts, depth, quote, start, i = [], 0, None, 0, 0
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+        i += 1
+    tail = text[start:]
+    return parts + [tail] if tail.strip() else parts
+
+
+def checkpoint_mismatch(metric, saved: str) -> Optional[str]:
+    """Why a state dict saved with fingerprint ``saved`` does not hold states of ``metric``'s
+    meaning (``Schema``); None when it does."""
+    cls = type(metric)
+    parsed = parse_fingerprint(saved)
+    if parsed is None:
+        return f"its fingerprint {saved!r} cannot be read"
+    name, version, theirs = parsed
+    schema = schema_of(cls)
+    if name != cls.__name__:
+        return f"it holds a {name}'s states"
+    if version != schema.version:
+        return f"it was saved by version {version} of {name}'s states, this is version {schema.version}"
+    mine = {k: v for k, v in current(metric).items() if k not in schema.sync_only}
+    known, defaults = set(constructor_keywords(cls) or ()), argument_defaults(cls)
+    for arg in sorted(set(mine) | set(theirs)):
+        if arg in schema.sync_only or arg in schema.exclude or arg not in known:
+            continue  # not part of what the states mean (any longer)
+        a, b = mine.get(arg, defaults.get(arg)), theirs.get(arg, defaults.get(arg))
+        if a != b:
+            return f"{arg}={b} there, {arg}={a} here" + ("" if arg in theirs else " (it predates the argument, "
+                                                         "which then held its default)")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def argument_defaults(cls) -> Dict[str, str]:
+    """Each constructor argument's default as fingerprint text, through the ``__init__`` chain."""
+    out: Dict[str, str] = {}
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or klass is object:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.name in out or p.name in NEVER or p.default is inspect.Parameter.empty:
+                continue
+            value = float(p.default) if "float" in str(p.annotation) and type(p.default) is int else p.default
+            try:
+                out[p.name] = canonical(value, f"{cls.__name__}: argument {p.name!r}")
+            except TypeError:
+                pass
+    return out
 
 
 def canonical(value, where: str) -> str:
@@ -171,7 +290,7 @@ def canonical(value, where: str) -> str:
         return f"{value.__module__}.{value.__qualname__}#{digest[:12]}"
     raise TypeError(f"{where} is a {type(value).__name__}, which cannot be compared across ranks and "
                     "checkpoints (the fingerprint takes every constructor argument by value); if it does "
-                    "not change what a state means, list it in the class's fingerprint_exclude")
+                    "not change what a state means, name it in the class's schema = Schema(exclude=(...))")
 
 
 def constructor_keywords(cls) -> Optional[List[str]]:
@@ -203,16 +322,23 @@ ROOTS: set = set()
 
 
 def warn_unknown_arguments(metric, kwargs: Mapping[str, Any]) -> None:
-    """Warn once per (class, name) about constructor arguments ``metric`` ignores,
-    pointing at the line that built the metric."""
+    """Raise ``TypeError`` for an unknown constructor argument within a typo of a real one
+    (``vocab_paralel``); warn once per (class, name) about the other unknown arguments
+    ``metric`` ignores (Twinkle's constructors take ``**kwargs``, and its users pass
+    extras), pointing at the line that built the metric."""
     cls = type(metric)
     fresh = [k for k in sorted(kwargs) if (cls, k) not in _WARNED]
-    if not fresh:
+    if not fresh and not any(typo_of(str(k), n) for k in kwargs for n in constructor_keywords(cls) or []):
         return
     level, frame = 4, inspect.currentframe().f_back.f_back  # Metric.__init__'s caller
     while frame is not None and (frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is metric):
         level, frame = level + 1, frame.f_back  # a subclass __init__ (or its recording wrapper)
     known = constructor_keywords(cls) or []
+    typos = [(k, n) for k in sorted(kwargs) for n in known if typo_of(str(k), n)]
+    if typos:
+        key, name = typos[0]
+        raise TypeError(f"{cls.__name__}: unknown constructor argument {key!r}: did you mean {name!r}? (a "
+                        f"misspelt argument would build the metric without it; known arguments: {known})")
     for key in fresh:
         _WARNED.add((cls, key))
         close = difflib.get_close_matches(key, known, n=1)
@@ -221,16 +347,3 @@ def warn_unknown_arguments(metric, kwargs: Mapping[str, Any]) -> None:
                       f"it changes nothing, as in Twinkle's metrics. Known arguments: {known}",
                       UnknownArgumentWarning, stacklevel=level - 1)
     del frame  # a frame held in a local keeps every frame below it alive
-
-
-def check_kwargs(metric, kwargs: Mapping[str, Any]) -> None:
-    """Raise on an ``accumulate`` keyword that no metric takes, with a did-you-mean."""
-    unknown = [k for k in kwargs if k not in KNOWN_KWARGS]
-    if not unknown:
-        return
-    key = unknown[0]
-    close = difflib.get_close_matches(key, sorted(KNOWN_KWARGS), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise TypeError(f"{type(metric).__name__}.accumulate: unexpected keyword argument {key!r}{hint} "
-                    "(no metric of twinkle-metrics takes it; keywords one metric takes are "
-                    "accepted by all, so a shared kwargs dict works)")

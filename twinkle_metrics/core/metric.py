@@ -18,8 +18,8 @@ A metric is declarations plus two (or three) methods:
   Python numbers, lists for shaped states).
 
 A few declared attributes complete it, each a plain value, never a method to override:
-``agree_over``, ``tp_mismatch_hint``, ``unsliceable``, ``unsliced_states``,
-``fingerprint_exclude`` and ``fingerprint_sync_only``. Everything else (slicing, the
+``agree_over``, ``tp_mismatch_hint``, ``unsliceable``, ``unsliced_states``, ``schema``,
+``reads`` and ``result_keys``. Everything else (slicing, the
 fused sync, asynchronous calculate and the fold-back of a failed interval, checkpoints
 and resuming at another data-parallel size, agreement across ranks) works from the
 declarations; docs/contract.md has the whole contract on one page.
@@ -30,7 +30,6 @@ collectives (see ``twinkle_metrics.comm``).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 import torch
@@ -40,10 +39,11 @@ from parallel.groups import group_ranks
 from twinkle_metrics.comm import pending
 from twinkle_metrics.comm.fused import plain_states, sync_and_compute
 from twinkle_metrics.core import checkpoint, config, slicing, staging
-from twinkle_metrics.core.config import UnknownArgumentWarning, constructor_keywords
+from twinkle_metrics.core.config import Schema, UnknownArgumentWarning, constructor_keywords
 from twinkle_metrics.core.export import export_metrics
 from twinkle_metrics.core.merge import merge_exports
 from twinkle_metrics.core.state import Origin, State, move_states, new_states
+from twinkle_metrics.inputs import fields
 
 __all__ = ["Metric", "UnknownArgumentWarning", "constructor_keywords", "end_interval", "FINGERPRINT_KEY"]
 #: key of the schema fingerprint in a metric's ``state_dict()``
@@ -99,14 +99,19 @@ class Metric:
     _class_states: ClassVar[Dict[str, State]] = {}
     _class_origins: ClassVar[Dict[str, Origin]] = {}
     _followed: ClassVar[frozenset] = frozenset()
-    _update_kwargs: ClassVar[Optional[frozenset]] = None  # set per class: see __init_subclass__
-    _update_reads: ClassVar[frozenset] = frozenset()
-    #: constructor arguments that do not change what a state means (left out of the
-    #: fingerprint, see ``twinkle_metrics.core.config``), e.g. chunk sizes, a model to read
-    fingerprint_exclude: ClassVar[Sequence[str]] = ()
-    #: constructor arguments ranks must agree on but a checkpoint need not (they decide
-    #: which states are created on the fly; ``load_state_dict`` checks the states)
-    fingerprint_sync_only: ClassVar[Sequence[str]] = ()
+    _update_reads: ClassVar[frozenset] = frozenset()  # the keywords update names
+    #: the fields ``update`` reads: a ``Reads`` or a tuple of them (``inputs.fields``); a call
+    #: that carries part of a record, or a near-miss of a field's name, raises before any state
+    #: or collective is touched
+    reads: ClassVar[Any] = ()
+    #: the result keys ``compute`` may return (``*`` matches any text, ``{name}`` a string
+    #: setting of the metric): a ``MetricCollection`` refuses, when it is built, two members
+    #: that could return the same key
+    result_keys: ClassVar[Sequence[str]] = ()
+    #: what the fingerprint covers (``core.config.Schema``): a version bumped on purpose, the
+    #: constructor arguments that change no state's meaning (``exclude``) and those ranks must
+    #: agree on but a checkpoint need not (``sync_only``)
+    schema: ClassVar[Schema] = Schema()
     #: what ``slice_by`` cannot mean for this metric (None: it can be sliced)
     unsliceable: ClassVar[Optional[str]] = None
     #: states kept for the whole call only, not per slice (e.g. records with global indices)
@@ -131,14 +136,10 @@ class Metric:
         cls._class_states, cls._class_origins = states, origins
         # the states an Origin follows: their newest host number is kept over resets
         cls._followed = frozenset(o.follows for o in origins.values() if o.follows)
-        params = list(inspect.signature(cls.update).parameters.values())[1:]
-        named = {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        if "update" in vars(cls):
-            config.KNOWN_KWARGS.update(named)
-        # an update without **kwargs gets only the keywords it names, so one shared kwargs
-        # dict (TrainMetric's lr= beside a norm metric) works for it too
-        cls._update_kwargs = None if any(p.kind == p.VAR_KEYWORD for p in params) else frozenset(named)
-        cls._update_reads = frozenset(named)  # the keywords it reads
+        # what update reads (inputs.fields): the keywords its signature names, the records
+        # of ``reads``; each call is checked against them where it is made
+        cls._update_reads = fields.update_keywords(cls)[0]
+        fields.records(cls)  # an author's mistake in ``reads`` raises here
         config.record_arguments(cls)
 
     def __init__(self, device_mesh: Optional[DeviceMesh] = None, process_group=None, *,
@@ -239,15 +240,21 @@ class Metric:
 
     # ------------------------------------------------------------------ schema
     def fingerprint(self) -> str:
-        """What a checkpoint must agree on for the states to mean the same: the class and
-        the arguments its constructor was called with (``twinkle_metrics.core.config``),
-        less ``fingerprint_exclude`` and ``fingerprint_sync_only``."""
+        """What a checkpoint must agree on for the states to mean the same: the class, its
+        schema's version and the arguments its constructor was called with
+        (``twinkle_metrics.core.config.Schema``), less the schema's ``exclude`` and
+        ``sync_only``."""
         return config.fingerprint(self, checkpoint=True)
 
     def sync_fingerprint(self) -> str:
-        """What ranks must agree on to sync: the fingerprint with ``fingerprint_sync_only``
+        """What ranks must agree on to sync: the fingerprint with the schema's ``sync_only``
         (checked by every ``calculate()``: ranks that differ raise ``MetricSyncError``)."""
         return config.fingerprint(self)
+
+    def keys_declared(self) -> List[str]:
+        """The result keys this metric may return: ``result_keys`` with its ``{setting}``
+        names filled in (``*`` stays: it matches any text)."""
+        return [k.format_map(vars(self)) if "{" in k else k for k in self.result_keys]
 
     def exchange_groups(self) -> List[Any]:
         """The groups of ``agree_over`` with more than one rank, in that order."""

@@ -187,7 +187,7 @@ def _rows_in(feat: Dict[str, Any]):
 
 
 def _host_list(t: torch.Tensor) -> list:
-    from twinkle_metrics.comm.host import host_reads
+    from twinkle_metrics.inputs.checks import host_reads
 
     with host_reads():  # a CPU tensor of host-known ids: no device involved
         return t.tolist()

@@ -13,21 +13,30 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 
 from twinkle_metrics.comm.agreement import join_failed
-from twinkle_metrics.core import config, slicing
+from twinkle_metrics.core import slicing
 from twinkle_metrics.core.state import as_tensor as _as_tensor
 from twinkle_metrics.core.state import move_states, new_states
+from twinkle_metrics.inputs import fields
 
 
-def stage(metric, inputs, outputs, kwargs: Mapping[str, Any]) -> Optional["Staged"]:
+def stage(metric, inputs, outputs, kwargs: Optional[Mapping[str, Any]], checked: bool = False
+          ) -> Optional["Staged"]:
     """Run ``metric.update`` on one call (and on each slice of it) and stage its fold;
-    change nothing. None when the call contributes nothing. On an error, join the
-    agreements of the groups the metric would have communicated over, so that every rank
-    raises together (``agreement.join_failed``)."""
+    change nothing. None when the call contributes nothing. The call is first checked
+    against what the metric reads (``inputs.fields``), unless ``checked``: a collection
+    checked it for all its members and hands over this one's keywords, or None when the
+    call was meant for another member (a metric that communicates in ``update`` then
+    still joins its groups' agreements, with nothing). On an error, join the agreements
+    of the groups the metric would have communicated over, so that every rank raises
+    together (``agreement.join_failed``)."""
     metric._agreed = []
     try:
-        config.check_kwargs(metric, kwargs)
-        if metric._update_kwargs is not None:
-            kwargs = {k: v for k, v in kwargs.items() if k in metric._update_kwargs}
+        if not checked:
+            kwargs = fields.check_call([metric], inputs, outputs, kwargs)[0]
+        if kwargs is None:
+            if not metric.exchange_groups():
+                return None
+            inputs, outputs, kwargs = None, None, {}
         with torch.no_grad():
             contributions = metric.update(inputs, outputs, **kwargs)
             if metric.slice_by is not None:

@@ -2,11 +2,31 @@
 metric and the field, no device reads, device tensors kept where they are."""
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import threading
 from typing import Any, List, Optional, Sequence
 
 import torch
+
+_state = threading.local()
+
+
+def host_reads_active() -> bool:
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Marks reads of CPU tensors that only ever held host-known values (a count built on
+    the host, sizes exchanged over gloo): no device is involved, so
+    ``testing.forbid_device_waits`` lets them through."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
 
 
 def shape(x) -> list:
@@ -138,6 +158,82 @@ def scalar(metric: str, field: str, value, numel: int = 1):
     if numel != 1:
         raise ValueError(f"{metric}: {field} must have {numel} elements, got a single number")
     return value
+
+
+def count(metric: str, field: str, value):
+    """A count given by the user (tokens, samples, a completion's length): a non-negative
+    integer, returned as given (a tensor as its one element, not read from a device).
+
+    Checked where no device wait is needed: Python numbers and host tensors by value (an
+    integral float such as ``loss_mask.sum().item()`` is a count; NaN and inf pass, for the
+    metric's ``nan_policy``); a device tensor must have an integer dtype (its values are
+    checked where the states are reduced). Raises ``TypeError`` / ``ValueError`` naming
+    ``metric`` and ``field``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+        got = "a bool" if isinstance(value, bool) else type(value).__name__
+        raise TypeError(f"{metric}: {field} must be a count (a non-negative int or an integer tensor), got {got}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{metric}: {field} must be one count, got a {value.dtype} tensor of shape "
+                            f"{list(value.shape)}")
+        if value.device.type != "cpu":
+            if value.is_floating_point():
+                raise TypeError(f"{metric}: {field} is a {value.dtype} tensor on {value.device}; a count on the device "
+                                "must have an integer dtype (its values cannot be checked without a device wait): "
+                                "pass it as .long(), or a host number")
+            return value.reshape(-1)[0]
+        with host_reads():
+            number = value.reshape(-1)[0].item()
+        _check_count(metric, field, number)
+        return value.reshape(-1)[0]
+    _check_count(metric, field, value)
+    if isinstance(value, numbers.Integral):
+        fits_int64(metric, field, int(value))
+    return value
+
+
+def counts(metric: str, field: str, values: torch.Tensor) -> torch.Tensor:
+    """``values``, a 1-D tensor of counts (completion lengths), checked as ``count`` checks
+    one: by value on the host, by dtype on a device."""
+    if values.device.type != "cpu":
+        if values.is_floating_point():
+            raise TypeError(f"{metric}: {field} is a {values.dtype} tensor on {values.device}; counts on the device "
+                            "must have an integer dtype (their values cannot be checked without a device wait): "
+                            "pass them as .long(), or host numbers")
+        return values
+    with host_reads():
+        v = values.detach()
+        bad = v < 0
+        if v.is_floating_point():
+            bad = bad | (torch.isfinite(v) & (v != v.floor()))
+        where = bad.nonzero().flatten().tolist()
+        number = v[where[0]].item() if where else None
+    if where:
+        raise ValueError(f"{metric}: {field}[{where[0]}] = {number!r} is not a count; pass non-negative whole "
+                         "numbers (the positions or tokens each counts)")
+    return values
+
+
+def _check_count(metric: str, field: str, number) -> None:
+    if isinstance(number, numbers.Integral):
+        bad = number < 0
+    else:
+        bad = math.isfinite(number) and (number < 0 or not float(number).is_integer())
+    if bad:
+        raise ValueError(f"{metric}: {field} = {number!r} is not a count; pass a non-negative integer (the number of "
+                         "tokens / samples / positions it counts)")
+
+
+def negative_count(metric: str, field: str, total, interval: int) -> None:
+    """Raise ``ValueError`` when the reduced ``total`` (or smallest value) of counts given as
+    device tensors is negative or not whole: every rank holds the same reduced value, so
+    every rank raises the same."""
+    if isinstance(total, float) and math.isfinite(total) and (total < 0 or not total.is_integer()):
+        raise ValueError(f"{metric}: calculate() of interval {interval}: {field} totals {total!r} over the data "
+                         "group, which is no count; a count given to accumulate on the device was negative or not "
+                         "whole (device tensors are checked here, host ones in accumulate). The interval is kept: "
+                         "fix the counts, then reset() this metric")
 
 
 def f64(value) -> Any:

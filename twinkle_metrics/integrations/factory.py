@@ -167,7 +167,8 @@ def feed_of(entry: Any) -> str:
 
 
 def split_feeds(entries: Sequence[Any], collection: MetricCollection):
-    """``(step_metrics, microbatch_metrics)``: the collection's metrics grouped by ``feed_of``.
+    """``(step_metrics, microbatch_metrics)``: the collection's metrics grouped by ``feed_of``,
+    each a ``MetricCollection`` to feed one shared call (each member takes its keywords).
 
     The collection still calculates them all together (one fused sync).
     """
@@ -176,9 +177,13 @@ def split_feeds(entries: Sequence[Any], collection: MetricCollection):
     if len(entries) != len(collection):
         raise ValueError(f"split_feeds: {len(entries)} entries but {len(collection)} metrics")
     step, micro = [], []
-    for entry, metric in zip(entries, collection):
-        (step if feed_of(entry) == "step" else micro).append(metric)
-    return step, micro
+    for entry, item in zip(entries, collection.members()):
+        (step if feed_of(entry) == "step" else micro).append(item)
+
+    def part(items):
+        return MetricCollection(dict(items) if any(name for name, _ in items) else [m for _, m in items])
+
+    return part(step), part(micro)
 
 
 # ------------------------------------------------------------------ configs

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from twinkle_metrics.comm.host import host_reads_active
+from twinkle_metrics.inputs.checks import host_reads_active
 
 
 class DeviceWaitError(RuntimeError):

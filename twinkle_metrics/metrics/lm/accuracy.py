@@ -10,6 +10,7 @@ from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import floating_tensor, int_tensor, right_align
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import has_field, host_array, join, microbatches
 from twinkle_metrics.kernels.argmax import INDEX_LIMIT, joined_hits, vocab_parallel_argmax
 from twinkle_metrics.metrics.vocab import check_reach, reach
@@ -17,12 +18,18 @@ from twinkle_metrics.metrics.vocab import check_reach, reach
 _NAME = "Accuracy"
 
 
+_ALIGNS = ("exact", "right")
+
+
 class Accuracy(Metric):
     """Token accuracy: ``sum(m * [argmax(logits) == label]) / sum(m)``.
 
     ``m`` is ``completion_mask`` when the input has one, else ``labels != ignore_index``.
-    Labels and mask are right-aligned to the logits length when the logits are
-    shorter (Twinkle's behaviour). Keys: ``accuracy`` (a fraction in [0, 1]),
+    Labels and mask must have the logits' shape ``[b, s]``: labels longer than the logits
+    (the classic one-position shift between unshifted labels and logits of all positions but
+    the last) raise instead of being guessed. ``align="right"`` keeps Twinkle's behaviour:
+    labels and mask longer than the logits are cut to their last positions (logits of the
+    last positions only, e.g. ``logits_to_keep``). Keys: ``accuracy`` (a fraction in [0, 1]),
     ``correct_tokens``, ``total_tokens``; ``{}`` when no token counted.
 
     Differences from Twinkle: accepts ``List[InputFeature]`` (pipeline microbatches)
@@ -52,6 +59,8 @@ class Accuracy(Metric):
     Args:
         vocab_parallel: logits are sharded along the vocab over the mesh's TP group.
         ignore_index: label value of tokens without a target.
+        align: ``"exact"`` (default: labels match the logits' positions) or ``"right"``
+            (Twinkle's: longer labels keep their last positions).
 
     Example:
         >>> import torch
@@ -62,6 +71,9 @@ class Accuracy(Metric):
         {'accuracy': 0.5, 'correct_tokens': 1, 'total_tokens': 2}
     """
 
+    reads = Reads(inputs=("labels", "completion_mask?"), outputs=("logits",))
+    result_keys = ('accuracy', 'correct_tokens', 'total_tokens',)
+
     correct = State("sum", torch.int64)
     total = State("sum", torch.int64)
     label_reach = State("max", torch.int64)  # the largest label id counted
@@ -69,10 +81,13 @@ class Accuracy(Metric):
     unsliced_states = ("label_reach", "vocab_width")  # checked in compute (metrics.vocab)
 
     def __init__(self, device_mesh=None, process_group=None, *, vocab_parallel: bool = False,
-                 ignore_index: int = -100, **kwargs):
+                 ignore_index: int = -100, align: str = "exact", **kwargs):
         super().__init__(device_mesh, process_group, **kwargs)
         self.vocab_parallel = bool(vocab_parallel)
         self.ignore_index = ignore_index
+        if align not in _ALIGNS:
+            raise ValueError(f"{_NAME}: align must be one of {_ALIGNS}, got {align!r}")
+        self.align = align
         # the vocab-parallel argmax runs over TP: agreed on in every update
         self.agree_over = ("tp",) if self.vocab_parallel else ()
         if not self.vocab_parallel:  # why TP replicas' counts could differ
@@ -136,7 +151,7 @@ class Accuracy(Metric):
                 raise ValueError(f"{_NAME}: labels missing in {where}: expected labels of shape {target} "
                                  f"for logits {list(logits.shape)}; got keys {sorted(feat)}")
             labels = int_tensor(_NAME, "labels", feat["labels"], logits.device)
-            labels = right_align(_NAME, "labels", labels, target, f"logits {list(logits.shape)}")
+            labels = self._aligned("labels", labels, target, logits)
             mask = feat.get("completion_mask")
             if mask is not None:
                 # any real dtype: nonzero marks a counted token (mask.bool())
@@ -144,11 +159,24 @@ class Accuracy(Metric):
                 if mask.is_complex():
                     raise TypeError(f"{_NAME}: completion_mask must be bool, integer or float, got {mask.dtype}")
                 mask = mask.to(logits.device, non_blocking=True)
-                mask = right_align(_NAME, "completion_mask", mask, target, f"logits {list(logits.shape)}") != 0
+                mask = self._aligned("completion_mask", mask, target, logits) != 0
             else:
                 mask = labels != self.ignore_index
             work.append((logits, labels, mask))
         return work
+
+    def _aligned(self, field: str, value: torch.Tensor, target, logits: torch.Tensor) -> torch.Tensor:
+        """``value`` (labels or mask) against the logits' ``[b, s]``: equal, or, with
+        ``align="right"``, longer and cut to its last positions."""
+        got = list(value.shape)
+        if got == target or self.align == "right":
+            return right_align(_NAME, field, value, target, f"logits {list(logits.shape)}")
+        longer = len(got) == len(target) and got[:-1] == target[:-1] and got[-1] > target[-1]
+        fix = (f"pass {field} aligned to the logits (for logits that predict the next token, labels[..., 1:] "
+               f"of unshifted labels), or build Accuracy(align='right') to keep the last {target[-1]} positions "
+               "as Twinkle does (logits of the last positions only)") if longer else \
+            f"pass {field} of shape {target}"
+        raise ValueError(f"{_NAME}: {field} {got} do not match logits {list(logits.shape)}: expected {target}; {fix}")
 
     def _hits(self, work) -> Optional[torch.Tensor]:
         """bool ``argmax == label`` of every microbatch's tokens, flattened and joined in

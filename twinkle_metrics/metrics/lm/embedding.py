@@ -9,10 +9,12 @@ import torch.nn.functional as F
 from parallel import comm_device
 from parallel.groups import all_gather_rows, group_rank, group_size
 from twinkle_metrics.comm import agreement as exchange
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import as_count, f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import as_feature_list, has_field, microbatches
 from twinkle_metrics.inputs.rl import cp_lead
 
@@ -91,9 +93,14 @@ class EmbeddingMetric(Metric):
          'margin': 0.6}
     """
 
+    reads = (Reads(outputs=("embeddings|logits",), context=Reads(inputs=("labels",))), Reads(outputs=("loss?",)),
+             Reads(keywords=("grad_norm?",)))
+    result_keys = ('pos_sim', 'pos_sim_min', 'pos_sim_max', 'neg_sim', 'loss', 'grad_norm', 'in_batch_accuracy',
+                  'margin', 'nonfinite_rows', 'loss_nonfinite',)
+
     unsliceable = "its in-batch statistics compare every sequence with the whole data-group batch"
     agree_over = ("data",)  # the row-count agreement and the in-batch gather run over it
-    fingerprint_exclude = ("size_group",)  # a group to exchange sizes over, not a setting
+    schema = Schema(exclude=("size_group",))  # a group to exchange sizes over, not a setting
 
     pos_sum = State("sum")
     pos_min = State("min")

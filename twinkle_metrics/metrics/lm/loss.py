@@ -7,10 +7,24 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
-from twinkle_metrics.inputs.checks import as_count, f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
+from twinkle_metrics.inputs.checks import (
+    as_count,
+    count,
+    f64,
+    host_reads,
+    int_tensor,
+    is_bad,
+    negative_count,
+    nonfinite,
+    pick,
+    plus,
+    scalar,
+)
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import as_feature_list
 
 _NAME = "LossMetric"
@@ -84,8 +98,12 @@ class LossMetric(Metric):
         (1.0, 2.7183)
     """
 
+    reads = (Reads(outputs=("{loss_key}|loss", "num_tokens?"), context=Reads(inputs=("labels?",))),
+             Reads(keywords=("grad_norm?",)))
+    result_keys = ('loss', 'num_tokens', 'grad_norm', 'loss_nonfinite', 'ppl',)
+
     # compute-only: a checkpoint written without it (or with the other value) loads alike
-    fingerprint_sync_only = ("ppl",)
+    schema = Schema(sync_only=("ppl",))
 
     loss_total = State("sum")
     entries = State("sum", torch.int64)
@@ -193,7 +211,7 @@ class LossMetric(Metric):
             else:
                 counts = [None] * len(losses)
             return [(scalar(_NAME, f"outputs['loss'][{i}]", x),
-                     None if c is None else scalar(_NAME, f"outputs['num_tokens'][{i}]", c),
+                     None if c is None else count(_NAME, f"outputs['num_tokens'][{i}]", c),
                      feats[i:i + 1] if len(feats) == len(losses) else feats, f"microbatch {i}", False)
                     for i, (x, c) in enumerate(zip(losses, counts)) if x is not None]
         entry = self._from_dict(outputs, feats, "outputs", reduction)
@@ -208,6 +226,14 @@ class LossMetric(Metric):
                                  "num_tokens] pair")
             if isinstance(value, torch.Tensor) and value.numel() == 2:
                 pair = value.reshape(-1)
+                if pair.device.type == "cpu":  # a host pair's count is checked here; a device one's at calculate()
+                    with host_reads():
+                        values = pair.tolist()
+                    n = values[1]
+                    if math.isfinite(n) and (n < 0 or not float(n).is_integer()):
+                        raise ValueError(f"{_NAME}: {where}[{self.loss_key!r}] is [loss_sum, num_tokens] = "
+                                         f"{values}, whose count {n!r} is not a count; pass a "
+                                         "non-negative whole number of tokens")
                 return pair[0], pair[1], feats, where, True
             n = _opt(o, where)
             if reduction == "sum" and n is None and self.loss_key != "loss":
@@ -229,7 +255,13 @@ class LossMetric(Metric):
                     f"mean {near[0]!r}? pass loss_key={near[0]!r} to LossMetric, or report the loss "
                     f"under {self.loss_key!r} (or 'loss')")
             return None  # Twinkle skips outputs without a loss (e.g. {'logits': ...})
-        return scalar(_NAME, f"{where}['loss']", o["loss"]), _opt(o, where), feats, where, False
+        loss = o["loss"]
+        if isinstance(loss, torch.Tensor) and loss.numel() == 2 and self.loss_key != "loss":
+            raise ValueError(f"{_NAME}: {where}['loss'] holds 2 values (shape {list(loss.shape)}): a "
+                             f"[loss_sum, num_tokens] pair belongs under {self.loss_key!r} (loss_key; "
+                             f"LossMetric(loss_key=...) reads another key), as Megatron's loss_func reports it; "
+                             "or pass {'loss': loss_sum, 'num_tokens': n}")
+        return scalar(_NAME, f"{where}['loss']", loss), _opt(o, where), feats, where, False
 
     def _near_keys(self, o: Mapping, report: bool) -> List[str]:
         """Keys that look like a misspelt ``loss_key``: a close spelling, or (in a report
@@ -261,6 +293,7 @@ class LossMetric(Metric):
     def compute(self, s):
         out = {}
         tokens = s["num_tokens"]
+        negative_count(_NAME, "num_tokens", tokens, self._intervals)
         total, means = s["loss_total"], s["entries"] - s["sum_entries"]
         if means > 0 and s["sum_entries"] > 0:
             raise ValueError(f"{_NAME}: this interval mixes {int(s['sum_entries'])} loss_reduction='sum' entries "
@@ -293,7 +326,7 @@ def _ppl(loss: float) -> float:
 
 def _opt(o: Mapping, where: str):
     n = o.get("num_tokens")
-    return None if n is None else scalar(_NAME, f"{where}['num_tokens']", n)
+    return None if n is None else count(_NAME, f"{where}['num_tokens']", n)
 
 
 def _or(a, b):

@@ -10,6 +10,7 @@ from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import float_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import has_field, microbatches
 from twinkle_metrics.inputs.rl import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
 from twinkle_metrics.kernels import dispatch as _triton
@@ -88,6 +89,11 @@ class DPOMetric(Metric):
         {'logps/chosen': -2.0, 'logps/rejected': -4.0, 'logps/ref_chosen': -3.0, 'logps/ref_rejected': -3.0,
          'rewards/chosen': 0.1, 'rewards/rejected': -0.1, 'rewards/margins': 0.2, 'rewards/accuracies': 1.0}
     """
+
+    reads = (Reads(outputs=("logps",), keywords=("ref_outputs?",), context=Reads(inputs=("labels|completion_mask",))),
+             Reads(outputs=("chosen_logps", "rejected_logps", "ref_chosen_logps?", "ref_rejected_logps?")),
+             Reads(keywords=("chosen", "rejected", "ref_chosen?", "ref_rejected?")))
+    result_keys = ('logps/*', 'rewards/*',)
 
     agree_over = ("cp",)  # sequence sums are completed over CP, agreed on in every update
 

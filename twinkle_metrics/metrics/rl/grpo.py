@@ -8,10 +8,12 @@ import torch
 
 from parallel import group_size
 from twinkle_metrics.comm import agreement as exchange
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import as_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.kernels import entropy
 from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg, keep_default_fingerprint, sequence_mean
 from twinkle_metrics.metrics.rl.policy_records import FIELDS, as_records, fold_records, merge_records, pack_records
@@ -195,6 +197,16 @@ class GRPOMetric(PolicySums, Metric):
         0.3333
     """
 
+    reads = Reads(outputs=("logps", "entropies?"), keywords=("old_logps?", "ref_logps?", "ref_outputs?"),
+                  context=Reads(inputs=("labels|completion_mask",), outputs=("logits?",), keywords=("advantages?",)))
+    result_keys = ('train/advantage_max', 'train/advantage_mean', 'train/advantage_min', 'train/approx_kl',
+                  'train/clip_ratio', 'train/clip_ratio_dual', 'train/clip_ratio_high', 'train/clip_ratio_low',
+                  'train/entropy', 'train/logp_diff_mean', 'train/mean_new_logp', 'train/mean_old_logp',
+                  'train/nonfinite_tokens', 'train/policy_confidence', 'train/ratio_max', 'train/ratio_mean',
+                  'train/ratio_min', 'train/ref_kl', 'train/token_clip_ratio', 'train/token_kl_max',
+                  'train/token_ratio_max', 'train/ratio_p*', 'train/token_kl_p*', 'train/entropy_p*',
+                  '_high_kl_records',)
+
     #: the high-KL records carry global sequence indices: whole-call only
     unsliced_states = ("topk",)
 
@@ -224,7 +236,7 @@ class GRPOMetric(PolicySums, Metric):
     #: clip statistics per sequence (GSPO) instead of per token
     sequence_level_clip = False
     #: working-memory knobs: they change no number
-    fingerprint_exclude = ("entropy_chunk_size", "entropy_chunk_bytes")
+    schema = Schema(exclude=("entropy_chunk_size", "entropy_chunk_bytes"))
 
     def __init__(self, device_mesh=None, process_group=None, *, ignore_index: int = -100,
                  temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,

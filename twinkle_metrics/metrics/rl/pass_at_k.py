@@ -15,6 +15,7 @@ import torch
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import from_host
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.rl import cp_lead
 from twinkle_metrics.metrics.rl.keyed_tables import fold_tables, id_key, merge_rows, tensor_keys
 from twinkle_metrics.metrics.rl.subset_estimators import (
@@ -105,6 +106,9 @@ class PassAtKMetric(Metric):
         {'num_prompts': 2, 'num_samples': 5, 'pass@1': 0.5833, 'pass^1': 0.5833,
          'pass@2': 1.0, 'pass^2': 0.1667}
     """
+
+    reads = Reads(keywords=("prompt_ids", "correct", "answers?", "rewards?"))
+    result_keys = ('pass@*', 'pass^*', 'maj@*', 'best@*', 'worst@*', 'num_prompts', 'num_samples',)
 
     def __init__(self, device_mesh=None, process_group=None, *, k=(1,), max_prompts: int = 1024,
                  max_samples: int = 16384, with_answers: bool = False, with_rewards: bool = False,

@@ -9,6 +9,7 @@ from twinkle_metrics.core import fold
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import has_field
 from twinkle_metrics.inputs.rl import aligned_microbatches, joined_microbatches, nonfinite_tokens
 from twinkle_metrics.kernels import dispatch as _triton
@@ -81,6 +82,11 @@ class PPOValueMetric(Metric):
                      old_values=old_values, returns=returns, advantages=advantages)
         m.calculate()  # {'train/value_mean': ..., 'train/explained_variance': ..., ...}
     """
+
+    reads = Reads(outputs=("values",), keywords=("old_values?", "returns?"),
+                  context=Reads(inputs=("labels|completion_mask",), keywords=("advantages?",)))
+    result_keys = ('train/value_mean', 'train/return_mean', 'train/value_clip_ratio', 'train/explained_variance',
+                  'train/advantage_mean', 'train/advantage_std', 'train/nonfinite_tokens',)
 
     n_tok = State("sum", torch.int64)
     sum_value = State("sum")

@@ -7,11 +7,13 @@ from typing import Any, Dict, Hashable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.slicing import SEP
 from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.checks import counts, negative_count, nonfinite, real_values
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
-from twinkle_metrics.inputs.checks import nonfinite, real_values
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.rl import cp_lead
 from twinkle_metrics.stats.histogram import Histogram, check_quantiles, quantile_keys
 from twinkle_metrics.stats.moments import moments, moments_state
@@ -106,9 +108,15 @@ class CompletionRewardMetric(Metric):
          'train/completion_length_min': 10.0, 'train/completion_length_max': 30.0}
     """
 
+    reads = Reads(keywords=("rewards", "group_ids?"))
+    result_keys = ('train/*_reward', 'train/*_reward_std', 'train/*_reward_p*', 'train/completion_length',
+                  'train/completion_length_min', 'train/completion_length_max', 'train/completion_length_p*',
+                  'train/completion_clipped_ratio', 'train/frac_reward_zero_std', 'train/nonfinite_rewards',
+                  'profiling/*',)
+
     # fixed names or names as they come decide which states are created on the fly: ranks
     # must agree on it, while a checkpoint loads across the two (its states are checked)
-    fingerprint_sync_only = ("reward_names",)
+    schema = Schema(sync_only=("reward_names",))
 
     len_count = State("sum", torch.int64)
     len_sum = State("sum", torch.float64)
@@ -223,7 +231,7 @@ class CompletionRewardMetric(Metric):
             if completions is not None:
                 raise ValueError(f"{_NAME}: got both completion_lengths and completions; pass one (the "
                                  "lengths are taken from one of them)")
-            return _reward_values("completion_lengths", completion_lengths)
+            return counts(_NAME, "completion_lengths", _reward_values("completion_lengths", completion_lengths))
         if completions is None:
             return None
         if not isinstance(completions, (list, tuple)):
@@ -300,6 +308,8 @@ class CompletionRewardMetric(Metric):
     # ---------------------------------------------------------------- compute
     def compute(self, s):
         out: Dict[str, Any] = {}
+        if s["len_count"]:
+            negative_count(_NAME, "completion_lengths (the smallest)", float(s["len_min"]), self._intervals)
         if s["sync_time_n"]:
             out["profiling/Time taken: move_model_to_sampler"] = s["sync_time_sum"] / s["sync_time_n"]
         if s["gen_time_n"]:

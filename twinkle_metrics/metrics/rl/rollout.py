@@ -12,6 +12,7 @@ from twinkle_metrics.core import fold
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.rl import aligned_microbatches, cp_sum, nonfinite_tokens
 from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.metrics.rl.loss_agg import (
@@ -155,6 +156,9 @@ class RolloutMismatchMetric(Metric):
         m.accumulate({"labels": labels}, {"logps": old_logps}, rollout_logps=vllm_logps)
         m.calculate()  # {'rollout/mismatch_kl': ..., 'rollout/seq_ess': ..., ...}
     """
+
+    reads = Reads(keywords=("rollout_logps",), context=Reads(inputs=("labels|completion_mask",), outputs=("logps",)))
+    result_keys = ('rollout/*',)
 
     agree_over = ("cp",)  # sequence sums are completed over CP
 

@@ -14,6 +14,7 @@ from twinkle_metrics.core import fold
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import from_host
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import as_feature_list, batch_size, host_array
 from twinkle_metrics.inputs.rl import token_mask
 from twinkle_metrics.stats.histogram import Histogram, check_quantiles, quantile_suffix
@@ -101,6 +102,10 @@ class StalenessMetric(Metric):
         >>> out["staleness/span_max"], out["staleness/p50"], out["staleness/in_flight_max"]
         (1, 1, 4)
     """
+
+    reads = Reads(keywords=("rollout_versions",),
+                  context=Reads(inputs=("labels|completion_mask",), keywords=("policy_version",)))
+    result_keys = ('staleness/*',)
 
     agree_over = ("cp",)  # per-sequence totals are completed over CP
     # the generic split hands per-call numbers (policy_version) to the whole call only

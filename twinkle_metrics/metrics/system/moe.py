@@ -9,10 +9,12 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import fits_int64
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.metrics.system.moe_stats import check_percentiles, summarize
 
@@ -120,11 +122,14 @@ class MoERoutingMetric(Metric):
         percentiles: percentiles in [0, 100] to report (see above); None (default): none.
     """
 
+    reads = Reads(outputs=("routing_map?", "router_logits?", "router_probs?", "token_mask?", "aux_loss?",
+                           "z_loss?", "tokens_dropped?"))
+    result_keys = ('moe/*',)
+
     unsliceable = "router statistics are per token of a layer, not per sequence"
 
-    fingerprint_exclude = ("per_layer",)
-    # compute-only: ranks must agree on the keys, a checkpoint loads whatever it was
-    fingerprint_sync_only = ("percentiles",)
+    # percentiles are compute-only: ranks must agree on the keys, a checkpoint loads whatever it was
+    schema = Schema(exclude=("per_layer",), sync_only=("percentiles",))
 
     def __init__(self, device_mesh=None, process_group=None, *, num_layers: int, num_experts: int,
                  sequence_parallel: bool = False, per_layer: bool = True,

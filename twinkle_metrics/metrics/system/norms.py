@@ -9,6 +9,7 @@ import torch
 from parallel import group_rank
 from parallel.groups import global_rank, group_ranks
 from twinkle_metrics.core import compat as _compat
+from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 
@@ -110,8 +111,10 @@ class ModelNormMetric(Metric):
          'norm/grad/weight': 2.0, 'norm/param/weight': 5.0}
     """
 
+    result_keys = ('norm/*',)
+
     unsliceable = "it reads the model, not the batch"
-    fingerprint_exclude = ("model",)  # what it reads, not what a state means
+    schema = Schema(exclude=("model",))  # what it reads, not what a state means
 
     grad_sq = _placed()
     param_sq = _placed()

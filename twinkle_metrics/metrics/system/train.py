@@ -11,7 +11,7 @@ import torch
 from parallel.groups import global_rank, world_size
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import Origin, State
-from twinkle_metrics.inputs.checks import fits_int64
+from twinkle_metrics.inputs.checks import count, fits_int64, negative_count
 
 _NAME = "TrainMetric"
 _COUNTS = ("global", "local")
@@ -90,6 +90,10 @@ class TrainMetric(Metric):
         >>> out["learning rate"], sorted(out)
         (0.0001, ['learning rate', 'tokens/s', 'total time elapse'])
     """
+
+    result_keys = ('learning rate', 'learning rate(param group *)', 'iters', 'total time elapse', 'speed',
+                  'step time', 'tokens/s', 'samples/s', 'mfu', 'peak memory GiB', 'train/step_time_max',
+                  'train/step_time_min', 'train/step_time_slowest_rank',)
 
     unsliceable = "its readings are per rank and per step, not per sequence"
 
@@ -199,6 +203,8 @@ class TrainMetric(Metric):
                 out["train/step_time_max"] = s["rank_step_time_max"] * ga
                 out["train/step_time_min"] = s["rank_step_time_min"] * ga
                 out["train/step_time_slowest_rank"] = s["slowest_rank"] & ((1 << _RANK_BITS) - 1)
+        for name in ("tokens", "samples"):
+            negative_count(_NAME, name, s[name], self._intervals)
         if interval > 0 and interval != -math.inf:
             if s["tokens"] > 0:
                 out["tokens/s"] = s["tokens"] / interval
@@ -224,13 +230,12 @@ def _straggler(per_step: float) -> dict:
 
 
 def _count(field: str, value):
-    """A count as float64: Python numbers as they are, tensors kept on their device (no read)."""
+    """A count (``inputs.checks.count``) as float64: Python numbers as they are, tensors kept
+    on their device (no read)."""
+    value = count(_NAME, field, value)
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
-            raise ValueError(f"{_NAME}: {field} must be a scalar count, got a {value.dtype} tensor of shape "
-                             f"{list(value.shape)}")
         return value.detach().reshape(()).to(torch.float64)
-    return _number(field, value)
+    return float(value)
 
 
 def _number(field: str, value) -> float:
