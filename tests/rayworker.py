@@ -3,11 +3,16 @@ the group's actors, builds the mesh (TP2 x DP2), accumulates its shard of a batc
 returns its ``export()``, which travels back through ``ray.get``.
 
 Plain Python here (the test wraps it with ``ray.remote``), so this module imports without
-ray; the library never imports ray.
+ray; the library never imports ray. ``drive`` is the driver: the test runs it in a process
+of its own, so Ray's threads never live in the test process, which forks the ranks of
+later tests (a process forked while gRPC's threads run can hang before it starts).
 """
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -16,11 +21,14 @@ import torch.distributed as dist
 from parallel import DeviceMesh
 from tests.rlref import make_rl_batch
 from twinkle_metrics import Accuracy, GRPOMetric, LossMetric, MetricCollection
+from twinkle_metrics.testing import Rendezvous
 
 TP, DP = 2, 2
 N_SEQ, VOCAB = 12, 12
 #: how long the group's own waits last (the actors start one by one on a busy machine)
 TIMEOUT_S = 300
+#: how long Ray's processes may take to go after ray.shutdown() on a busy machine
+GONE_S = 120
 
 
 def make_metrics(mesh=None):
@@ -64,3 +72,55 @@ class Worker:
 
     def close(self) -> None:
         dist.destroy_process_group()
+
+
+def descendants(pid: int) -> set:
+    """The processes under ``pid`` (from /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, set()).add(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def drive(seeds, doc_seed, doc_block):
+    """A local Ray of 2 CPUs (no dashboard, quiet, its files in a fresh temp folder) and a
+    worker group of TP x DP actors: ``{"steps": [the actors' exports of each seed],
+    "doc": the results of ``doc_block`` (the documentation's driver code) for
+    ``doc_seed``, "left": Ray's processes still here GONE_S after ray.shutdown()}``."""
+    import ray
+
+    os.environ.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             object_store_memory=100 * 1024 ** 2, _temp_dir=temp)
+    try:
+        world = TP * DP
+        remote = ray.remote(num_cpus=2 / world)(Worker)
+        with Rendezvous() as rdzv:  # the driver hosts the store on a port of its own: no race
+            workers = [remote.remote(r, world, rdzv.host, rdzv.port) for r in range(world)]
+            try:
+                steps = [ray.get([w.step.remote(seed) for w in workers]) for seed in seeds]
+                ns = {"ray": ray, "workers": workers, "seed": doc_seed, "make_metrics": make_metrics}
+                exec(compile(doc_block, "docs/single-controller.md (Ray)", "exec"), ns)
+            finally:
+                ray.get([w.close.remote() for w in workers])
+    finally:
+        ray.shutdown()
+        deadline = time.monotonic() + GONE_S
+        while descendants(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        shutil.rmtree(temp, ignore_errors=True)
+    return {"steps": steps, "doc": ns["results"], "left": sorted(descendants(os.getpid()))}

@@ -220,12 +220,10 @@ def test_router_hooks_on_a_tiny_megatron_moe_model(mtp):
     assert out["after_remove"] == {} and out["gating_restored"]
 
 
-def test_readme_example_runs_as_written():
-    import re
+def test_documented_example_runs_as_written():
+    from tests.test_readme import blocks
 
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "MoERoutingMetric(num_layers" in b)
+    block = next(code for _, _, code in blocks("docs/metrics.md") if "MoERoutingMetric(num_layers" in code)
     scope = {}
     exec(block, scope)  # noqa: S102 - the documented example, run as a user would copy it
     assert math.isclose(scope["results"]["moe/router_entropy"], math.log(4), rel_tol=1e-6)  # float32 logits

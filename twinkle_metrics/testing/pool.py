@@ -125,10 +125,32 @@ class DistPool:
         for p in self._procs:
             p.start()
         try:
-            self._collect("ready", timeout=180)
+            self._ready(timeout=180)
         except BaseException:
             self.close()
             raise
+
+    def _ready(self, timeout):
+        """Wait until every rank has connected to the store; a rank that died on the way
+        fails the wait at once, naming its exit code."""
+        got = set()
+        deadline = time.monotonic() + timeout
+        while len(got) < self.world:
+            try:
+                jid, rank, _, _ = self._results.get(timeout=1)
+                if jid == "ready":
+                    got.add(rank)
+                continue
+            except queue.Empty:
+                pass
+            dead = {r: p.exitcode for r, p in enumerate(self._procs) if r not in got and p.exitcode is not None}
+            if dead:
+                raise RuntimeError(f"DistPool: ranks {sorted(dead)} exited before they connected "
+                                   f"(exit codes {dead}); their stderr says why")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"DistPool: ranks {sorted(set(range(self.world)) - got)} did not connect "
+                                   f"within {timeout}s (start method {self.start_method!r}: a process forked "
+                                   f"while another thread holds a lock, such as gRPC's, can hang; use 'spawn')")
 
     def _collect(self, job_id, timeout, grace=None):
         """``{rank: (ok, value)}`` of job ``job_id``. ``grace``: once a rank failed, how long
