@@ -290,7 +290,8 @@ def test_sequence_modes_take_the_torch_path_where_the_kernels_would_run(monkeypa
     """The fused kernels make no per-sequence table: a non-default mode never fuses."""
     monkeypatch.setattr(dispatch, "device_ok", lambda x: True)
     b = _batch()
-    from twinkle_metrics.metrics.rl.policy.sums import Microbatch, fuses
+    from twinkle_metrics.metrics.rl.policy.batch import Microbatch
+    from twinkle_metrics.metrics.rl.policy.sums import fuses
 
     item = dict(feat={}, lp=b["logps"], m=b["labels"] != -100, ent=None, em=None, adv=None, has_adv=None,
                 ref=None, has_ref=None, old=None, has_old=None)

@@ -12,7 +12,8 @@ from tests.rlref import make_ppo_batch, make_rl_batch, verl_agg_loss, verl_agg_l
 from twinkle_metrics import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric, RolloutMismatchMetric
 from twinkle_metrics.core.metric import FINGERPRINT_KEY
 from twinkle_metrics.kernels import dispatch
-from twinkle_metrics.metrics.rl.policy.sums import Microbatch, fuses
+from twinkle_metrics.metrics.rl.policy.batch import Microbatch
+from twinkle_metrics.metrics.rl.policy.sums import fuses
 from twinkle_metrics.testing import forbid_device_waits
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

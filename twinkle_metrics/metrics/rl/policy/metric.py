@@ -16,11 +16,11 @@ from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
-from twinkle_metrics.inputs.checks import as_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.kernels import entropy
 from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg, sequence_mean
+from twinkle_metrics.metrics.rl.policy import batch as batch_mod
 from twinkle_metrics.metrics.rl.policy import records, sums
 from twinkle_metrics.metrics.rl.policy.table import (
     BY_NAME,
@@ -33,9 +33,10 @@ from twinkle_metrics.metrics.rl.policy.table import (
     SEQ_COUNTS,
     SEQ_SUMS,
     Config,
+    check_clip,
     states,
 )
-from twinkle_metrics.metrics.vocab import check_reach, reach, vocab_states
+from twinkle_metrics.metrics.vocab import check_reach, vocab_states
 from twinkle_metrics.stats.histogram import check_quantiles, quantile_keys
 
 
@@ -234,7 +235,8 @@ class GRPOMetric(Metric):
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.loss_agg_mode, self.loss_agg_norm = check_loss_agg(name, loss_agg_mode, loss_agg_norm)
-        self.clip_ratio_c, self.token_clip_ratio = _check_clip(self, name, clip_ratio_c, token_clip_ratio)
+        self.clip_ratio_c, self.token_clip_ratio = check_clip(
+            name, self.sequence_level_clip, self.clip_by_advantage_sign, clip_ratio_c, token_clip_ratio)
         self.nan_policy = check_nan_policy(name, nan_policy)
         self.quantiles = check_quantiles(name, quantiles)
         if temperature <= 0:
@@ -311,9 +313,9 @@ class GRPOMetric(Metric):
         tp_group = tp_group if tp_group is not None and group_size(tp_group) > 1 else None
         cp_group = self.sequence_group() if cfg.sequence_level_clip or cfg.per_sequence else None
         with exchange.guard(self):
-            batch = sums.prepare(cfg, inputs, outputs, old_logps, advantages, ref_logps, ref_outputs)
-            jobs = sums.entropy_jobs(cfg, batch)
-            chunks, shapes = sums.entropy_chunks(cfg, jobs)
+            batch = batch_mod.prepare(cfg, inputs, outputs, old_logps, advantages, ref_logps, ref_outputs)
+            jobs = batch_mod.entropy_jobs(cfg, batch)
+            chunks, shapes = batch_mod.entropy_chunks(cfg, jobs)
             rows = sum(c.shape[0] for c in chunks)
             checks = []
             if tp_group is not None:
@@ -351,7 +353,7 @@ class GRPOMetric(Metric):
         if parts is not None or seq_rows is not None:
             acc.update(sums.sequence_stats(cfg, parts, seq_rows, self.sequence_group()))
         if jobs and not cfg.vocab_parallel:
-            acc.update(_reach(batch.items, jobs))
+            acc.update(batch_mod.label_reach(batch.items, jobs))
         return acc
 
     # ---------------------------------------------------------------- compute
@@ -403,37 +405,6 @@ def _means(cfg: Config, s) -> Dict[str, float]:
     if cfg.token_clip_ratio and not cfg.sequence_level_clip and s["clip_n"]:  # verl's pg_clipfrac: token-weighted
         out["train/token_clip_ratio"] = (s["clip_low"] + s["clip_high"]) / s["clip_n"] + s["clip_nan"]
     return out
-
-
-def _check_clip(metric, name: str, clip_ratio_c, token_clip_ratio):
-    """verl's extra clip keys' arguments, validated (their states come from the table)."""
-    if clip_ratio_c is not None:
-        if metric.sequence_level_clip or not metric.clip_by_advantage_sign:
-            raise ValueError(f"{name}: clip_ratio_c (dual-clip PPO) applies to GRPOMetric and PPOMetric; "
-                             f"verl's {'GSPO' if metric.sequence_level_clip else 'CISPO'} loss has no dual "
-                             "clip (its pg_clipfrac_lower is 0); leave it None")
-        if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, (int, float)) or \
-                not 1 < clip_ratio_c < math.inf:
-            raise ValueError(f"{name}: clip_ratio_c must be a finite number > 1 (verl's dual-clip bound, "
-                             f"3.0 in its configs) or None (no dual clip), got {clip_ratio_c!r}")
-        clip_ratio_c = float(clip_ratio_c)
-    if not isinstance(token_clip_ratio, bool):
-        raise TypeError(f"{name}: token_clip_ratio must be True or False, got {token_clip_ratio!r}")
-    return clip_ratio_c, token_clip_ratio
-
-
-def _reach(items, jobs):
-    """How far the labels of the microbatches with logits reach (``metrics.vocab``)."""
-    labels, masks = [], []
-    for i, _, m in jobs:
-        lab = items[i]["feat"].get("labels")
-        if lab is None:
-            continue
-        lab = as_tensor(lab, m.device)
-        lab = (lab.unsqueeze(0) if lab.dim() == 1 else lab).expand(m.shape[0], -1)[:, :m.shape[1]]
-        labels.append(lab)
-        masks.append(m[:, :lab.shape[1]])
-    return reach(labels, masks, [int(logits.shape[-1]) for _, logits, _ in jobs]) or {}
 
 
 def _exp(d: float) -> float:

@@ -142,3 +142,20 @@ class Config:
         """The fused kernel makes no per-sequence table, histogram, dual clip or GSPO token
         counts: with any of them every microbatch takes the torch path (same states and values)."""
         return not (self.per_sequence or self.clip_ratio_c is not None or self.token_counts or self.quantiles)
+
+
+def check_clip(name: str, sequence_level_clip: bool, by_sign: bool, clip_ratio_c, token_clip_ratio):
+    """verl's extra clip keys' arguments, validated (their states come from the table)."""
+    if clip_ratio_c is not None:
+        if sequence_level_clip or not by_sign:
+            raise ValueError(f"{name}: clip_ratio_c (dual-clip PPO) applies to GRPOMetric and PPOMetric; "
+                             f"verl's {'GSPO' if sequence_level_clip else 'CISPO'} loss has no dual "
+                             "clip (its pg_clipfrac_lower is 0); leave it None")
+        if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, (int, float)) or \
+                not 1 < clip_ratio_c < math.inf:
+            raise ValueError(f"{name}: clip_ratio_c must be a finite number > 1 (verl's dual-clip bound, "
+                             f"3.0 in its configs) or None (no dual clip), got {clip_ratio_c!r}")
+        clip_ratio_c = float(clip_ratio_c)
+    if not isinstance(token_clip_ratio, bool):
+        raise TypeError(f"{name}: token_clip_ratio must be True or False, got {token_clip_ratio!r}")
+    return clip_ratio_c, token_clip_ratio
