@@ -38,7 +38,9 @@ COLLECTIVE_TIMEOUT_S = 60
 STORE_TIMEOUT_S = 900
 
 
-def _worker(rank, world, host, port, tasks, results, timeout_s=COLLECTIVE_TIMEOUT_S):
+def _worker(rank, world, tasks, results, timeout_s=COLLECTIVE_TIMEOUT_S):
+    # The store's address comes once every rank is started (see DistPool._start).
+    host, port = tasks.get()
     # MASTER_ADDR/PORT for code that reads them (DeepSpeed's launcher check); the groups use the store
     os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR=host, MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -115,15 +117,19 @@ class DistPool:
 
     def _start(self):
         ctx = mp.get_context(self.start_method)
-        self._rendezvous = Rendezvous()  # this pool's own store, on a port no other job can take
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_worker, args=(r, self.world, self._rendezvous.host,
-                                                         self._rendezvous.port, self._tasks[r], self._results,
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world, self._tasks[r], self._results,
                                                          self.timeout_s),
                                    daemon=True) for r in range(self.world)]
+        # Every rank starts before the store does: a rank forked while the store's thread
+        # serves another rank's connection can inherit a lock that thread held, and hang in
+        # its own connection for good (one start in about a hundred did).
         for p in self._procs:
             p.start()
+        self._rendezvous = Rendezvous()  # this pool's own store, on a port no other job can take
+        for q in self._tasks:
+            q.put((self._rendezvous.host, self._rendezvous.port))
         try:
             self._ready(timeout=180)
         except BaseException:
@@ -150,7 +156,7 @@ class DistPool:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"DistPool: ranks {sorted(set(range(self.world)) - got)} did not connect "
                                    f"within {timeout}s (start method {self.start_method!r}: a process forked "
-                                   f"while another thread holds a lock, such as gRPC's, can hang; use 'spawn')")
+                                   f"while another thread of this one holds a lock can hang; use 'spawn')")
 
     def _collect(self, job_id, timeout, grace=None):
         """``{rank: (ok, value)}`` of job ``job_id``. ``grace``: once a rank failed, how long
