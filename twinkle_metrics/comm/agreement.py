@@ -124,6 +124,11 @@ def begin(metric) -> None:
     _AGREED[metric] = []
 
 
+def agreed(metric) -> List:
+    """The groups ``metric`` agreed on in its current ``update`` call, in order."""
+    return list(_AGREED.get(metric, ()))
+
+
 def join_failed(metric, error: BaseException, fresh: bool = False) -> None:
     """Agree, with ``error``, on every group of ``metric`` not yet agreed on in this call.
 

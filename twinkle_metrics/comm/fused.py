@@ -112,23 +112,28 @@ class _Channel:
         self.reduce_sizes = (0, 0, 0, 0)  # the reduce path's, elementwise max over the plans
 
 
-_CHANNELS: Dict[Tuple[int, int], Tuple[tuple, _Channel]] = {}  # ids -> (weak refs, channel)
+class _NoGroup:
+    """The key of "no group" in ``_CHANNELS`` (a weak-referenceable stand-in for None)."""
+
+
+_NO_GROUP = _NoGroup()
+#: data group -> {TP x PP group -> channel}, weak on both groups: a group that is gone takes
+#: its channels with it (a test session creates hundreds of groups), and a new group, even
+#: at a freed group's address, never meets another's plans
+_CHANNELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCAL_PLANS: Dict[Tuple, _Plan] = {}
 
 
 def _channel(data_group, share_group) -> _Channel:
-    """The channel of a pair of groups. Holds only weak references to them, so that a
-    destroyed group's threads can go (a test session creates hundreds of groups)."""
-    groups = (data_group, share_group)
-    key = tuple(id(g) for g in groups)
-    entry = _CHANNELS.get(key)
-    if entry is not None and all((r is None) if g is None else (r is not None and r() is g)
-                                 for r, g in zip(entry[0], groups)):
-        return entry[1]
-    for k in [k for k, (refs, _) in _CHANNELS.items() if any(r is not None and r() is None for r in refs)]:
-        del _CHANNELS[k]  # channels of groups that are gone
-    ch = _Channel()
-    _CHANNELS[key] = (tuple(None if g is None else weakref.ref(g) for g in groups), ch)
+    """The channel of a pair of groups, made the first time they sync together."""
+    data_key = _NO_GROUP if data_group is None else data_group
+    share_key = _NO_GROUP if share_group is None else share_group
+    by_share = _CHANNELS.get(data_key)
+    if by_share is None:
+        by_share = _CHANNELS[data_key] = weakref.WeakKeyDictionary()
+    ch = by_share.get(share_key)
+    if ch is None:
+        ch = by_share[share_key] = _Channel()
     return ch
 
 

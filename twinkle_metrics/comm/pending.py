@@ -41,12 +41,27 @@ import contextlib
 import os
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from parallel.bounded import twins
 from twinkle_metrics.comm.waits import Bound
+
+
+class Outcome:
+    """Where the worker leaves one job's result or error (``finish``), once."""
+
+    __slots__ = ("ready", "result", "error")
+
+    def __init__(self):
+        self.ready = threading.Event()
+        self.result: Optional[Dict[str, Any]] = None
+        self.error: Optional[BaseException] = None
+
+    def finish(self, result=None, error=None) -> None:
+        self.result, self.error = result, error
+        self.ready.set()
 
 
 class CalculateHandle:
@@ -57,26 +72,20 @@ class CalculateHandle:
     Handles complete in the order of their calls.
     """
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, outcome: Optional[Outcome] = None):
         self._what = what
-        self._ready = threading.Event()
-        self._result: Optional[Dict[str, Any]] = None
-        self._error: Optional[BaseException] = None
+        self._outcome = Outcome() if outcome is None else outcome
 
     def done(self) -> bool:
-        return self._ready.is_set()
+        return self._outcome.ready.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> Dict[str, Any]:
-        if not self._ready.wait(timeout):
+        if not self._outcome.ready.wait(timeout):
             raise TimeoutError(f"{self._what}: the asynchronous calculate() did not complete within "
                                f"{timeout} s (its collectives are still running); call wait() again")
-        if self._error is not None:
-            raise self._error
-        return dict(self._result)
-
-    def _finish(self, result=None, error=None) -> None:
-        self._result, self._error = result, error
-        self._ready.set()
+        if self._outcome.error is not None:
+            raise self._outcome.error
+        return dict(self._outcome.result)
 
     def __repr__(self):
         return f"CalculateHandle({self._what}, {'done' if self.done() else 'pending'})"
@@ -94,14 +103,14 @@ class _Worker:
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
 
-    def submit(self, job: Callable[[], Dict[str, Any]], handle: CalculateHandle, stream_guard,
+    def submit(self, job: Callable[[], Dict[str, Any]], outcome: Outcome, stream_guard,
                handed: Sequence = ()) -> None:
         """``handed``: (``HandOffs``, ``HandOff``) pairs whose interval returns if the job fails."""
         with self._lock:
             if self._pid != os.getpid():  # a forked child: the parent's thread is not here
                 self._jobs.clear()
                 self._pid, self._thread = os.getpid(), None
-            self._jobs.append((job, handle, stream_guard, handed))
+            self._jobs.append((job, outcome, stream_guard, handed))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="twinkle-metrics-calculate")
                 self._thread.start()
@@ -112,7 +121,7 @@ class _Worker:
                 if not self._jobs:
                     self._thread = None
                     return
-                job, handle, stream_guard, handed = self._jobs.popleft()
+                job, outcome, stream_guard, handed = self._jobs.popleft()
             try:
                 with stream_guard():
                     try:
@@ -121,10 +130,10 @@ class _Worker:
                         _give_back(handed, e)
                         raise
             except BaseException as e:  # noqa: BLE001 - every error belongs to the handle
-                handle._finish(error=e)
+                outcome.finish(error=e)
             else:
                 _done(handed)
-                handle._finish(result=result)
+                outcome.finish(result=result)
 
 
 _WORKER = _Worker()
@@ -160,15 +169,15 @@ class HandOff:
         self.interval, self.epoch, self.gives_back, self.ready = interval, epoch, gives_back, None
 
 
-def _twins(groups, bound) -> Dict[int, Any]:
-    """The worker's twin of each of ``groups`` (``{id(group): twin}``), made the first time
+def _twins(groups, bound) -> List[Tuple[Any, Any]]:
+    """The worker's twin of each of ``groups`` (``[(group, twin)]``), made the first time
     (collective over WORLD: ``parallel.bounded.twins``, its exchange bounded by ``bound``)."""
     held = [g for g in groups if g is not None]
     if not all(g in _TWINS for g in held):
         made = twins(held, bound.timeout, bound.what)
         for g in held:
-            _TWINS[g] = made[id(g)]
-    return {id(g): _TWINS[g] for g in held}
+            _TWINS[g] = made[id(g)]  # the groups are alive here: their ids are theirs
+    return [(g, _TWINS[g]) for g in held]
 
 
 def submit(ledgers: Sequence[HandOffs], take: Callable[[], List[Any]], mesh, groups: Sequence,
@@ -185,7 +194,7 @@ def submit(ledgers: Sequence[HandOffs], take: Callable[[], List[Any]], mesh, gro
     twins_of = _twins([g for g in groups if g is not None], Bound(what, mesh))
 
     def on_twins(data_group, share_group):
-        return tuple(None if g is None else twins_of[id(g)] for g in (data_group, share_group))
+        return tuple(None if g is None else next(t for h, t in twins_of if h is g) for g in (data_group, share_group))
 
     with _RETURN_LOCK:  # no interval given back between the settle and the hand-off
         intervals = take()
@@ -193,9 +202,9 @@ def submit(ledgers: Sequence[HandOffs], take: Callable[[], List[Any]], mesh, gro
         for ledger, h in handed:
             ledger.in_flight.append(h)
     guard = _stream_guard([h for _, h in handed])
-    handle = CalculateHandle(what)
-    _WORKER.submit(lambda: run(intervals, on_twins), handle, guard, handed)
-    return handle
+    outcome = Outcome()
+    _WORKER.submit(lambda: run(intervals, on_twins), outcome, guard, handed)
+    return CalculateHandle(what, outcome)
 
 
 _RETURN_LOCK = threading.RLock()

@@ -27,7 +27,7 @@ from twinkle_metrics.comm.fused import plain_states, sync_groups, sync_states
 from twinkle_metrics.core import slicing, staging
 from twinkle_metrics.core.state import interval_of, move_states
 
-__all__ = ["Interval", "calculate", "calculate_async", "end", "results", "sync_and_compute"]
+__all__ = ["Interval", "calculate", "calculate_async", "computing", "end", "results", "sync_and_compute"]
 
 
 class Interval:
@@ -135,10 +135,17 @@ def end(metric) -> None:
     interval_of(metric).number = ended.number + 1
 
 
+def computing(interval: Interval):
+    """The metric of ``interval`` as ``compute`` must see it: with ``interval`` as its own
+    (``compute`` may read its declarations, ``self._specs``), itself when it is."""
+    metric = interval.owner
+    return metric if interval_of(metric) is interval else metric._viewing(interval)
+
+
 def results(interval: Interval, states: Dict[str, Any]) -> Dict[str, Any]:
     """The metric's ``compute`` of ``interval``'s reduced states, with each slice's keys as
     ``"{key}/{slice}"``."""
-    metric = interval.owner
+    metric = computing(interval)
     if metric.slice_by is None:
         return metric.compute(states)
 

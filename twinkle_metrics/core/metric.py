@@ -29,6 +29,7 @@ collectives (see ``twinkle_metrics.comm``).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -156,7 +157,7 @@ class Metric:
         self._families: Dict[str, State] = {}
         # what the machinery moves (core.interval): the states and their declarations, what
         # was folded into, the origins; the asynchronous hand-offs (comm.pending.HandOffs)
-        self._interval = Interval(self, dict(self._class_states), {}, torch.device("cpu"),
+        self.__interval = Interval(self, dict(self._class_states), {}, torch.device("cpu"),
                                   handoffs=pending.HandOffs(), followed=self._followed)
         self.reset()
 
@@ -166,7 +167,7 @@ class Metric:
         if name in self._specs:
             raise ValueError(f"{type(self).__name__}: state {name!r} already exists")
         state.name = name
-        iv = self._interval
+        iv = self.__interval
         iv.specs[name] = state
         iv.states[name] = state.new(iv.device)
 
@@ -191,31 +192,38 @@ class Metric:
         return self.dynamic_state(name)
 
     def __getattr__(self, name):
-        iv = self.__dict__.get("_interval")
+        iv = self.__dict__.get("_Metric__interval")
         if iv is not None and name in iv.states:
             return iv.states[name]
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     # the current interval's parts, as a metric reads them of itself (``self._specs[name]``)
-    _specs = property(lambda self: self._interval.specs)
-    _states = property(lambda self: self._interval.states)
-    _device = property(lambda self: self._interval.device)
-    _touched = property(lambda self: self._interval.touched)
-    _intervals = property(lambda self: self._interval.number, doc="intervals ended (calculate, export)")
+    _specs = property(lambda self: self.__interval.specs)
+    _states = property(lambda self: self.__interval.states)
+    _device = property(lambda self: self.__interval.device)
+    _touched = property(lambda self: self.__interval.touched)
+    _intervals = property(lambda self: self.__interval.number, doc="intervals ended (calculate, export)")
+
+    def _viewing(self, interval: Interval) -> "Metric":
+        """A shallow copy of the metric whose current interval is ``interval`` (handed off, or a
+        driver's scratch): ``compute`` may read its own declarations (``self._specs``)."""
+        view = copy.copy(self)
+        view.__interval = interval
+        return view
 
     @property
     def states(self) -> Dict[str, torch.Tensor]:
         """The live state tensors (read-only view by convention)."""
         self._settle()
-        return dict(self._interval.states)
+        return dict(self.__interval.states)
 
     def _settle(self) -> None:
-        pending.settle(self._interval.handoffs, self._interval)
+        pending.settle(self.__interval.handoffs, self.__interval)
 
     def reset(self) -> "Metric":
         """Restore every state to its default; a new interval starts (its origins are read)."""
-        iv = self._interval
-        self._interval = Interval(self, dict(iv.specs), new_states(iv.specs, iv.device), iv.device,
+        iv = self.__interval
+        self.__interval = Interval(self, dict(iv.specs), new_states(iv.specs, iv.device), iv.device,
                                   origins={name: o.start(iv.last_host) for name, o in self._class_origins.items()},
                                   number=iv.number, handoffs=iv.handoffs, followed=iv.followed,
                                   last_host=iv.last_host)
@@ -230,7 +238,7 @@ class Metric:
         still writing).
         """
         device = torch.device(device)
-        iv = self._interval
+        iv = self.__interval
         if device != iv.device:
             iv.states = move_states(iv.states, device)  # host ones in one copy per dtype
             iv.device = device
@@ -288,7 +296,7 @@ class Metric:
 
     def _results(self, states: Dict[str, Any]) -> Dict[str, Any]:
         """``compute`` of the reduced states, with each slice's keys as ``"{key}/{slice}"``."""
-        return interval.results(self._interval, states)
+        return interval.results(self.__interval, states)
 
     def update(self, inputs, outputs, **kwargs) -> Optional[Mapping[str, Any]]:
         """Return ``{state name: contribution}`` for one call; must not read or change states."""
@@ -403,7 +411,7 @@ class Metric:
         """The local (unreduced) states, so a resumed run keeps what it accumulated,
         and the metric's fingerprint (checked by ``load_state_dict``)."""
         self._settle()
-        out: Dict[str, Any] = {name: t.detach().clone() for name, t in self._interval.states.items()}
+        out: Dict[str, Any] = {name: t.detach().clone() for name, t in self.__interval.states.items()}
         out[FINGERPRINT_KEY] = self.fingerprint()
         return out
 
@@ -422,7 +430,7 @@ class Metric:
         return self
 
     def __repr__(self):
-        return f"{type(self).__name__}(states={list(self._interval.specs)})"
+        return f"{type(self).__name__}(states={list(self.__interval.specs)})"
 
 
 config.ROOTS.add(Metric)

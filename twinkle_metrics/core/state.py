@@ -192,8 +192,9 @@ class Origin:
 
 def interval_of(metric):
     """The metric's current ``core.interval.Interval``: the one place that reads it off the
-    metric, for the machinery that moves its states."""
-    return metric._interval
+    metric, for the machinery that moves its states (``Metric`` keeps it name-mangled, so that
+    no subclass attribute can clash with it)."""
+    return metric._Metric__interval
 
 
 def batched(fold: Callable) -> Callable:

@@ -71,6 +71,7 @@ def merged_results(shards: Sequence) -> Dict[str, Any]:
     """
     from twinkle_metrics.comm.fused import plain_states
     from twinkle_metrics.core.checkpoint import stage_load
+    from twinkle_metrics.core.interval import computing
     from twinkle_metrics.core.state import interval_of
 
     lead = shards[0]
@@ -81,4 +82,7 @@ def merged_results(shards: Sequence) -> Dict[str, Any]:
     # the merge a load of every shard would install, staged only: the shards stay as they are
     _, merged = stage_load(lead, [m.state_dict() for m in shards])
     held = interval_of(lead)
-    return lead.compute(plain_states(merged, {name: held.spec_of(name) for name in merged}))
+    specs = {name: held.spec_of(name) for name in merged}
+    merged_interval = held.copy(states=merged, touched=set(merged))
+    merged_interval.specs = specs
+    return computing(merged_interval).compute(plain_states(merged, specs))
