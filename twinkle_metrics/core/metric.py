@@ -149,7 +149,7 @@ class Metric:
             config.warn_unknown_arguments(self, kwargs)
         slicing.check_config(self, slice_by, max_slices)
         self.__dict__.setdefault("_arguments", {}).setdefault("slice_by", slice_by)
-        config.settle_arguments(self, kwargs)
+        self._arguments, self._argument_values = config.settle_arguments(self, kwargs)
         self.slice_by = slice_by
         self.max_slices = max_slices
         self.device_mesh = as_device_mesh(device_mesh, type(self).__name__)
