@@ -160,26 +160,34 @@ def sync_and_compute(metrics: Sequence) -> List[Dict[str, Any]]:
     """Reduce the current intervals of ``metrics`` globally and return each one's results.
     Metrics that share the same data and TP x PP groups sync together in one pass
     (``comm.fused.sync_states``)."""
-    return _sync_and_compute(metrics, [interval_of(m) for m in metrics])
+    return _sync_and_compute(_places(metrics), [interval_of(m) for m in metrics])
 
 
-def sync_handed(metrics: Sequence, intervals: Sequence[Interval], groups) -> List[Dict[str, Any]]:
-    """On the worker: ``sync_and_compute`` of handed-off ``intervals`` of ``metrics``, on the
-    groups ``groups(data group, TP x PP group)`` gives (private twins)."""
-    return _sync_and_compute(metrics, intervals, groups)
+def sync_handed(places: Sequence[tuple], intervals: Sequence[Interval], groups) -> List[Dict[str, Any]]:
+    """On the worker: ``sync_and_compute`` of handed-off ``intervals``, each synced where
+    ``places`` says (taken at the hand-off), on the groups ``groups(data group, TP x PP
+    group)`` gives (private twins)."""
+    return _sync_and_compute(places, intervals, groups)
 
 
-def _sync_and_compute(metrics: Sequence, intervals: Sequence[Interval], groups=None) -> List[Dict[str, Any]]:
-    buckets: Dict[tuple, List[int]] = {}
-    for i, m in enumerate(metrics):
+def _places(metrics: Sequence) -> List[tuple]:
+    """Where each metric syncs, and what its ranks must agree on: ``(mesh, data group, sync
+    fingerprint)``."""
+    out = []
+    for m in metrics:
         mesh = m.resolve_mesh()
-        data_group = m.data_group()
-        entry = buckets.setdefault((id(data_group), id(mesh.result_group)), [mesh, data_group])
-        entry.append(i)
-    out: List[Dict[str, Any]] = [{} for _ in metrics]
-    for mesh, data_group, *idx in buckets.values():
-        reduced = sync_states([intervals[i] for i in idx], mesh, data_group,
-                              [metrics[i].sync_fingerprint() for i in idx], groups)
+        out.append((mesh, m.data_group(), m.sync_fingerprint()))
+    return out
+
+
+def _sync_and_compute(places: Sequence[tuple], intervals: Sequence[Interval], groups=None) -> List[Dict[str, Any]]:
+    buckets: Dict[tuple, List[int]] = {}
+    for i, (mesh, data_group, _) in enumerate(places):
+        buckets.setdefault((id(data_group), id(mesh.result_group)), []).append(i)
+    out: List[Dict[str, Any]] = [{} for _ in places]
+    for idx in buckets.values():
+        mesh, data_group, _ = places[idx[0]]
+        reduced = sync_states([intervals[i] for i in idx], mesh, data_group, [places[i][2] for i in idx], groups)
         for i, states in zip(idx, reduced):
             out[i] = results(intervals[i], states)
     return out
@@ -202,11 +210,11 @@ def calculate_async(metrics: Sequence, reset: bool, finish: Callable[[List[Dict[
                     ) -> pending.CalculateHandle:
     """``calculate(async_op=True)``: each interval is handed off (``reset``: the states move
     and the metric starts a new interval; else a copy), then synced on the worker."""
+    places = _places(metrics)  # taken now, on the caller's thread
     groups: Dict[int, Any] = {}
-    for m in metrics:
-        mesh = m.resolve_mesh()
+    for mesh, data_group, _ in places:
         mesh.check_live("calculate()")
-        for group in sync_groups(mesh, m.data_group(), mesh.result_group):
+        for group in sync_groups(mesh, data_group, mesh.result_group):
             groups.setdefault(id(group), group)
 
     def take() -> List[Interval]:
@@ -223,7 +231,7 @@ def calculate_async(metrics: Sequence, reset: bool, finish: Callable[[List[Dict[
         return out
 
     def run(intervals, on_twins):
-        return finish(sync_handed(metrics, intervals, on_twins))
+        return finish(sync_handed(places, intervals, on_twins))
 
-    return pending.submit([interval_of(m).handoffs for m in metrics], take, metrics[0].resolve_mesh(),
-                          list(groups.values()), run, reset)
+    return pending.submit([interval_of(m).handoffs for m in metrics], take, places[0][0], list(groups.values()),
+                          run, reset)
