@@ -5,12 +5,14 @@ metrics' tensor code.
 """
 import contextlib
 import math
+import re
 
 import pytest
 import torch
 
 from tests.rlref import make_ppo_batch, make_rl_batch, ragged
 from twinkle_metrics import CISPOMetric, GRPOMetric, GSPOMetric, MetricCollection, PPOMetric, RolloutMismatchMetric
+from twinkle_metrics.core.metric import FINGERPRINT_KEY
 from twinkle_metrics.kernels import dispatch
 from twinkle_metrics.testing import assert_results_close, forbid_device_waits
 
@@ -228,7 +230,21 @@ def test_default_mode_is_bit_identical_and_keeps_fingerprint_and_states(cls):
     plain, want = _full_results(cls)
     named, got = _full_results(cls, loss_agg_mode="token-mean", loss_agg_norm=None)
     assert got == want  # exact, every key
-    assert named.fingerprint() == plain.fingerprint() and "loss_agg" not in plain.fingerprint()
+    assert named.fingerprint() == plain.fingerprint()
+    # a checkpoint saved before the aggregation and clip arguments existed still loads (the
+    # Schema reads an argument its fingerprint lacks as its default) and gives the same numbers
+    fed = cls() if cls is RolloutMismatchMetric else cls(top_k_kl=3, quantiles=(0.5, 0.9))
+    b = _batch()
+    if cls is RolloutMismatchMetric:
+        fed.accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, rollout_logps=ragged(b["old"], b["labels"]))
+    else:
+        _feed(fed, b)
+    state = fed.state_dict()
+    state[FINGERPRINT_KEY] = re.sub(r"(loss_agg_mode|loss_agg_norm|clip_ratio_c|token_clip_ratio)=[^,)]*(, )?", "",
+                                    state[FINGERPRINT_KEY])
+    assert "loss_agg" not in state[FINGERPRINT_KEY]
+    fresh = cls() if cls is RolloutMismatchMetric else cls(top_k_kl=3, quantiles=(0.5, 0.9))
+    assert fresh.load_state_dict(state).calculate() == want
     assert set(named.state_dict()) == set(plain.state_dict())
     assert not any(k.startswith("seq_") and k not in ("seq_ess",) for k in plain.state_dict())
 
@@ -274,12 +290,13 @@ def test_sequence_modes_take_the_torch_path_where_the_kernels_would_run(monkeypa
     """The fused kernels make no per-sequence table: a non-default mode never fuses."""
     monkeypatch.setattr(dispatch, "device_ok", lambda x: True)
     b = _batch()
-    from twinkle_metrics.metrics.rl.policy_sums import _Microbatch
+    from twinkle_metrics.metrics.rl.policy.batch import Microbatch
+    from twinkle_metrics.metrics.rl.policy.sums import fuses
 
     item = dict(feat={}, lp=b["logps"], m=b["labels"] != -100, ent=None, em=None, adv=None, has_adv=None,
                 ref=None, has_ref=None, old=None, has_old=None)
-    assert GRPOMetric()._fuses(_Microbatch(item, None))
-    assert not GRPOMetric(loss_agg_mode="seq-mean-token-mean")._fuses(_Microbatch(item, None))
+    assert fuses(GRPOMetric().config, Microbatch(item, None))
+    assert not fuses(GRPOMetric(loss_agg_mode="seq-mean-token-mean").config, Microbatch(item, None))
     roll = {"x": b["logps"], "m": item["m"], "rollout_logps": (b["old"], item["m"])}
     assert RolloutMismatchMetric()._fuses(roll)
     assert not RolloutMismatchMetric(loss_agg_mode="seq-mean-token-sum")._fuses(roll)

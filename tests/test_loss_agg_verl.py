@@ -10,8 +10,10 @@ import torch
 from tests.refmetric import dp_shards
 from tests.rlref import make_ppo_batch, make_rl_batch, verl_agg_loss, verl_agg_loss_over_dp, verl_clip_tokens
 from twinkle_metrics import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric, RolloutMismatchMetric
+from twinkle_metrics.core.metric import FINGERPRINT_KEY
 from twinkle_metrics.kernels import dispatch
-from twinkle_metrics.metrics.rl.policy_sums import _Microbatch
+from twinkle_metrics.metrics.rl.policy.batch import Microbatch
+from twinkle_metrics.metrics.rl.policy.sums import fuses
 from twinkle_metrics.testing import forbid_device_waits
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -185,7 +187,7 @@ def test_nan_propagates_into_the_new_keys_and_skip_drops_the_token():
                 assert math.isnan(out[key]) == (nan_policy == "propagate"), (cls, nan_policy, key)
 
 
-def test_arguments_are_checked_and_stay_out_of_the_fingerprint_at_their_defaults():
+def test_arguments_are_checked_and_checkpoints_from_before_them_load():
     for cls in (GSPOMetric, CISPOMetric):
         with pytest.raises(ValueError, match=rf"{cls.__name__}: clip_ratio_c \(dual-clip PPO\) applies to "
                                              r"GRPOMetric and PPOMetric"):
@@ -197,7 +199,13 @@ def test_arguments_are_checked_and_stay_out_of_the_fingerprint_at_their_defaults
         GRPOMetric(token_clip_ratio=1)
     plain, named = GRPOMetric(), GRPOMetric(clip_ratio_c=None, token_clip_ratio=False)
     assert plain.fingerprint() == named.fingerprint() and set(plain.state_dict()) == set(named.state_dict())
-    assert "clip_ratio_c" not in plain.fingerprint()
+    # a checkpoint from before the arguments existed (no clip_ratio_c, token_clip_ratio) loads
+    state = plain.state_dict()
+    state[FINGERPRINT_KEY] = state[FINGERPRINT_KEY].replace("clip_ratio_c=None, token_clip_ratio=False, ", "")
+    assert "clip_ratio_c" not in state[FINGERPRINT_KEY]
+    GRPOMetric().load_state_dict(state)
+    with pytest.raises(ValueError, match=r"clip_ratio_c=None there, clip_ratio_c=3.0 here \(it predates"):
+        GRPOMetric(clip_ratio_c=3).load_state_dict(state)
     dual = GRPOMetric(clip_ratio_c=3)
     assert "clip_ratio_c=3.0" in dual.fingerprint() and dual.clip_ratio_c == 3.0
     assert "clip_dual" in dual.state_dict() and "clip_tok" in GSPOMetric(token_clip_ratio=True).state_dict()
@@ -223,10 +231,10 @@ def test_the_new_keys_take_the_torch_path_where_the_kernel_would_run(monkeypatch
     m = b["labels"] != -100
     item = dict(feat={}, lp=b["logps"], m=m, ent=None, em=None, adv=None, has_adv=None, ref=None, has_ref=None,
                 old=None, has_old=None)
-    assert GRPOMetric(token_clip_ratio=True)._fuses(_Microbatch(item, None))  # existing counts: fused
-    assert GSPOMetric()._fuses(_Microbatch(item, None))
-    assert not GRPOMetric(clip_ratio_c=3.0)._fuses(_Microbatch(item, None))
-    assert not GSPOMetric(token_clip_ratio=True)._fuses(_Microbatch(item, None))
+    assert fuses(GRPOMetric(token_clip_ratio=True).config, Microbatch(item, None))  # existing counts: fused
+    assert fuses(GSPOMetric().config, Microbatch(item, None))
+    assert not fuses(GRPOMetric(clip_ratio_c=3.0).config, Microbatch(item, None))
+    assert not fuses(GSPOMetric(token_clip_ratio=True).config, Microbatch(item, None))
 
 
 def test_sliced_new_keys_equal_a_metric_fed_only_that_slice():

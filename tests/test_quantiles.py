@@ -12,7 +12,7 @@ import torch
 from tests.rlref import make_rl_batch
 from twinkle_metrics import CompletionRewardMetric, DPOMetric, GRPOMetric, GSPOMetric, TrainMetric
 from twinkle_metrics.metrics.rl.dpo import MARGIN_HISTOGRAM
-from twinkle_metrics.metrics.rl.grpo import ENTROPY_HISTOGRAM, KL_HISTOGRAM, RATIO_HISTOGRAM
+from twinkle_metrics.metrics.rl.policy.table import ENTROPY_HISTOGRAM, KL_HISTOGRAM, RATIO_HISTOGRAM
 from twinkle_metrics.metrics.rl.reward import LENGTH_HISTOGRAM, REWARD_HISTOGRAM
 from twinkle_metrics.stats.histogram import Histogram, nearest_rank, quantile_suffix
 from twinkle_metrics.testing import DeviceWaitError, forbid_device_waits, merged_results

@@ -40,6 +40,7 @@ if INTERPRETED:
     from twinkle_metrics.kernels import entropy_triton as TE
     from twinkle_metrics.kernels import rl_triton as TR
     from twinkle_metrics.kernels import rollout_triton as TRO
+    from twinkle_metrics.metrics.rl.policy.table import KERNEL_COLUMNS
 
 from tests.rlref import make_rl_batch, ragged  # noqa: E402
 from twinkle_metrics import Accuracy, CISPOMetric, DPOMetric, GRPOMetric, GSPOMetric, RolloutMismatchMetric  # noqa: E402
@@ -392,7 +393,8 @@ def test_rl_kernel_k3_to_full_relative_precision():
     m = torch.ones_like(d, dtype=torch.bool)
     for i in range(d.shape[1]):
         one = d[:, i:i + 1]
-        r, _, _ = TR.token_stats([dict(lp=one, m=m[:, i:i + 1], old=torch.zeros_like(one))], block=16)
+        r, _, _ = TR.token_stats([dict(lp=one, m=m[:, i:i + 1], old=torch.zeros_like(one))],
+                                 columns=KERNEL_COLUMNS, block=16)
         x = Decimal(float(one))
         want = float(x.exp() - 1 - x)
         assert math.isclose(float(r["sum_kl"]), want, rel_tol=1e-14), (float(one), float(r["sum_kl"]), want)
@@ -417,7 +419,8 @@ def test_rl_kernel_blocks_rows_and_microbatches():
         want_adv.append(adv.expand(b, s)[m])
     # between them, one without old log-probs (and no counted token): no records of its own
     mbs.insert(1, dict(lp=lp[:, :5], m=torch.zeros_like(m[:, :5]), adv=adv))
-    tot, records, rows = TR.token_stats(mbs, want_rows=True, want_key=True, token_clip=False, block=16)
+    tot, records, rows = TR.token_stats(mbs, columns=KERNEL_COLUMNS, want_rows=True, want_key=True, token_clip=False,
+                                        block=16)
     del mbs[1], rows[1]
     assert records.shape == (len(TR.RECORD_ROWS), 3 * 70 + 2 * 17)
     start = 0

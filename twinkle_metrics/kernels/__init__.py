@@ -7,7 +7,7 @@ op                         torch reference                              Triton v
 entropy                    ``entropy`` (``token_entropy``)              ``entropy_triton``
 argmax, hits, keys         ``argmax`` (``local_argmax``, ``joined_hits``, ``argmax_triton``
                            ``argmax_keys``)
-rl (GRPO family)           ``metrics.rl.policy_sums`` (GRPOMetric)      ``rl_triton.token_stats``
+rl (GRPO family)           ``metrics.rl.policy.sums`` (GRPOMetric)      ``rl_triton.token_stats``
 dpo row sums, pairs        ``metrics.rl.dpo.DPOMetric``                 ``dpo_triton``
 rollout tokens, sequences  ``metrics.rl.rollout.RolloutMismatchMetric`` ``rollout_triton``
 ppo                        ``metrics.rl.ppo_value.PPOValueMetric``      ``ppo_triton.token_stats``
@@ -54,7 +54,7 @@ PAIRS = (
     KernelPair("argmax", _K + "argmax:local_argmax", _K + "argmax_triton:triton_argmax"),
     KernelPair("argmax_hits", _K + "argmax:joined_hits", _K + "argmax_triton:triton_argmax_hits_joined"),
     KernelPair("argmax_keys", _K + "argmax:argmax_keys", _K + "argmax_triton:triton_argmax_keys"),
-    KernelPair("rl", _M + "rl.grpo:GRPOMetric", _K + "rl_triton:token_stats"),
+    KernelPair("rl", _M + "rl.policy.metric:GRPOMetric", _K + "rl_triton:token_stats"),
     KernelPair("dpo_row_sums", _M + "rl.dpo:DPOMetric", _K + "dpo_triton:masked_row_sums"),
     KernelPair("dpo_pairs", _M + "rl.dpo:DPOMetric", _K + "dpo_triton:pair_stats"),
     KernelPair("rollout", _M + "rl.rollout:RolloutMismatchMetric", _K + "rollout_triton:token_stats"),

@@ -32,6 +32,7 @@ Triton's interpreter against the torch path, and compiled for sm_80/sm_90 in CI
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -41,30 +42,35 @@ import triton.language as tl
 
 from twinkle_metrics.kernels.triton_common import arg_strides, column_totals, counted, k3_ratio, store_sum
 
-#: sum columns; the first ``N_COUNTS`` hold counts (int64 states)
-SUMS = ("n_tok", "n_ent", "n_adv", "n_ref", "n_old", "clip_n", "clip_low", "clip_high", "n_bad",
-        "sum_new", "sum_ent", "sum_adv", "sum_ref_kl", "sum_old", "sum_diff", "sum_kl", "sum_ratio",
-        "clip_nan")
-N_COUNTS = 9
-#: extreme columns, all kept as maxima (minima negated); each has a NaN flag sum column
-EXTREMES = ("adv_max", "adv_min", "logr_max", "logr_min")
-_N_SUM = len(SUMS)
+#: one state a caller wants: (name, reduction, quantity, dtype)
+Column = Tuple[str, str, str, torch.dtype]
+
+#: the per-token quantities the kernel sums over a call's counted tokens (its partials'
+#: layout; a metric names its states after them: ``token_stats(columns=...)``): token counts
+#: (all, and those with each input), clip counts, non-finite tokens, then sums of values
+QUANTITIES = ("tokens", "tokens_ent", "tokens_adv", "tokens_ref", "tokens_old", "tokens_clip", "clip_low",
+              "clip_high", "nonfinite", "logp", "entropy", "advantage", "ref_k3", "old_logp", "log_ratio", "k3",
+              "ratio", "clip_nan")
+#: the extremes the kernel keeps, as ``quantity_max`` / ``quantity_min``, all as maxima (minima
+#: negated); each has a NaN flag sum column
+EXTREMES = ("advantage_max", "advantage_min", "log_ratio_max", "log_ratio_min")
+_N_SUM = len(QUANTITIES)
 _N_COLS = _N_SUM + 2 * len(EXTREMES)  # sums, NaN flags of the extremes, extremes
 #: tokens of one sequence per program (at most)
 BLOCK = 512
 #: warps per program
 NUM_WARPS = 4
 
-# Column indices the kernel writes, named after the states (taken from the tuples above,
+# Column indices the kernel writes, named after the quantities (taken from the tuples above,
 # so the kernel and ``token_stats`` cannot disagree on the layout).
-_N_TOK, _N_ENT, _N_ADV, _N_REF, _N_OLD = (tl.constexpr(SUMS.index(c)) for c in
-                                          ("n_tok", "n_ent", "n_adv", "n_ref", "n_old"))
-_CLIP_N, _CLIP_LOW, _CLIP_HIGH, _N_BAD = (tl.constexpr(SUMS.index(c)) for c in
-                                          ("clip_n", "clip_low", "clip_high", "n_bad"))
-_SUM_NEW, _SUM_ENT, _SUM_ADV, _SUM_REF_KL = (tl.constexpr(SUMS.index(c)) for c in
-                                             ("sum_new", "sum_ent", "sum_adv", "sum_ref_kl"))
-_SUM_OLD, _SUM_DIFF, _SUM_KL, _SUM_RATIO, _CLIP_NAN = (tl.constexpr(SUMS.index(c)) for c in
-                                                       ("sum_old", "sum_diff", "sum_kl", "sum_ratio", "clip_nan"))
+_N_TOK, _N_ENT, _N_ADV, _N_REF, _N_OLD = (tl.constexpr(QUANTITIES.index(c)) for c in
+                                          ("tokens", "tokens_ent", "tokens_adv", "tokens_ref", "tokens_old"))
+_CLIP_N, _CLIP_LOW, _CLIP_HIGH, _N_BAD = (tl.constexpr(QUANTITIES.index(c)) for c in
+                                          ("tokens_clip", "clip_low", "clip_high", "nonfinite"))
+_SUM_NEW, _SUM_ENT, _SUM_ADV, _SUM_REF_KL = (tl.constexpr(QUANTITIES.index(c)) for c in
+                                             ("logp", "entropy", "advantage", "ref_k3"))
+_SUM_OLD, _SUM_DIFF, _SUM_KL, _SUM_RATIO, _CLIP_NAN = (tl.constexpr(QUANTITIES.index(c)) for c in
+                                                       ("old_logp", "log_ratio", "k3", "ratio", "clip_nan"))
 # NaN flag columns (summed, then added to their extreme), then the extremes (as maxima)
 _NAN_ADV_MAX, _NAN_ADV_MIN, _NAN_LOGR_MAX, _NAN_LOGR_MIN = (tl.constexpr(_N_SUM + i) for i in range(4))
 _ADV_MAX, _NEG_ADV_MIN, _LOGR_MAX, _NEG_LOGR_MIN = (tl.constexpr(_N_SUM + len(EXTREMES) + EXTREMES.index(c))
@@ -72,7 +78,7 @@ _ADV_MAX, _NEG_ADV_MIN, _LOGR_MAX, _NEG_LOGR_MIN = (tl.constexpr(_N_SUM + len(EX
 
 
 #: rows of the top-k record buffer, one column per token of every microbatch with old log-probs,
-#: in the order of GRPOMetric's record fields: the key (k3 where > 0 and counted, else -inf),
+#: in the order of the policy metrics' record fields: the key (k3 where > 0 and counted, else -inf),
 #: the sequence within the call, the position, the token id, the ratio, log-prob, old log-prob
 RECORD_ROWS = ("key", "seq", "pos", "token_id", "ratio", "lp", "old")
 _REC_KEY, _REC_SEQ, _REC_POS, _REC_TOK, _REC_RATIO, _REC_LP, _REC_OLD = (tl.constexpr(i)
@@ -224,7 +230,8 @@ def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, tok_ptr, pos_p
 
 
 
-def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: float = -math.inf,
+def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, columns: Sequence[Column],
+                lo: float = -math.inf,
                 hi: float = math.inf, token_clip: bool = True, by_sign: bool = True, skip: bool = False,
                 want_key: bool = False, want_rows: bool = False, block: int = 0) -> Tuple[
                     Dict[str, torch.Tensor], Optional[torch.Tensor], List[Optional[torch.Tensor]]]:
@@ -240,9 +247,13 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
     (not CISPO); ``skip``: drop non-finite tokens. With ``want_key``, ``seq0`` (an int) is
     the index of the microbatch's first sequence in the call.
 
-    Returns ``(totals, records, rows)``: 0-d tensors named like the metric's states (counts
-    int64, the rest float64; a column whose input no microbatch gave is 0, or -inf/+inf
-    for an extreme); with ``want_key``, one float64 ``[len(RECORD_ROWS), tokens]`` buffer
+    ``columns``: the caller's states as ``(name, reduction, quantity, dtype)`` rows (a
+    metric's column table), each a quantity of ``QUANTITIES`` (``'sum'``) or of ``EXTREMES``
+    (``'max'`` / ``'min'`` of it).
+
+    Returns ``(totals, records, rows)``: ``{name: 0-d tensor}`` in the order of ``columns``
+    (int64 for an int64 column, else float64; a column whose input no microbatch gave is 0,
+    or -inf/+inf for an extreme); with ``want_key``, one float64 ``[len(RECORD_ROWS), tokens]`` buffer
     holding, for every token of every microbatch with old log-probs (in order, row-major),
     the rows of ``RECORD_ROWS`` (the sequence index is ``seq0`` + row; the position the
     column, or ``pos`` ``[b, s]`` where given; the token id ``tok`` ``[b, s]``, or -1) (else
@@ -283,14 +294,31 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, lo: 
     f, i, _ = column_totals(part, ext0=_N_SUM + len(EXTREMES), flag0=_N_SUM, per_ext=True,
                             neg=sum(1 << e for e, name in enumerate(EXTREMES) if name.endswith("_min")))
     # 0-d views, made by two unbinds rather than one indexing call per state
-    out = dict(zip(SUMS[:N_COUNTS], i[:N_COUNTS].unbind()))
-    out.update(zip(SUMS[N_COUNTS:], f[N_COUNTS:_N_SUM].unbind()))
-    out.update(zip(EXTREMES, f[_N_SUM + len(EXTREMES):].unbind()))
+    f, i = f.unbind(), i.unbind()
+    out = {name: (i if dtype == torch.int64 else f)[at] for name, at, dtype in _layout(tuple(columns))}
     rows: List[Optional[torch.Tensor]] = []
     for off, b, _, _, n_blk, _ in plans:
         if not want_rows:
             rows.append(None)
             continue
         per_row = part[off:off + b * n_blk, :_N_SUM].view(b, n_blk, _N_SUM).sum(1)
-        rows.append(torch.stack([per_row[:, SUMS.index(c)] for c in ("sum_diff", "n_old", "sum_adv")], 1))
+        rows.append(torch.stack([per_row[:, QUANTITIES.index(c)] for c in ("log_ratio", "tokens_old", "advantage")],
+                                1))
     return out, records, rows
+
+
+@functools.lru_cache(maxsize=8)
+def _layout(columns: Tuple[Column, ...]) -> Tuple[Tuple[str, int, torch.dtype], ...]:
+    """``(name, index into the finished totals, dtype)`` of each column; raises ``ValueError``
+    naming a column whose quantity the kernel does not compute."""
+    out = []
+    for name, reduce, quantity, dtype in columns:
+        if reduce == "sum" and quantity in QUANTITIES:
+            at = QUANTITIES.index(quantity)
+        elif f"{quantity}_{reduce}" in EXTREMES:
+            at = _N_SUM + len(EXTREMES) + EXTREMES.index(f"{quantity}_{reduce}")
+        else:
+            raise ValueError(f"rl_triton.token_stats: column {name!r} ({reduce} of {quantity!r}) is not one the "
+                             f"kernel computes: sums of {QUANTITIES}, extremes {EXTREMES}")
+        out.append((name, at, dtype))
+    return tuple(out)

@@ -22,8 +22,8 @@ from twinkle_metrics.metrics.lm.accuracy import Accuracy
 from twinkle_metrics.metrics.lm.embedding import EmbeddingMetric
 from twinkle_metrics.metrics.lm.loss import LossMetric
 from twinkle_metrics.metrics.rl.dpo import DPOMetric
-from twinkle_metrics.metrics.rl.grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
 from twinkle_metrics.metrics.rl.pass_at_k import PassAtKMetric
+from twinkle_metrics.metrics.rl.policy import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
 from twinkle_metrics.metrics.rl.ppo_value import PPOValueMetric
 from twinkle_metrics.metrics.rl.reward import CompletionRewardMetric
 from twinkle_metrics.metrics.rl.rollout import RolloutMismatchMetric

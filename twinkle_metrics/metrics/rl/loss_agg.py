@@ -25,12 +25,6 @@ import torch
 #: sum over the batch's tokens: a logged statistic that grows with the batch is not offered.)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
-#: arguments added after checkpoints were written, with the defaults that keep them out of the
-#: fingerprint (so those checkpoints still load, as ``slice_by=None`` does)
-_LATER_ARGUMENTS = {"loss_agg_mode": LOSS_AGG_MODES[0], "loss_agg_norm": None, "clip_ratio_c": None,
-                    "token_clip_ratio": False}
-
-
 def check_loss_agg(name: str, mode, norm) -> Tuple[str, Optional[float]]:
     """``(loss_agg_mode, loss_agg_norm)`` validated; raises ``ValueError`` naming the metric."""
     if not isinstance(mode, str) or mode not in LOSS_AGG_MODES:
@@ -45,14 +39,6 @@ def check_loss_agg(name: str, mode, norm) -> Tuple[str, Optional[float]]:
         raise ValueError(f"{name}: loss_agg_norm must be a finite number > 0 (verl's loss_scale_factor, e.g. "
                          f"the maximum response length) or None (each sequence's token capacity), got {norm!r}")
     return mode, float(norm)
-
-
-def keep_default_fingerprint(metric) -> None:
-    """Leave the later arguments (aggregation, verl's clip keys) out of the fingerprint while
-    they hold their defaults, so checkpoints written before they existed still load."""
-    for name, default in _LATER_ARGUMENTS.items():
-        if name in metric._arguments and getattr(metric, name, default) == default:
-            metric._arguments.pop(name)
 
 
 def sequence_table(sums: torch.Tensor, counts: torch.Tensor, width: torch.Tensor, count_of: Sequence[int],

@@ -18,7 +18,6 @@ from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.metrics.rl.loss_agg import (
     LOSS_AGG_MODES,
     check_loss_agg,
-    keep_default_fingerprint,
     sequence_mean,
     sequence_table,
 )
@@ -187,7 +186,6 @@ class RolloutMismatchMetric(Metric):
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.loss_agg_mode, self.loss_agg_norm = check_loss_agg(name, loss_agg_mode, loss_agg_norm)
-        keep_default_fingerprint(self)
         self._per_sequence = self.loss_agg_mode != LOSS_AGG_MODES[0]
         if self._per_sequence:  # only for these modes: a token-mean metric's states are as before
             self.add_state("seq_sums", State("sum", torch.float64, shape=(len(_SEQ_SUMS),)))

@@ -12,14 +12,11 @@ records carry sequence indices over the whole data group in DP-rank order.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from twinkle_metrics.inputs.checks import as_tensor, from_host
-
-if TYPE_CHECKING:
-    from twinkle_metrics.metrics.rl.policy_batch import _Microbatch
 
 #: columns of one record row
 FIELDS = ("kl", "gsi", "pos", "token_id", "ratio", "logp_new", "logp_old")
@@ -35,7 +32,7 @@ def _top(key: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return values[:k], indices[:k]
 
 
-def _topk_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
+def topk_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` rows with the largest first column (the k3 value); -inf rows are empty.
 
     Rows come in token order (earlier calls, microbatches and data ranks first, each
@@ -67,7 +64,7 @@ def fold_records(old: torch.Tensor, new: torch.Tensor, k: int) -> torch.Tensor:
     rows = new[:k].clone()
     rows[:, 1] += seen
     head = torch.cat([(seen + new[k, 0].clamp(min=0)).reshape(1), torch.maximum(old[k, 1:], new[k, 1:])])
-    return torch.cat([_topk_rows(torch.stack([old[:k], rows]), k), head[None]])
+    return torch.cat([topk_rows(torch.stack([old[:k], rows]), k), head[None]])
 
 
 def merge_records(rows: torch.Tensor, k: int) -> torch.Tensor:
@@ -80,7 +77,7 @@ def merge_records(rows: torch.Tensor, k: int) -> torch.Tensor:
     records = rows[:, :k].clone()
     records[:, :, 1] += offset[:, None]
     head = torch.cat([counts.sum().reshape(1), rows[:, k, 1:].amax(0)])
-    return torch.cat([_topk_rows(records, k), head[None]])
+    return torch.cat([topk_rows(records, k), head[None]])
 
 
 def as_records(rows, k: int) -> list:
@@ -93,42 +90,37 @@ def as_records(rows, k: int) -> list:
     return out
 
 
-class TopKRecords:
-    """The candidates of one call for the top-k records (mixed into ``GRPOMetric``)."""
+def candidates(mb, key: torch.Tensor, k: int) -> torch.Tensor:
+    """A microbatch's top-``k`` rows [k, fields] in ``FIELDS`` order, with sequence indices
+    counted from the call's start (``fold_records`` adds those before it); ``key`` [b, s]:
+    each token's k3 where it has an old log-prob and k3 > 0, else -inf. Token and position
+    ids where the features give them, else -1 and the column."""
+    b, s = mb.m.shape
+    val, idx = _top(key.reshape(-1), k)
+    i, p = idx.div(s, rounding_mode="floor"), idx.remainder(s)
+    labels, positions = feature_view(mb, "labels"), feature_view(mb, "position_ids")
+    tok = torch.full_like(p, -1) if labels is None else labels[i, p]
+    pos = p if positions is None else positions[i, p]
+    gsi = i + mb.seq0  # from the call's start: the fold adds the sequences before it
+    lp_k, old_k = mb.lp[i, p].to(torch.float64), mb.old.expand(b, s)[i, p].to(torch.float64)
+    # one stack casts the integer columns to float64 (exact below 2**53)
+    return torch.stack([val, gsi, pos, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
 
-    def _candidates(self, mb: "_Microbatch", key: torch.Tensor, seq_start: int) -> torch.Tensor:
-        """This microbatch's top-k rows [k, fields] in ``FIELDS`` order, with sequence indices
-        counted from the call's start (``fold_records`` adds those before it); ``key``
-        [b, s]: each token's k3 where it has an old log-prob and k3 > 0,
-        else -inf. Token and position ids where the features give them, else -1 and the column."""
-        b, s = mb.m.shape
-        val, idx = _top(key.reshape(-1), self.top_k_kl)
-        i, p = idx.div(s, rounding_mode="floor"), idx.remainder(s)
-        labels, positions = self._feature_view(mb, "labels"), self._feature_view(mb, "position_ids")
-        tok = torch.full_like(p, -1) if labels is None else labels[i, p]
-        pos = p if positions is None else positions[i, p]
-        gsi = i + seq_start  # from the call's start: the fold adds the sequences before it
-        lp_k, old_k = mb.lp[i, p].to(torch.float64), mb.old.expand(b, s)[i, p].to(torch.float64)
-        # one stack casts the integer columns to float64 (exact below 2**53)
-        return torch.stack([val, gsi, pos, tok, torch.exp(lp_k - old_k), lp_k, old_k], 1)
 
-    def _fused_candidates(self, records: torch.Tensor) -> torch.Tensor:
-        """The top-k rows of every fused microbatch at once, from the kernel's record buffer
-        (``triton_rl.RECORD_ROWS``, in ``FIELDS`` order with the sequence within the call in
-        place of the global one; the fold adds those before it): one top-k and one gather however
-        many microbatches."""
-        idx = _top(records[0], self.top_k_kl)[1]
-        rows = records[:, idx]
-        return rows.t()
+def fused_candidates(records: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-``k`` rows of every fused microbatch at once, from the kernel's record buffer
+    (``rl_triton.RECORD_ROWS``, in ``FIELDS`` order with the sequence within the call in place
+    of the global one): one sort and one gather however many microbatches."""
+    return records[:, _top(records[0], k)[1]].t()
 
-    @staticmethod
-    def _feature_view(mb: "_Microbatch", field: str) -> Optional[torch.Tensor]:
-        """``field`` of the microbatch's features as a ``[b, s]`` view over its tokens (a 1-D
-        one holds for every sequence), or None when absent."""
-        x = mb.feat.get(field)
-        if x is None:
-            return None
-        b, s = mb.m.shape
-        x = as_tensor(x, mb.m.device)
-        x = x.unsqueeze(0) if x.dim() == 1 else x
-        return x.expand(b, -1)[:, :s]
+
+def feature_view(mb, field: str) -> Optional[torch.Tensor]:
+    """``field`` of the microbatch's features as a ``[b, s]`` view over its tokens (a 1-D
+    one holds for every sequence), or None when absent."""
+    x = mb.feat.get(field)
+    if x is None:
+        return None
+    b, s = mb.m.shape
+    x = as_tensor(x, mb.m.device)
+    x = x.unsqueeze(0) if x.dim() == 1 else x
+    return x.expand(b, -1)[:, :s]

@@ -1,4 +1,9 @@
-"""``GRPOMetric``, ``GSPOMetric``, ``CISPOMetric``: policy-optimisation statistics."""
+"""``GRPOMetric``, ``PPOMetric``, ``GSPOMetric``, ``CISPOMetric``: policy-optimisation statistics.
+
+The states come from the columns of ``table.COLUMNS``; ``update`` prepares the call and hands
+it to the pure functions of ``sums`` with the metric's ``Config``; ``compute`` reads the same
+table back into keys.
+"""
 from __future__ import annotations
 
 import math
@@ -6,34 +11,36 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from parallel import group_size
+from parallel import group_rank, group_size
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
-from twinkle_metrics.inputs.checks import as_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.kernels import entropy
-from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg, keep_default_fingerprint, sequence_mean
-from twinkle_metrics.metrics.rl.policy_records import FIELDS, as_records, fold_records, merge_records, pack_records
-from twinkle_metrics.metrics.rl.policy_sums import (  # noqa: F401 - the histograms are part of this module's names
+from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg, sequence_mean
+from twinkle_metrics.metrics.rl.policy import batch as batch_mod
+from twinkle_metrics.metrics.rl.policy import records, sums
+from twinkle_metrics.metrics.rl.policy.table import (
+    BY_NAME,
+    CLIP_COUNTS,
     ENTROPY_HISTOGRAM,
     KL_HISTOGRAM,
+    MEANS,
     RATIO_HISTOGRAM,
     SEQ_COUNT_OF,
     SEQ_COUNTS,
     SEQ_SUMS,
-    PolicySums,
-    _exp,
-    _k3,
-    _nan_first,
+    Config,
+    check_clip,
+    states,
 )
-from twinkle_metrics.metrics.vocab import check_reach, reach, vocab_states
+from twinkle_metrics.metrics.vocab import check_reach, vocab_states
 from twinkle_metrics.stats.histogram import check_quantiles, quantile_keys
 
 
-class GRPOMetric(PolicySums, Metric):
+class GRPOMetric(Metric):
     """Token-level policy statistics for GRPO/PPO-style training (Twinkle's keys).
 
     Over masked tokens (``completion_mask``, else ``labels != ignore_index``), with
@@ -197,6 +204,7 @@ class GRPOMetric(PolicySums, Metric):
         0.3333
     """
 
+
     reads = Reads(outputs=("logps", "entropies?"), keywords=("old_logps?", "ref_logps?", "ref_outputs?"),
                   context=Reads(inputs=("labels|completion_mask",), outputs=("logits?",), keywords=("advantages?",)))
     result_keys = ('train/advantage_max', 'train/advantage_mean', 'train/advantage_min', 'train/approx_kl',
@@ -209,33 +217,12 @@ class GRPOMetric(PolicySums, Metric):
 
     #: the high-KL records carry global sequence indices: whole-call only
     unsliced_states = ("topk",)
-
-    n_tok = State("sum", torch.int64)
-    sum_new = State("sum")
-    n_old = State("sum", torch.int64)
-    sum_old = State("sum")
-    sum_diff = State("sum")
-    sum_kl = State("sum")
-    sum_ratio = State("sum")
-    logr_max = State("max")  # log-ratio extremes: ratio_min/max and kl_max follow in compute
-    logr_min = State("min")
-    n_ent = State("sum", torch.int64)
-    sum_ent = State("sum")
-    clip_n = State("sum", torch.int64)
-    clip_low = State("sum", torch.int64)
-    clip_high = State("sum", torch.int64)
-    n_adv = State("sum", torch.int64)
-    sum_adv = State("sum")
-    adv_min = State("min")
-    adv_max = State("max")
-    n_ref = State("sum", torch.int64)
-    sum_ref_kl = State("sum")
-    n_bad = State("sum", torch.int64)  # non-finite tokens
-    clip_nan = State("sum")  # 0, or NaN when a clip-gated token held NaN/inf ('propagate')
-
     #: clip statistics per sequence (GSPO) instead of per token
     sequence_level_clip = False
-    #: working-memory knobs: they change no number
+    #: clip counts gated by the advantage sign (GRPO/PPO); CISPO clips the weight itself
+    clip_by_advantage_sign = True
+    #: working-memory knobs change no number; the arguments added after checkpoints were
+    #: written name a state's meaning, and a checkpoint without them held their defaults
     schema = Schema(exclude=("entropy_chunk_size", "entropy_chunk_bytes"))
 
     def __init__(self, device_mesh=None, process_group=None, *, ignore_index: int = -100,
@@ -248,8 +235,8 @@ class GRPOMetric(PolicySums, Metric):
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.loss_agg_mode, self.loss_agg_norm = check_loss_agg(name, loss_agg_mode, loss_agg_norm)
-        self._init_clip(name, clip_ratio_c, token_clip_ratio)
-        keep_default_fingerprint(self)
+        self.clip_ratio_c, self.token_clip_ratio = check_clip(
+            name, self.sequence_level_clip, self.clip_by_advantage_sign, clip_ratio_c, token_clip_ratio)
         self.nan_policy = check_nan_policy(name, nan_policy)
         self.quantiles = check_quantiles(name, quantiles)
         if temperature <= 0:
@@ -271,10 +258,13 @@ class GRPOMetric(PolicySums, Metric):
         self.vocab_parallel = bool(vocab_parallel)
         self.entropy_chunk_size = entropy_chunk_size
         self.entropy_chunk_bytes = entropy_chunk_bytes
+        cfg = self.config
+        for state_name, state in states(cfg).items():  # the table's columns
+            self.add_state(state_name, state)
         # TP (vocab-parallel entropy), then CP (GSPO's and the sequence-aggregated modes'
         # sequence completion): the groups every update agrees on, in that order
         self.agree_over = (("tp",) if self.entropy_from_logits and self.vocab_parallel else ()) + (
-            ("cp",) if self.sequence_level_clip or self._per_sequence else ())
+            ("cp",) if self.sequence_level_clip or cfg.per_sequence else ())
         if self.entropy_from_logits:  # labels past the logits' vocab: checked in compute
             for state_name, state in vocab_states().items():
                 self.add_state(state_name, state)
@@ -282,8 +272,8 @@ class GRPOMetric(PolicySums, Metric):
         if self.entropy_from_logits and not self.vocab_parallel:  # why TP replicas could differ
             self.tp_mismatch_hint = ("with entropy_from_logits, logits that are vocab-sharded over the TP "
                                      "group need vocab_parallel=True")
-        if top_k_kl:  # the records and their header row (policy_records): one state, its own merge
-            self.add_state("topk", State(self._reduce_topk, torch.float64, shape=(top_k_kl + 1, len(FIELDS)),
+        if top_k_kl:  # the records and their header row (``records``): one state, its own merge
+            self.add_state("topk", State(self._reduce_topk, torch.float64, shape=(top_k_kl + 1, len(records.FIELDS)),
                                          default=-math.inf, local=self._fold_topk))
         if self.quantiles:
             self.add_state("hist_ratio", RATIO_HISTOGRAM.state())
@@ -292,37 +282,40 @@ class GRPOMetric(PolicySums, Metric):
             # an ulp between TP replicas, enough to move a count across a bucket edge; the
             # entropy sum still checks that the replicas agree.
             self.add_state("hist_entropy", ENTROPY_HISTOGRAM.state(per_rank=True))
-        if self._per_sequence:
+        if cfg.per_sequence:
             # created only for these modes: a token-mean metric's states (and checkpoints) are
             # those of earlier releases
             self.add_state("seq_sums", State("sum", torch.float64, shape=(len(SEQ_SUMS),)))
             self.add_state("seq_counts", State("sum", torch.int64, shape=(len(SEQ_COUNTS),)))
 
+    @property
+    def config(self) -> Config:
+        """The settings as the per-call functions read them (taken from the attributes, so a
+        metric reconfigured after construction computes as it is fingerprinted)."""
+        return Config(type(self).__name__, self.ignore_index, self.temperature, self.epsilon, self.epsilon_high,
+                      self.top_k_kl, self.entropy_from_logits, self.vocab_parallel, self.entropy_chunk_size,
+                      self.entropy_chunk_bytes, self.nan_policy, self.quantiles, self.loss_agg_mode,
+                      self.loss_agg_norm, self.clip_ratio_c, self.token_clip_ratio, self.sequence_level_clip,
+                      self.clip_by_advantage_sign)
+
     def _reduce_topk(self, rows):
-        return merge_records(rows, self.top_k_kl)
+        return records.merge_records(rows, self.top_k_kl)
 
     def _fold_topk(self, old, new):
-        return fold_records(old, new, self.top_k_kl)
+        return records.fold_records(old, new, self.top_k_kl)
 
     # ----------------------------------------------------------------- update
-    def _entropy_group(self):
-        if not (self.entropy_from_logits and self.vocab_parallel):
-            return None
-        group = self.resolve_mesh().tp_group
-        return group if group_size(group) > 1 else None
-
-    def _sequence_group(self):
-        return self.sequence_group() if self.sequence_level_clip or self._per_sequence else None
-
     def update(self, inputs, outputs, *, old_logps=None, advantages=None, ref_logps=None,
                ref_outputs=None, **kwargs) -> Dict[str, Any]:
-        name = type(self).__name__
-        tp_group, cp_group = self._entropy_group(), self._sequence_group()
+        cfg = self.config
+        name = cfg.name
+        tp_group = self.resolve_mesh().tp_group if cfg.entropy_from_logits and cfg.vocab_parallel else None
+        tp_group = tp_group if tp_group is not None and group_size(tp_group) > 1 else None
+        cp_group = self.sequence_group() if cfg.sequence_level_clip or cfg.per_sequence else None
         with exchange.guard(self):
-            batch = self._prepare(name, inputs, outputs, old_logps, advantages, ref_logps, ref_outputs)
-            jobs = [(i, item["o"]["logits"], item["m"]) for i, item in enumerate(batch["items"])
-                    if item["ent"] is None and self.entropy_from_logits and "logits" in item["o"]]
-            chunks, shapes = self._entropy_chunks(name, jobs)
+            batch = batch_mod.prepare(cfg, inputs, outputs, old_logps, advantages, ref_logps, ref_outputs)
+            jobs = batch_mod.entropy_jobs(cfg, batch)
+            chunks, shapes = batch_mod.entropy_chunks(cfg, jobs)
             rows = sum(c.shape[0] for c in chunks)
             checks = []
             if tp_group is not None:
@@ -330,11 +323,11 @@ class GRPOMetric(PolicySums, Metric):
                 wide = int(any(entropy.work_dtype(c) == torch.float64 for c in chunks))
                 checks.append((tp_group, rows * 2 + wide, "TP", "vocab-parallel logits (token rows x 2 "
                                "+ fp64)", "the same tokens with its own vocab shard"))
-            if cp_group is not None and not self._per_sequence:
-                checks.append((cp_group, batch["n_seq_parts"], "CP", "numbers of sequences with old "
+            if cp_group is not None and not cfg.per_sequence:
+                checks.append((cp_group, batch.n_seq_parts, "CP", "numbers of sequences with old "
                                "log-probs and advantages", "the same sequences"))
             elif cp_group is not None:  # both numbers in one key: one agreement
-                checks.append((cp_group, sum(batch["sizes"]) << 32 | batch["n_seq_parts"], "CP",
+                checks.append((cp_group, sum(batch.sizes) << 32 | batch.n_seq_parts, "CP",
                                "numbers of sequences (all x 2**32 + those with old log-probs and "
                                "advantages)", "the same sequences"))
             for group, key, axis, what, fix in checks:
@@ -347,95 +340,90 @@ class GRPOMetric(PolicySums, Metric):
         # collectives), so that a token whose entropy is NaN/inf counts as non-finite too.
         ents = {}
         if jobs:
-            device = jobs[0][2].device
             ents = dict(zip((job[0] for job in jobs),
-                            entropy.token_entropy(chunks, shapes, self.temperature,
-                                                 tp_group if rows else None, device)))
-        acc, parts, rows = self._sums(batch, ents)
-        if self.top_k_kl:  # the call's records under their header (policy_records)
-            acc["topk"] = pack_records(acc.pop("topk", None), acc.pop("n_seq"), acc.pop("dp_index"),
-                                       acc.pop("cp_index"), self.top_k_kl, len(FIELDS))
-        if parts is not None or rows is not None:
-            acc.update(self._sequence_stats(parts, rows))
-        if jobs and not self.vocab_parallel:
-            acc.update(self._reach(batch["items"], jobs))
+                            entropy.token_entropy(chunks, shapes, cfg.temperature, tp_group if rows else None,
+                                                  jobs[0][2].device)))
+        dp_rank = cp_rank = 0
+        if cfg.top_k_kl:  # a process_group without CP stands for the data group: its rank orders the sequences
+            mesh = self.resolve_mesh()
+            by_mesh = self.process_group is None or self.sequence_group() is not None
+            cp_rank = mesh.cp_rank if by_mesh else 0
+            dp_rank = mesh.dp_rank if by_mesh else group_rank(self.process_group)
+        acc, parts, seq_rows = sums.call_sums(cfg, batch, ents, dp_rank, cp_rank)
+        if parts is not None or seq_rows is not None:
+            acc.update(sums.sequence_stats(cfg, parts, seq_rows, self.sequence_group()))
+        if jobs and not cfg.vocab_parallel:
+            acc.update(batch_mod.label_reach(batch.items, jobs))
         return acc
-
-    @staticmethod
-    def _reach(items, jobs):
-        """How far the labels of the microbatches with logits reach (``metrics.vocab``)."""
-        labels, masks = [], []
-        for i, _, m in jobs:
-            lab = items[i]["feat"].get("labels")
-            if lab is None:
-                continue
-            lab = as_tensor(lab, m.device)
-            lab = (lab.unsqueeze(0) if lab.dim() == 1 else lab).expand(m.shape[0], -1)[:, :m.shape[1]]
-            labels.append(lab)
-            masks.append(m[:, :lab.shape[1]])
-        return reach(labels, masks, [int(logits.shape[-1]) for _, logits, _ in jobs]) or {}
 
     # ---------------------------------------------------------------- compute
     def compute(self, s):
-        if self.entropy_from_logits:
-            check_reach(type(self).__name__, s, self.vocab_parallel, self.resolve_mesh().tp_size,
-                        "the entropy from logits")
+        cfg = self.config
+        if cfg.entropy_from_logits:
+            check_reach(cfg.name, s, cfg.vocab_parallel, self.resolve_mesh().tp_size, "the entropy from logits")
         out: Dict[str, Any] = {"train/nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
         if not s["n_tok"]:
             return out
-        agg = self._aggregated(s)
-        mean_new = s["sum_new"] / s["n_tok"] if agg is None else agg("new")
-        out.update({"train/policy_confidence": _exp(mean_new), "train/mean_new_logp": mean_new})
-        n = s["n_old"]
-        if n:
-            if agg is None:
-                means = s["sum_old"] / n, s["sum_diff"] / n, s["sum_kl"] / n, s["sum_ratio"] / n
-            else:
-                means = agg("old"), agg("diff"), agg("kl"), agg("ratio_m1", "ratio_one")
-            out.update({
-                "train/mean_old_logp": means[0],
-                "train/logp_diff_mean": means[1],
-                "train/approx_kl": means[2],
-                "train/token_kl_max": max(_k3(s["logr_max"]), _k3(s["logr_min"]), key=_nan_first),
-                "train/token_ratio_max": _exp(s["logr_max"]),
-                "train/ratio_mean": means[3],
-                "train/ratio_min": _exp(s["logr_min"]),
-                "train/ratio_max": _exp(s["logr_max"]),
-            })
-            if self.quantiles:
-                nan = self.nan_policy == "propagate"
-                out.update(quantile_keys("train/ratio", RATIO_HISTOGRAM, s["hist_ratio"], self.quantiles, nan))
-                out.update(quantile_keys("train/token_kl", KL_HISTOGRAM, s["hist_kl"], self.quantiles, nan))
-        if s["n_ent"]:
-            out["train/entropy"] = s["sum_ent"] / s["n_ent"] if agg is None else agg("ent")
-            if self.quantiles:
-                out.update(quantile_keys("train/entropy", ENTROPY_HISTOGRAM, s["hist_entropy"], self.quantiles,
-                                         self.nan_policy == "propagate"))
-        out.update(self._clip_keys(s, agg))
+        out.update(_means(cfg, s))
+        out["train/policy_confidence"] = _exp(out["train/mean_new_logp"])
+        nan = cfg.nan_policy == "propagate"
+        if s["n_old"]:
+            out.update({"train/token_kl_max": max(_k3(s["logr_max"]), _k3(s["logr_min"]), key=_nan_first),
+                        "train/token_ratio_max": _exp(s["logr_max"]), "train/ratio_min": _exp(s["logr_min"]),
+                        "train/ratio_max": _exp(s["logr_max"])})
+            if cfg.quantiles:
+                out.update(quantile_keys("train/ratio", RATIO_HISTOGRAM, s["hist_ratio"], cfg.quantiles, nan))
+                out.update(quantile_keys("train/token_kl", KL_HISTOGRAM, s["hist_kl"], cfg.quantiles, nan))
+        if s["n_ent"] and cfg.quantiles:
+            out.update(quantile_keys("train/entropy", ENTROPY_HISTOGRAM, s["hist_entropy"], cfg.quantiles, nan))
         if s["n_adv"]:
-            out["train/advantage_mean"] = s["sum_adv"] / s["n_adv"] if agg is None else agg("adv")
-            out["train/advantage_min"] = s["adv_min"]
-            out["train/advantage_max"] = s["adv_max"]
-        if s["n_ref"]:
-            out["train/ref_kl"] = s["sum_ref_kl"] / s["n_ref"] if agg is None else agg("ref_kl")
-        records = as_records(s["topk"], self.top_k_kl) if self.top_k_kl else None
-        if records:
-            out["_high_kl_records"] = records
+            out["train/advantage_min"], out["train/advantage_max"] = s["adv_min"], s["adv_max"]
+        found = records.as_records(s["topk"], cfg.top_k_kl) if cfg.top_k_kl else None
+        if found:
+            out["_high_kl_records"] = found
         return out
 
-    def _aggregated(self, s):
-        """None for ``loss_agg_mode='token-mean'`` (the token sums divide by the token
-        counts), else ``agg(*columns)``: the key's value over sequences from the reduced
-        ``seq_sums`` of those ``SEQ_SUMS`` columns (added) and their ``seq_counts``."""
-        if not self._per_sequence:
-            return None
-        sums, counts = s["seq_sums"], s["seq_counts"]
 
-        def agg(*columns):
-            idx = [SEQ_SUMS.index(c) for c in columns]
-            return sequence_mean(sum(sums[i] for i in idx), counts[SEQ_COUNT_OF[idx[0]]])
+def _means(cfg: Config, s) -> Dict[str, float]:
+    """Every token-mean key of ``table.MEANS`` whose count is > 0: sum of its columns over
+    the count, or under a sequence ``loss_agg_mode`` the mean over sequences of the same
+    columns' per-sequence values (GSPO's clip keys, already over sequences, and verl's
+    token-weighted extra clip keys excepted). Clip keys carry ``clip_nan`` (0, or NaN when a
+    gated token was non-finite under 'propagate')."""
+    out = {}
+    for key, (columns, count) in MEANS.items():
+        if any(c not in s for c in columns) or not s[count] or (count == "clip_tok_n" and not s["clip_n"]):
+            continue
+        token_weighted = count == "clip_tok_n" or "clip_dual" in columns or (
+            cfg.sequence_level_clip and count == "clip_n")
+        if not cfg.per_sequence or token_weighted:
+            value = sum(s[c] for c in columns) / s[count]
+        else:
+            idx = [SEQ_SUMS.index(f) for c in columns for f in BY_NAME[c].seq]
+            value = sequence_mean(sum(s["seq_sums"][i] for i in idx), s["seq_counts"][SEQ_COUNT_OF[idx[0]]])
+        out[key] = value + s["clip_nan"] if count in CLIP_COUNTS else value
+    if cfg.token_clip_ratio and not cfg.sequence_level_clip and s["clip_n"]:  # verl's pg_clipfrac: token-weighted
+        out["train/token_clip_ratio"] = (s["clip_low"] + s["clip_high"]) / s["clip_n"] + s["clip_nan"]
+    return out
 
-        return agg
+
+def _exp(d: float) -> float:
+    try:
+        return math.exp(d)
+    except OverflowError:
+        return math.inf
+
+
+def _k3(d: float) -> float:
+    """k3 = r - log r - 1 with r = e^d, as expm1(d) - d (accurate for small d)."""
+    try:
+        return math.expm1(d) - d if d != math.inf else math.inf
+    except OverflowError:
+        return math.inf
+
+
+def _nan_first(v: float):
+    return (v != v, v)  # max() picks a NaN if there is one
 
 
 class PPOMetric(GRPOMetric):
