@@ -80,9 +80,11 @@ def spmd_merge(c, n: int):
     merge the n gathered rows, unpack, compute (the collective itself not included)."""
     from twinkle_metrics.comm import fused
     from twinkle_metrics.comm import plan as plans
+    from twinkle_metrics.core.interval import results
+    from twinkle_metrics.core.state import interval_of
 
-    metrics = list(c)
-    configs = tuple(m.sync_fingerprint() for m in metrics)
+    configs = tuple(m.sync_fingerprint() for m in c)
+    metrics = [interval_of(m) for m in c]  # what the sync is handed
     p = fused._local_plan(metrics, configs)
     cpu = torch.device("cpu")
     buf = fused._pack(p, metrics, p.length, cpu, cpu, need=False, is_source=True, pp_rank=0)
@@ -90,7 +92,7 @@ def spmd_merge(c, n: int):
 
     def run():
         vec = plans._merge(p, metrics, rows)
-        return [m._results(s) for m, s in zip(metrics, fused._unpack(vec, p, metrics))]
+        return [results(m, s) for m, s in zip(metrics, fused._unpack(vec, p, metrics))]
 
     return run
 

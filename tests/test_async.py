@@ -15,7 +15,7 @@ from twinkle_metrics import (
     MetricSyncError,
     State,
 )
-from twinkle_metrics.comm import pending
+from twinkle_metrics.core import interval
 from twinkle_metrics.integrations.loggers import Logger, LoggerGroup
 
 
@@ -79,13 +79,13 @@ def test_async_error_surfaces_from_wait():
 
 def test_wait_timeout_and_call_order(monkeypatch):
     release = threading.Event()
-    real = pending.sync_and_compute
+    real = interval.sync_handed
 
     def held(*args, **kwargs):
         release.wait(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pending, "sync_and_compute", held)
+    monkeypatch.setattr(interval, "sync_handed", held)
     m = LossMetric()
     handles = []
     for loss in (1.0, 2.0, 3.0):
@@ -108,8 +108,8 @@ class _Recorder(Logger):
 
 def test_logger_group_writes_handles_in_order_when_they_complete(monkeypatch):
     release = threading.Event()
-    real = pending.sync_and_compute
-    monkeypatch.setattr(pending, "sync_and_compute", lambda *a, **k: (release.wait(30), real(*a, **k))[1])
+    real = interval.sync_handed
+    monkeypatch.setattr(interval, "sync_handed", lambda *a, **k: (release.wait(30), real(*a, **k))[1])
     rec = _Recorder()
     group = LoggerGroup([rec])
     m = LossMetric()
@@ -128,7 +128,7 @@ def test_logger_group_raises_a_failed_handle_once_and_keeps_logging(monkeypatch)
     leaves the queue; the entries behind it are written; close() writes what it can, closes
     the loggers and raises the first error."""
     calls = {"n": 0}
-    real = pending.sync_and_compute
+    real = interval.sync_handed
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -136,7 +136,7 @@ def test_logger_group_raises_a_failed_handle_once_and_keeps_logging(monkeypatch)
             raise MetricSyncError("ranks disagree (simulated)")
         return real(*a, **k)
 
-    monkeypatch.setattr(pending, "sync_and_compute", flaky)
+    monkeypatch.setattr(interval, "sync_handed", flaky)
     rec = _Recorder()
     closed = []
     rec.close = lambda: closed.append(True)
@@ -167,7 +167,7 @@ def test_a_failed_handle_folds_its_interval_back_once(monkeypatch):
     """reset=True: the interval returns to the metric at the first wait() that raises,
     beside what it accumulated since, and a second wait() adds nothing more; reset=False
     kept the states, so nothing is folded back."""
-    real = pending.sync_and_compute
+    real = interval.sync_handed
     fail = {"on": True}
 
     def flaky(*a, **k):
@@ -175,7 +175,7 @@ def test_a_failed_handle_folds_its_interval_back_once(monkeypatch):
             raise MetricSyncError("ranks disagree (simulated)")
         return real(*a, **k)
 
-    monkeypatch.setattr(pending, "sync_and_compute", flaky)
+    monkeypatch.setattr(interval, "sync_handed", flaky)
     m = LossMetric(loss_reduction="sum")
     m.accumulate(None, {"loss": 6.0, "num_tokens": 2})
     handle = m.calculate(async_op=True)
@@ -214,7 +214,7 @@ def test_a_folded_back_interval_keeps_grpo_record_indices(monkeypatch):
     m = GRPOMetric(top_k_kl=4)
     call(m, range(6))
     with monkeypatch.context() as p:
-        p.setattr(pending, "sync_and_compute", fail)
+        p.setattr(interval, "sync_handed", fail)
         handle = m.calculate(async_op=True)
         call(m, range(6, 12))
         with pytest.raises(MetricSyncError):
@@ -273,7 +273,7 @@ def test_failed_intervals_go_back_in_call_order_and_fold_as_accumulate_does(monk
     now[0] = 101.0
     step(m, 0)
     with monkeypatch.context() as p:
-        p.setattr(pending, "sync_and_compute", fail)
+        p.setattr(interval, "sync_handed", fail)
         now[0] = 102.0
         first = m.calculate(async_op=True)
         now[0] = 103.0
@@ -301,9 +301,8 @@ def test_intervals_given_back_late_land_once_and_resets_drop_them(monkeypatch):
     """A failed interval that comes back while a synchronous calculate runs stays for the
     next one; a queued calculate(reset=False) gets it too; reset() and loads drop intervals
     from before them, even those whose sync fails only afterwards."""
-    from twinkle_metrics.core import metric as base
 
-    real = pending.sync_and_compute
+    real = interval.sync_handed
     plan = []  # per background job: (gate to wait for, fail?)
 
     def scripted(*a, **k):
@@ -313,7 +312,7 @@ def test_intervals_given_back_late_land_once_and_resets_drop_them(monkeypatch):
             raise MetricSyncError("ranks disagree (simulated)")
         return real(*a, **k)
 
-    monkeypatch.setattr(pending, "sync_and_compute", scripted)
+    monkeypatch.setattr(interval, "sync_handed", scripted)
 
     def call(m, loss, n):
         m.accumulate(None, {"loss": loss, "num_tokens": n})
@@ -325,7 +324,7 @@ def test_intervals_given_back_late_land_once_and_resets_drop_them(monkeypatch):
     call(m, 6.0, 2)
     failed = m.calculate(async_op=True)
     call(m, 4.0, 3)
-    real_sync = base.sync_and_compute
+    real_sync = interval.sync_and_compute
 
     def sync_while_failing(*a, **k):
         gate.set()  # the failed interval comes back in the middle of this calculate
@@ -333,9 +332,9 @@ def test_intervals_given_back_late_land_once_and_resets_drop_them(monkeypatch):
             failed.wait(10)
         return real_sync(*a, **k)
 
-    monkeypatch.setattr(base, "sync_and_compute", sync_while_failing)
+    monkeypatch.setattr(interval, "sync_and_compute", sync_while_failing)
     assert m.calculate() == {"loss": 4.0 / 3, "num_tokens": 3}
-    monkeypatch.setattr(base, "sync_and_compute", real_sync)
+    monkeypatch.setattr(interval, "sync_and_compute", real_sync)
     assert m.calculate() == {"loss": 3.0, "num_tokens": 2}
 
     # 2. a calculate(reset=False) queued behind the failing one reports both, and keeps them

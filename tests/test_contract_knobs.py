@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from twinkle_metrics import GRPOMetric, LossMetric, Metric, MetricCollection, MetricSyncError, Origin, State
-from twinkle_metrics.comm import pending
+from twinkle_metrics.core import interval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,7 +162,7 @@ def test_a_failed_interval_folds_back_from_the_earlier_origins(monkeypatch):
         raise MetricSyncError("ranks disagree (simulated)")
 
     with monkeypatch.context() as p:
-        p.setattr(pending, "sync_and_compute", fail)
+        p.setattr(interval, "sync_handed", fail)
         handle = m.calculate(async_op=True)  # the next interval starts at 12 s, after step 2
         NOW[0] = 15.0
         m.accumulate(step=6)

@@ -10,7 +10,7 @@ from twinkle_metrics.testing import state_dict_differences
 def test_agree_without_a_group_returns_values_and_records_it():
     m = Accuracy(DeviceMesh.single())
     assert exchange.agree(m, None, values=[3, -3]) == [3, -3]
-    assert m._agreed == [None]
+    assert exchange.agreed(m) == [None]
     with pytest.raises(ValueError, match="at most 3"):
         exchange.agree(m, None, values=[1, 2, 3, 4])
 
@@ -28,7 +28,7 @@ def test_agree_with_an_error_reraises_it_and_join_failed_swallows_it():
 
     t = Two(DeviceMesh.single())
     exchange.join_failed(t, err, fresh=True)  # agrees on both, raises nothing
-    assert t._agreed == [None, None]
+    assert exchange.agreed(t) == [None, None]
 
 
 def test_guard_reraises_and_leaves_states_alone():

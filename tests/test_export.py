@@ -28,6 +28,7 @@ from twinkle_metrics import (
 )
 from twinkle_metrics.core.export import VERSION
 from twinkle_metrics.core.merge import equal
+from twinkle_metrics.core.state import interval_of
 from twinkle_metrics.metrics import SHIPPED
 from twinkle_metrics.testing import state_dict_differences
 
@@ -423,11 +424,11 @@ def test_export_ends_the_interval_counts_it_and_refuses_a_pending_calculate(monk
     m.calculate(reset=False)  # does not end the interval
     assert "loss" in m.calculate()  # ends interval 2 (the check above ended interval 1)
     assert m.export()["metrics"][0]["interval"] == 3
-    m._in_flight.append(object())  # what calculate(async_op=True) leaves while its sync runs
+    interval_of(m).handoffs.in_flight.append(object())  # what calculate(async_op=True) leaves while its sync runs
     with pytest.raises(RuntimeError, match="asynchronous calculate\\(\\) of LossMetric is still in flight"):
         m.export()
     coll = _loss_collection()
-    coll["loss"]._in_flight.append(object())
+    interval_of(coll["loss"]).handoffs.in_flight.append(object())
     with pytest.raises(RuntimeError, match="LossMetric"):
         coll.export()
 

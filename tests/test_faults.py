@@ -26,6 +26,7 @@ from twinkle_metrics import (
     State,
     TrainMetric,
 )
+from twinkle_metrics.core.state import interval_of
 from twinkle_metrics.testing import merged_results, state_dict_differences
 
 
@@ -82,7 +83,7 @@ def test_collection_accumulate_is_all_or_nothing():
     with pytest.raises(ValueError, match="Accuracy: labels"):
         coll.accumulate({"labels": labels}, {"loss": 2.0, "logits": bad_logits}, step=7)
     assert not state_dict_differences(coll.state_dict(), before)
-    assert coll[2]._last_host == {}  # host bookkeeping (the step an Origin follows) waits for the commit too
+    assert interval_of(coll[2]).last_host == {}  # host bookkeeping (an Origin's step) waits for the commit too
     coll.accumulate({"labels": labels}, {"loss": 2.0, "logits": torch.randn(2, 4, 5)}, step=7)
     assert coll.calculate()["loss"] == 2.0  # counted once
 

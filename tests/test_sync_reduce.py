@@ -17,6 +17,7 @@ from tests.test_metrics_rl_dist import N_SEQ, SEED, SEQ_LEN, _accumulate, _metri
 from twinkle_metrics import Metric, State
 from twinkle_metrics.comm import fused as sync
 from twinkle_metrics.comm.order import from_ordered_f64, ordered_f64
+from twinkle_metrics.core.state import interval_of
 from twinkle_metrics.testing import assert_results_close
 
 RANKS = 4
@@ -58,9 +59,10 @@ def _ranks():
 
 
 def _plan_and_buffers(ranks):
+    configs = tuple(m.fingerprint() for m in ranks[0])
+    ranks = [[interval_of(m) for m in ms] for ms in ranks]  # what the sync is handed
     metrics = ranks[0]
-    configs = tuple(m.fingerprint() for m in metrics)
-    plan = sync._Plan(metrics, [sorted(m._specs) for m in metrics], configs)
+    plan = sync._Plan(metrics, [sorted(m.specs) for m in metrics], configs)
     cpu = torch.device("cpu")
     bufs = [sync._pack(plan, ms, plan.length, cpu, cpu, need=False, is_source=True, pp_rank=0)
             for ms in ranks]
@@ -93,7 +95,7 @@ def test_reduce_path_equals_gather_path():
     assert torch.allclose(reduced[h:][~ints], gathered[h:][~ints], rtol=1e-12, atol=0, equal_nan=True)
     # the unpacked states give every metric the same results as the gather path's
     for m, a, b in zip(metrics, sync._unpack(reduced, plan, metrics), sync._unpack(gathered, plan, metrics)):
-        assert_results_close(m.compute(a), m.compute(b), rel=1e-12)
+        assert_results_close(m.owner.compute(a), m.owner.compute(b), rel=1e-12)
     ext = sync._unpack(reduced, plan, metrics)[-1]
     assert math.isnan(ext["f_max"]) and ext["f_min"] == 0.0 and math.copysign(1, ext["f_min"]) == -1
     assert ext["i_max"] == 2 ** 62 + 9 and ext["i_min"] == -(2 ** 63) + 1

@@ -37,6 +37,7 @@ Example (inside ``update``)::
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import List, Optional, Sequence
 
 from parallel.groups import group_rank, group_size
@@ -66,7 +67,7 @@ def agree(metric, group, *, error: Optional[BaseException] = None, values: Seque
 
     Args:
         metric: the metric agreeing (named in messages; records the group in
-            ``metric._agreed``).
+            this call's record of agreed groups, ``begin``).
         group: the group the payload collective will run over; ``None`` or one
             rank: nothing to agree on (the error, if any, is raised at once).
         error: this rank's validation error, or ``None``.
@@ -80,7 +81,7 @@ def agree(metric, group, *, error: Optional[BaseException] = None, values: Seque
     values = [int(v) for v in values]
     if len(values) > _SLOTS:
         raise ValueError(f"exchange.agree: at most {_SLOTS} values, got {len(values)}")
-    metric._agreed.append(group)
+    _AGREED.setdefault(metric, []).append(group)
     if group is None or group_size(group) <= 1:
         if error is not None:
             raise error
@@ -113,6 +114,21 @@ def agree_same(metric, group, value: int) -> tuple:
     return -neg_low, high
 
 
+#: per metric, the groups agreed on in its current ``update`` call (weak: a metric that is
+#: gone takes its record with it)
+_AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def begin(metric) -> None:
+    """Start a new record of the groups ``metric`` agrees on (one per ``update`` call)."""
+    _AGREED[metric] = []
+
+
+def agreed(metric) -> List:
+    """The groups ``metric`` agreed on in its current ``update`` call, in order."""
+    return list(_AGREED.get(metric, ()))
+
+
 def join_failed(metric, error: BaseException, fresh: bool = False) -> None:
     """Agree, with ``error``, on every group of ``metric`` not yet agreed on in this call.
 
@@ -120,7 +136,7 @@ def join_failed(metric, error: BaseException, fresh: bool = False) -> None:
     collection failed), so join all of its groups. Swallows what the agreements
     raise; the caller re-raises ``error``.
     """
-    done = [] if fresh else list(metric._agreed)
+    done = [] if fresh else list(_AGREED.get(metric, ()))
     for group in metric.exchange_groups():
         if any(group is g for g in done):
             continue
@@ -138,11 +154,11 @@ def guard(metric):
     """Wrap validation and agreements in ``update``: an exception inside joins every
     remaining group with it (so peers raise too), then propagates.
 
-    Starts the call's record of agreed groups (``metric._agreed``). A metric that
+    Starts the call's record of agreed groups (``begin``). A metric that
     communicates checks first that its mesh can (``DeviceMesh.check_live``): a
     layout-only or destroyed mesh raises here, on every rank alike, before anything.
     """
-    metric._agreed = []
+    begin(metric)
     if metric.exchange_groups():
         metric.resolve_mesh().check_live(f"{type(metric).__name__}.accumulate()")
     try:

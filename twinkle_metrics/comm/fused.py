@@ -112,75 +112,55 @@ class _Channel:
         self.reduce_sizes = (0, 0, 0, 0)  # the reduce path's, elementwise max over the plans
 
 
-_CHANNELS: Dict[Tuple[int, int], Tuple[tuple, _Channel]] = {}  # ids -> (weak refs, channel)
+class _NoGroup:
+    """The key of "no group" in ``_CHANNELS`` (a weak-referenceable stand-in for None)."""
+
+
+_NO_GROUP = _NoGroup()
+#: data group -> {TP x PP group -> channel}, weak on both groups: a group that is gone takes
+#: its channels with it (a test session creates hundreds of groups), and a new group, even
+#: at a freed group's address, never meets another's plans
+_CHANNELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCAL_PLANS: Dict[Tuple, _Plan] = {}
 
 
 def _channel(data_group, share_group) -> _Channel:
-    """The channel of a pair of groups. Holds only weak references to them, so that a
-    destroyed group's threads can go (a test session creates hundreds of groups)."""
-    groups = (data_group, share_group)
-    key = tuple(id(g) for g in groups)
-    entry = _CHANNELS.get(key)
-    if entry is not None and all((r is None) if g is None else (r is not None and r() is g)
-                                 for r, g in zip(entry[0], groups)):
-        return entry[1]
-    for k in [k for k, (refs, _) in _CHANNELS.items() if any(r is not None and r() is None for r in refs)]:
-        del _CHANNELS[k]  # channels of groups that are gone
-    ch = _Channel()
-    _CHANNELS[key] = (tuple(None if g is None else weakref.ref(g) for g in groups), ch)
+    """The channel of a pair of groups, made the first time they sync together."""
+    data_key = _NO_GROUP if data_group is None else data_group
+    share_key = _NO_GROUP if share_group is None else share_group
+    by_share = _CHANNELS.get(data_key)
+    if by_share is None:
+        by_share = _CHANNELS[data_key] = weakref.WeakKeyDictionary()
+    ch = by_share.get(share_key)
+    if ch is None:
+        ch = by_share[share_key] = _Channel()
     return ch
 
 
-def _groups_key(metric) -> Tuple:
-    mesh = metric.resolve_mesh()
-    return (id(metric.data_group()), id(mesh.result_group))
+# ---------------------------------------------------------------------- entry point
+def sync_states(intervals: Sequence, mesh, data_group, configs: Sequence[str], groups=None) -> List[Dict[str, Any]]:
+    """Globally reduced states of each interval as plain Python numbers (lists if shaped).
 
-
-# ---------------------------------------------------------------------- entry points
-def sync_and_compute(metrics: Sequence, reset: bool = True, groups=None) -> List[Dict[str, Any]]:
-    """Reduce the states of ``metrics`` globally and return each one's results.
-
-    Metrics that share the same data and TP x PP groups sync together in one pass.
-    ``groups``: a function mapping ``(data group, TP x PP group)`` to the groups the
-    collectives run on instead (an asynchronous calculate uses private twins).
+    ``intervals``: the metrics' intervals (``core.interval.Interval``), all reduced over
+    ``data_group`` and the TP x PP group of ``mesh``; ``configs``: each metric's sync
+    fingerprint, which every rank must share. Collective over the mesh (or over
+    ``groups(data group, TP x PP group)``: an asynchronous calculate's private twins).
+    Does not change the intervals' states (it may create states that other ranks created
+    on the fly, holding their identity).
     """
-    buckets: Dict[Tuple, List[int]] = {}
-    for i, m in enumerate(metrics):
-        buckets.setdefault(_groups_key(m), []).append(i)
-    results: List[Dict[str, Any]] = [{} for _ in metrics]
-    for idx in buckets.values():
-        group_metrics = [metrics[i] for i in idx]
-        reduced = sync_states(group_metrics, groups)
-        for i, m, states in zip(idx, group_metrics, reduced):
-            results[i] = m._results(states)
-    if reset:  # only once every metric computed: an error above keeps every interval intact
-        for m in metrics:
-            m._end_interval()
-    return results
-
-
-def sync_states(metrics: Sequence, groups=None) -> List[Dict[str, Any]]:
-    """Globally reduced states of each metric as plain Python numbers (lists if shaped).
-
-    All ``metrics`` must share one data group and one TP x PP group. Collective over
-    the mesh (or over ``groups(data group, TP x PP group)``). Does not change the
-    metrics' local states (it may create states that other ranks created on the fly,
-    holding their identity).
-    """
+    metrics = intervals
     lead = metrics[0]
-    mesh = lead.resolve_mesh()
     mesh.check_live("calculate()")
-    data_group, share_group = lead.data_group(), mesh.result_group
+    share_group = mesh.result_group
     bound = waits.Bound("calculate()" if groups is None else "calculate(async_op=True)", mesh,
                         (data_group, share_group))
     data_group, share_group = sync_groups(mesh, data_group, share_group)
     if groups is not None:
         data_group, share_group = groups(data_group, share_group)
-    configs = tuple(m.sync_fingerprint() for m in metrics)
+    configs = tuple(configs)
     if data_group is None and share_group is None:
         plan = _local_plan(metrics, configs)
-        buf = _pack(plan, metrics, plan.length, lead._device, lead._device, need=False,
+        buf = _pack(plan, metrics, plan.length, lead.device, lead.device, need=False,
                     is_source=True, pp_rank=0)
         return _unpack(buf.cpu(), plan, metrics)
 
@@ -207,12 +187,12 @@ def sync_groups(mesh, data_group, share_group) -> Tuple:
 
 
 def _local_plan(metrics, configs) -> _Plan:
-    key = (configs,) + tuple(tuple(m._specs) for m in metrics)
+    key = (configs,) + tuple(tuple(m.specs) for m in metrics)
     plan = _LOCAL_PLANS.get(key)
     if plan is None:
         if len(_LOCAL_PLANS) > 64:  # a process builds few metric sets; bound it anyway
             _LOCAL_PLANS.clear()
-        plan = _LOCAL_PLANS[key] = _Plan(metrics, [sorted(m._specs) for m in metrics], configs)
+        plan = _LOCAL_PLANS[key] = _Plan(metrics, [sorted(m.specs) for m in metrics], configs)
     return plan
 
 
@@ -227,7 +207,7 @@ def _data_phase(metrics, plan: Optional[_Plan], need: bool, ch: _Channel, data_g
     device = comm_device(comm)
     is_source, pp_rank = mesh.is_result_source, mesh.pp_rank
     usable = plan if plan is not None and not need else None
-    buf = _pack(plan, metrics, ch.width, lead._device, device, need=usable is None,
+    buf = _pack(plan, metrics, ch.width, lead.device, device, need=usable is None,
                 is_source=is_source, pp_rank=pp_rank)
     if _reduces(data_group):  # the same size on every rank of the group: all take this branch
         vec = _reduce_data(usable, metrics, buf, ch.reduce_sizes, data_group, bound)
@@ -275,7 +255,7 @@ def _pack(plan: Optional[_Plan], metrics, width: int, pack, device, *, need: boo
     if plan is not None and not need:
         for m, entries in zip(metrics, plan.entries):
             for name, spec, _ in entries:
-                t = m._states.get(name)
+                t = m.states.get(name)
                 if t is None:
                     t = spec.new(pack)
                 t = t.detach().reshape(-1)
@@ -362,7 +342,7 @@ def _check_tp_agreement(plan: _Plan, metrics, host: torch.Tensor, share_group) -
             hint = m.tp_mismatch_hint
             raise MetricSyncError(
                 f"calculate(): ranks {ranks[first]} and {ranks[r]} are TP replicas of one pipeline "
-                f"stage but disagree on {type(m).__name__}.{name} ({a} vs {b}); TP replicas see the "
+                f"stage but disagree on {m.name}.{name} ({a} vs {b}); TP replicas see the "
                 "same tokens and must reduce to the same numbers"
                 + (f"; {hint}" if hint else "; check that inputs are not split over the TP group"))
 

@@ -15,27 +15,31 @@ from twinkle_metrics.comm.fused import _local_plan, _merge_placed, _pack, _unpac
 from twinkle_metrics.comm.plan import _H_PP, _HEADER, _merge, _Plan
 
 
-def local_states(metrics: Sequence) -> List[Dict[str, Any]]:
-    """Each metric's local (unreduced) states as plain numbers (ints for int64 states,
+def local_states(intervals: Sequence, configs: Sequence[str]) -> List[Dict[str, Any]]:
+    """Each interval's local (unreduced) states as plain numbers (ints for int64 states,
     floats, nested lists for shaped ones): packed where they are, then one copy to the
-    host for all of them, as the local path of ``calculate()`` does."""
-    plan = _local_plan(metrics, tuple(m.sync_fingerprint() for m in metrics))
-    buf = _pack(plan, metrics, plan.length, metrics[0]._device, torch.device("cpu"), need=False,
+    host for all of them, as the local path of ``calculate()`` does. ``configs``: the
+    metrics' sync fingerprints."""
+    metrics = intervals
+    plan = _local_plan(metrics, tuple(configs))
+    buf = _pack(plan, metrics, plan.length, metrics[0].device, torch.device("cpu"), need=False,
                 is_source=True, pp_rank=0)
     return _unpack(buf, plan, metrics)
 
 
 class Rows:
-    """A metric's states laid out as the sync lays them out, for rows that came as data.
+    """A metric's states laid out as the sync lays them out, for rows that came as data;
+    ``interval``: one of the metric's (``core.interval.Interval``), ``config`` its sync
+    fingerprint.
 
     ``names``: every state of the merge (the union over the rows); each row gives a flat
     list of numbers per state it holds (``{name: [numbers]}``), and the identity stands
     for a state it lacks, as in the sync.
     """
 
-    def __init__(self, metric, names: Sequence[str]):
-        self.metric = metric
-        self.plan = _Plan([metric], [list(names)], (metric.sync_fingerprint(),))
+    def __init__(self, interval, names: Sequence[str], config: str):
+        self.metric = interval
+        self.plan = _Plan([interval], [list(names)], (config,))
         self._float: List[Tuple[str, Any, int]] = []
         self._int: List[Tuple[str, Any, int]] = []
         for name, spec, offset in self.plan.entries[0]:

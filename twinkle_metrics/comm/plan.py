@@ -115,19 +115,18 @@ class _Plan:
         plan has and a metric lacks are created first, when the metric can)."""
         for m, entries in zip(metrics, self.entries):
             planned = {name for name, _, _ in entries}
-            if not set(m._specs) <= planned:
+            if not set(m.specs) <= planned:
                 return False
-            missing = [n for n in planned if n not in m._specs]
+            missing = [n for n in planned if n not in m.specs]
             if missing:
-                if any(m.state_spec(n) is None for n in missing):
+                if any(m.dynamic_spec(n) is None for n in missing):
                     return False
-                m._adopt(sorted(missing))
+                m.adopt(sorted(missing))
         return True
 
 
-def _spec(metric, name: str):
-    spec = metric._specs.get(name)
-    return spec if spec is not None else metric.state_spec(name)
+def _spec(interval, name: str):
+    return interval.spec_of(name)
 
 
 def _merge_reads(metric, names: Sequence[str]) -> set:
@@ -175,11 +174,11 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch, data_group, share_group, p
     desc = {"ranks": [me], "configs": {json.dumps(list(configs)): [me]},
             "paths": {path: [me]}, "states": {},
             # each sliced metric's max_slices (ranks may differ; the smallest bounds them all)
-            "bounds": {str(i): {str(m.max_slices): [me]} for i, m in enumerate(metrics)
-                       if m.slice_by is not None}}
+            "bounds": {str(i): {str(m.slice_bound): [me]} for i, m in enumerate(metrics)
+                       if m.slice_bound is not None}}
     for i, m in enumerate(metrics):
-        for name, spec in m._specs.items():
-            dynamic = m.state_spec(name) is not None
+        for name, spec in m.specs.items():
+            dynamic = m.dynamic_spec(name) is not None
             desc["states"][f"{i}/{name}"] = {"sig": {spec.signature: [me]}, "dyn": dynamic}
     summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(desc).encode(), data_group, bound)])
     if share_group is not None:
@@ -204,20 +203,20 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch, data_group, share_group, p
         holders = sorted({r for rs in entry["sig"].values() for r in rs})
         if len(entry["sig"]) > 1:
             sides = "; ".join(f"ranks {_ranges(rs)}: {sig}" for sig, rs in entry["sig"].items())
-            raise MetricSyncError(f"calculate(): ranks declare state {type(metrics[i]).__name__}.{name} "
+            raise MetricSyncError(f"calculate(): ranks declare state {metrics[i].name}.{name} "
                                   f"differently ({sides}); every rank must declare it alike")
         if len(holders) < len(everyone) and not entry["dyn"]:
             raise MetricSyncError(
-                f"calculate(): state {type(metrics[i]).__name__}.{name} exists on ranks "
+                f"calculate(): state {metrics[i].name}.{name} exists on ranks "
                 f"{_ranges(holders)} only, and the metric cannot create it on the others; add it on "
                 "every rank (add_state in the constructor), or declare its family (add_state_family)")
         names[i].append(name)
     for i, bounds in summary["bounds"].items():
-        error = metrics[int(i)]._over_slice_bound(names[int(i)], min(int(b) for b in bounds))
+        error = metrics[int(i)].over_bound(names[int(i)], min(int(b) for b in bounds))
         if error:
             raise MetricSyncError(error)
     for m, metric_names in zip(metrics, names):
-        m._adopt([n for n in metric_names if n not in m._specs])
+        m.adopt([n for n in metric_names if n not in m.specs])
     plan = _Plan(metrics, names, configs)
     ch.plans[configs] = plan
     ch.width = max(ch.width, plan.length)

@@ -16,6 +16,7 @@ import torch
 
 from twinkle_metrics.comm import pending
 from twinkle_metrics.core import config, slicing
+from twinkle_metrics.core.state import interval_of
 
 #: key of the schema fingerprint in a metric's ``state_dict()``
 FINGERPRINT_KEY = "__fingerprint__"
@@ -39,7 +40,8 @@ def stage_load(self, state_dict) -> tuple:
                              f"metric is {mine}: {why}; build the metric with the same class and "
                              "arguments as the run that saved it")
     names = set().union(*(set(d) - {FINGERPRINT_KEY} for d in dicts))
-    specs = dict(self._specs)
+    held = interval_of(self)
+    specs = dict(held.specs)
     new = []
     for key in sorted(names - set(specs)):
         spec = self.state_spec(key)
@@ -72,14 +74,15 @@ def stage_load(self, state_dict) -> tuple:
         merged = {k: r[0] for k, r in rows.items()}
     else:
         merged = {k: specs[k].merge(r) for k, r in rows.items()}
-    loaded = {k: merged[k].to(device=self._device, dtype=specs[k].dtype).clone() for k in specs}
+    loaded = {k: merged[k].to(device=held.device, dtype=specs[k].dtype).clone() for k in specs}
     return new, loaded
 
 
 def commit_load(metric, staged: tuple) -> None:
     """Install what ``stage_load`` returned; cannot fail."""
     new, loaded = staged
-    metric._adopt(new)
-    metric._states = {k: loaded[k] for k in metric._specs}
-    metric._touched = set(metric._specs)  # loaded values stand for calls of their own
-    pending.drop_returned(metric)
+    iv = interval_of(metric)
+    iv.adopt(new)
+    iv.states = {k: loaded[k] for k in iv.specs}
+    iv.touched = set(iv.specs)  # loaded values stand for calls of their own
+    pending.drop_returned(iv.handoffs)

@@ -7,11 +7,11 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 from parallel import DeviceMesh, as_device_mesh
 from twinkle_metrics.comm import pending
 from twinkle_metrics.comm.agreement import join_failed
-from twinkle_metrics.comm.fused import sync_and_compute
-from twinkle_metrics.core import checkpoint, staging
+from twinkle_metrics.core import checkpoint, interval, staging
 from twinkle_metrics.core.export import export_metrics
 from twinkle_metrics.core.merge import merge_exports
-from twinkle_metrics.core.metric import Metric, end_interval
+from twinkle_metrics.core.metric import Metric
+from twinkle_metrics.core.state import interval_of
 from twinkle_metrics.inputs import fields
 
 
@@ -154,14 +154,8 @@ class MetricCollection:
         """
         metrics = [m for _, m in self._items]
         if async_op:
-            return pending.submit(metrics, self._combine, reset, "MetricCollection")
-        for m in metrics:
-            pending.settle(m)
-        out = self._combine(sync_and_compute(metrics, reset=False))
-        if reset:
-            for m in metrics:
-                end_interval(m)
-        return out
+            return interval.calculate_async(metrics, reset, self._combine)
+        return interval.calculate(metrics, reset, self._combine)
 
     def _combine(self, per_metric: List[Dict[str, Any]]) -> Dict[str, Any]:
         """One dict from the per-metric results, keys prefixed by the metrics' names."""
@@ -181,10 +175,11 @@ class MetricCollection:
         ``calculate()`` does (see ``Metric.export``)."""
         metrics = [m for _, m in self._items]
         for m in metrics:
-            pending.settle(m)
+            live = interval_of(m)
+            pending.settle(live.handoffs, live)
         out = export_metrics(self._items, "MetricCollection.export()")
         for m in metrics:
-            end_interval(m)
+            interval.end(m)
         return out
 
     def calculate_from(self, exports: Sequence[Mapping[str, Any]], *, merge_intervals: bool = False) -> Dict[str, Any]:

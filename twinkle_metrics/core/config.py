@@ -29,6 +29,7 @@ import hashlib
 import inspect
 import re
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -52,7 +53,7 @@ def record_arguments(cls) -> None:
     arguments it was called with, in ``metric._arguments`` (outermost ``__init__`` first;
     an inner one adds the names the outer ones did not bind, with its defaults)."""
     init = vars(cls).get("__init__")
-    if init is None or getattr(init, "_records_arguments", False):
+    if init is None or init in _RECORDING:
         return
     signature = inspect.signature(init)
 
@@ -77,15 +78,20 @@ def record_arguments(cls) -> None:
                     floats.add(name)
         init(self, *args, **kwargs)
 
-    __init__._records_arguments = True
+    _RECORDING.add(__init__)
     cls.__init__ = __init__
 
 
-def settle_arguments(metric, unknown) -> None:
+#: the constructors ``record_arguments`` made (a class's ``__init__`` is wrapped once)
+_RECORDING: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def settle_arguments(metric, unknown) -> Tuple[Dict[str, str], Dict[str, Any]]:
     """Turn the recorded arguments into their canonical text, once, in ``Metric.__init__``
     (every ``__init__`` of the chain has recorded its arguments before it runs): unknown
     arguments and excluded ones left out, the rest checked to be comparable. Raises
-    ``TypeError`` naming an argument that cannot be compared."""
+    ``TypeError`` naming an argument that cannot be compared. Returns the canonical texts
+    (``metric._arguments``) and the values as given (``metric._argument_values``)."""
     cls = type(metric)
     skip = set(NEVER) | set(unknown) | set(schema_of(cls).exclude)
     out: Dict[str, str] = {}
@@ -94,8 +100,7 @@ def settle_arguments(metric, unknown) -> None:
         if name not in skip:
             out[name] = _text(metric, name, value)
             values[name] = value
-    metric._arguments = out
-    metric._argument_values = values
+    return out, values
 
 
 def _text(metric, name: str, value) -> str:

@@ -37,6 +37,7 @@ import torch
 
 from parallel.groups import global_rank, group_rank, group_size
 from twinkle_metrics.comm.offline import local_states
+from twinkle_metrics.core.state import interval_of
 
 FORMAT = "twinkle_metrics.export"
 VERSION = 1
@@ -113,35 +114,36 @@ def export_metrics(items: Sequence[Tuple[str, Any]], what: str) -> Dict[str, Any
     Raises ``RuntimeError`` naming a metric whose asynchronous ``calculate()`` is in flight."""
     metrics = [m for _, m in items]
     for m in metrics:
-        if m._in_flight:
+        if interval_of(m).handoffs.in_flight:
             raise RuntimeError(f"{what}: an asynchronous calculate() of {type(m).__name__} is still in "
                                "flight; wait() on its handle before export() (an interval is either "
                                "calculated or exported)")
     places = [place_of(m) for m in metrics]
-    states = local_states(metrics)  # the one device-to-host copy
+    states = local_states([interval_of(m) for m in metrics], [m.sync_fingerprint() for m in metrics])  # one copy
     entries = []
     for (name, m), place, plain in zip(items, places, states):
+        iv = interval_of(m)
         decls: List[Dict[str, Any]] = []
         index: Dict[str, int] = {}
         encoded = {}
         for state, value in plain.items():
-            decl = decl_of(m._specs[state])
+            decl = decl_of(iv.specs[state])
             key = repr(sorted(decl.items()))
             if key not in index:
                 index[key] = len(decls)
                 decls.append(decl)
             flat = _flat(value)
-            if m._specs[state].dtype == torch.float64:
+            if iv.specs[state].dtype == torch.float64:
                 flat = [encode_float(x) for x in flat]
             encoded[state] = [index[key], flat if isinstance(value, list) else flat[0]]
         arguments, left = arguments_of(m)
         entry = {"name": name, "class": type(m).__name__, "fingerprint": m.sync_fingerprint(),
-                 "interval": m._intervals, "arguments": arguments}
+                 "interval": iv.number, "arguments": arguments}
         if left:
             entry["unexported_arguments"] = left
         if place != places[0]:
             entry["place"] = place
-        entry.update(decls=decls, states=encoded, touched=sorted(m._touched & set(plain)))
+        entry.update(decls=decls, states=encoded, touched=sorted(iv.touched & set(plain)))
         entries.append(entry)
     return {"format": FORMAT, "version": VERSION, "place": places[0], "metrics": entries}
 

@@ -23,7 +23,6 @@ a copy. Errors are ``TypeError``/``ValueError`` naming the export's index and th
 """
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Dict, List, Tuple
@@ -31,8 +30,9 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from twinkle_metrics.comm.offline import Rows
-from twinkle_metrics.core import slicing
 from twinkle_metrics.core.export import Entry, decl_of, decode
+from twinkle_metrics.core.interval import Interval, results
+from twinkle_metrics.core.state import interval_of
 
 __all__ = ["merge_exports", "agreed_results", "equal"]
 
@@ -122,8 +122,9 @@ def _merge_metric(metric, entries: List[Entry], merge_intervals: bool, what: str
                          f"{other.interval} but export {first.index}'s is {first.interval}; pass the exports of "
                          "one interval, or merge_intervals=True to merge several as one long interval")
     scratch = _scratch(metric)
+    config = metric.sync_fingerprint()
     names = _state_names(scratch, entries, what)
-    rows = Rows(scratch, names)
+    rows = Rows(scratch, names, config)
     table = rows.rows([e.values for e in entries])
     at = {id(e): k for k, e in enumerate(entries)}
     need = _need(scratch)
@@ -136,17 +137,13 @@ def _merge_metric(metric, entries: List[Entry], merge_intervals: bool, what: str
     else:
         positions = [(pp, rows.rows([_fold(scratch, [s[(pp, tp)][d] for s in selected])
                                      for d in range(len(selected[0][(pp, tp)]))])) for pp, tp in keys]
-    return scratch._results(rows.merge(positions))
+    return results(scratch, rows.merge(positions))
 
 
-def _scratch(metric):
-    """A copy of the driver metric to merge in: the driver's own states and declarations
-    stay as they are, whatever happens."""
-    s = copy.copy(metric)
-    s._specs, s._states, s._touched = dict(metric._specs), {}, set()
-    s._returned, s._in_flight, s._last_host = [], [], {}
-    s._device = torch.device("cpu")
-    return s
+def _scratch(metric) -> Interval:
+    """An empty interval of the driver metric to merge in: the driver's own states and
+    declarations stay as they are, whatever happens."""
+    return interval_of(metric).copy(states={}, device=torch.device("cpu"), touched=set())
 
 
 def _state_names(scratch, entries: List[Entry], what: str) -> List[str]:
@@ -158,7 +155,7 @@ def _state_names(scratch, entries: List[Entry], what: str) -> List[str]:
         for name, decl in e.decls.items():
             mine = known.get(name)
             if mine is None:
-                spec = scratch._specs.get(name) or scratch.state_spec(name)
+                spec = scratch.spec_of(name)
                 if spec is None:
                     raise ValueError(f"{what}: export {e.index}: field '{e.where}.states' holds {e.label}.{name}, "
                                      "which the driver's metric neither declares nor creates on the fly; build the "
@@ -168,19 +165,19 @@ def _state_names(scratch, entries: List[Entry], what: str) -> List[str]:
                 raise ValueError(f"{what}: export {e.index}: field '{e.where}.decls' declares {e.label}.{name} as "
                                  f"{decl} but the driver's metric as {mine}; run the same version of the "
                                  "library on the workers and the driver")
-    names = set(scratch._specs) | set(known)
-    if scratch.slice_by is not None:
-        error = slicing.over_bound(scratch, slicing.held(names), scratch.max_slices, "sync")
+    names = set(scratch.specs) | set(known)
+    if scratch.slice_bound is not None:
+        error = scratch.over_bound(sorted(names), scratch.slice_bound)
         if error:
             raise ValueError(f"{what}: {error}")
-    scratch._adopt(sorted(names - set(scratch._specs)))
+    scratch.adopt(sorted(names - set(scratch.specs)))
     return sorted(names)
 
 
 def _need(scratch) -> str:
     """Which ranks' exports the metric's states need: ``"model"`` (every TP x PP rank),
     ``"stage"`` (every stage, TP replicas once) or ``"data"`` (the last stage's)."""
-    scopes = {spec.scope for spec in scratch._specs.values()}
+    scopes = {spec.scope for spec in scratch.specs.values()}
     return "model" if "model" in scopes else "stage" if "stage" in scopes else "data"
 
 
@@ -233,7 +230,7 @@ def _missing(metric, need: str, label: str, d: int, t, p: int, data_size: int, g
                 f"'place.data_rank': the DP x CP rank) on the last pipeline stage (pp_rank {p}); the exports hold "
                 f"shards {have[:32]} there; pass the export of every data-parallel and context-parallel rank of the "
                 "last stage (or of every rank)")
-    scoped = sorted(n for n, s in metric._specs.items() if s.scope == need)[:6]
+    scoped = sorted(n for n, s in metric.specs.items() if s.scope == need)[:6]
     where = f"data shard {d}, stage {p}" + (f", TP rank {t}" if t is not None else "")
     whom = "every pipeline stage contributes" if need == "stage" else "every TP x PP rank contributes"
     return (f"{what}: {label} has states of scope {need!r} ({', '.join(scoped)}): {whom}, but no export of interval "
@@ -243,17 +240,16 @@ def _missing(metric, need: str, label: str, d: int, t, p: int, data_size: int, g
 
 def _fold(scratch, entries: List[Entry]) -> Dict[str, List[Any]]:
     """One place's intervals folded in order, as one long interval: each later interval
-    goes on top of the earlier ones by the metric's own fold (``Metric._fold_under``)."""
+    goes on top of the earlier ones by the metric's own fold (``Interval.fold_under``)."""
     acc = None
     for e in entries:
-        snap = copy.copy(scratch)
-        snap._specs, snap._touched, snap._last_host = dict(scratch._specs), set(e.touched), {}
-        snap._states = {n: (torch.tensor(e.values[n], dtype=spec.dtype).reshape(spec.shape) if n in e.values
-                            else spec.new("cpu")) for n, spec in snap._specs.items()}
+        snap = scratch.copy(states={}, touched=set(e.touched))
+        snap.states = {n: (torch.tensor(e.values[n], dtype=spec.dtype).reshape(spec.shape) if n in e.values
+                           else spec.new("cpu")) for n, spec in snap.specs.items()}
         if acc is not None:
-            snap._fold_under(acc)
+            snap.fold_under(acc)
         acc = snap
-    return {n: t.reshape(-1).tolist() for n, t in acc._states.items()}
+    return {n: t.reshape(-1).tolist() for n, t in acc.states.items()}
 
 
 # ---------------------------------------------------------------------- already reduced

@@ -29,23 +29,24 @@ collectives (see ``twinkle_metrics.comm``).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Union
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
 from parallel import DeviceMesh, as_device_mesh, dist_ready, group_size
 from parallel.groups import group_ranks
 from twinkle_metrics.comm import pending
-from twinkle_metrics.comm.fused import plain_states, sync_and_compute
-from twinkle_metrics.core import checkpoint, config, slicing, staging
+from twinkle_metrics.core import checkpoint, config, interval, slicing, staging
 from twinkle_metrics.core.config import Schema, UnknownArgumentWarning, constructor_keywords
 from twinkle_metrics.core.export import export_metrics
+from twinkle_metrics.core.interval import Interval
 from twinkle_metrics.core.merge import merge_exports
 from twinkle_metrics.core.state import Origin, State, move_states, new_states
 from twinkle_metrics.inputs import fields
 
-__all__ = ["Metric", "UnknownArgumentWarning", "constructor_keywords", "end_interval", "FINGERPRINT_KEY"]
+__all__ = ["Metric", "UnknownArgumentWarning", "constructor_keywords", "FINGERPRINT_KEY"]
 #: key of the schema fingerprint in a metric's ``state_dict()``
 FINGERPRINT_KEY = checkpoint.FINGERPRINT_KEY
 _AXES = ("tp", "cp", "data")
@@ -148,23 +149,16 @@ class Metric:
             config.warn_unknown_arguments(self, kwargs)
         slicing.check_config(self, slice_by, max_slices)
         self.__dict__.setdefault("_arguments", {}).setdefault("slice_by", slice_by)
-        config.settle_arguments(self, kwargs)
+        self._arguments, self._argument_values = config.settle_arguments(self, kwargs)
         self.slice_by = slice_by
         self.max_slices = max_slices
         self.device_mesh = as_device_mesh(device_mesh, type(self).__name__)
         self.process_group = process_group
-        self._specs: Dict[str, State] = dict(self._class_states)
         self._families: Dict[str, State] = {}
-        self._device = torch.device("cpu")
-        self._states: Dict[str, torch.Tensor] = {}
-        self._agreed: List[Any] = []
-        self._last_host: Dict[str, Any] = {}  # the newest host number folded into each of _followed
-        # handed-off intervals whose asynchronous sync failed, oldest first, waiting to be
-        # folded back on the caller's thread (comm.pending), and the snapshots in flight
-        self._returned: List["Metric"] = []
-        self._in_flight: List["Metric"] = []
-        self._epoch = 0  # bumped by reset() and loads: intervals from before them are dropped
-        self._intervals = 0  # intervals ended (calculate, export): the number an export carries
+        # what the machinery moves (core.interval): the states and their declarations, what
+        # was folded into, the origins; the asynchronous hand-offs (comm.pending.HandOffs)
+        self.__interval = Interval(self, dict(self._class_states), {}, torch.device("cpu"),
+                                  handoffs=pending.HandOffs(), followed=self._followed)
         self.reset()
 
     # ------------------------------------------------------------------ states
@@ -173,8 +167,9 @@ class Metric:
         if name in self._specs:
             raise ValueError(f"{type(self).__name__}: state {name!r} already exists")
         state.name = name
-        self._specs[name] = state
-        self._states[name] = state.new(self._device)
+        iv = self.__interval
+        iv.specs[name] = state
+        iv.states[name] = state.new(iv.device)
 
     def add_state_family(self, prefix: str, state: State) -> None:
         """Declare states created on the fly: any name ``prefix + something`` that
@@ -196,34 +191,44 @@ class Metric:
             return slicing.state_spec(self, name)
         return self.dynamic_state(name)
 
-    def _adopt(self, names: Sequence[str]) -> None:
-        """Create the states ``names`` (known to be valid dynamic states)."""
-        for name in names:
-            if name not in self._specs:
-                self.add_state(name, self.state_spec(name))
-
     def __getattr__(self, name):
-        states = self.__dict__.get("_states")
-        if states is not None and name in states:
-            return states[name]
+        iv = self.__dict__.get("_Metric__interval")
+        if iv is not None and name in iv.states:
+            return iv.states[name]
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    # the current interval's parts, as a metric reads them of itself (``self._specs[name]``)
+    _specs = property(lambda self: self.__interval.specs)
+    _states = property(lambda self: self.__interval.states)
+    _device = property(lambda self: self.__interval.device)
+    _touched = property(lambda self: self.__interval.touched)
+    _intervals = property(lambda self: self.__interval.number, doc="intervals ended (calculate, export)")
+
+    def _viewing(self, interval: Interval) -> "Metric":
+        """A shallow copy of the metric whose current interval is ``interval`` (handed off, or a
+        driver's scratch): ``compute`` may read its own declarations (``self._specs``)."""
+        view = copy.copy(self)
+        view.__interval = interval
+        return view
 
     @property
     def states(self) -> Dict[str, torch.Tensor]:
         """The live state tensors (read-only view by convention)."""
-        pending.settle(self)
-        return dict(self._states)
+        self._settle()
+        return dict(self.__interval.states)
+
+    def _settle(self) -> None:
+        pending.settle(self.__interval.handoffs, self.__interval)
 
     def reset(self) -> "Metric":
         """Restore every state to its default; a new interval starts (its origins are read)."""
-        self._states = new_states(self._specs, self._device)
-        self._touched: Set[str] = set()  # states folded into since: what "last" folds keep
-        self._origins = {name: o.start(self._last_host) for name, o in self._class_origins.items()}
-        pending.drop_returned(self)
+        iv = self.__interval
+        self.__interval = Interval(self, dict(iv.specs), new_states(iv.specs, iv.device), iv.device,
+                                  origins={name: o.start(iv.last_host) for name, o in self._class_origins.items()},
+                                  number=iv.number, handoffs=iv.handoffs, followed=iv.followed,
+                                  last_host=iv.last_host)
+        pending.drop_returned(iv.handoffs)
         return self
-
-    def _end_interval(self) -> None:  # what the sync (``comm``) calls: ``end_interval``
-        end_interval(self)
 
     def to(self, device) -> "Metric":
         """Move the states to ``device``.
@@ -233,9 +238,10 @@ class Metric:
         still writing).
         """
         device = torch.device(device)
-        if device != self._device:
-            self._states = move_states(self._states, device)  # host ones in one copy per dtype
-            self._device = device
+        iv = self.__interval
+        if device != iv.device:
+            iv.states = move_states(iv.states, device)  # host ones in one copy per dtype
+            iv.device = device
         return self
 
     # ------------------------------------------------------------------ schema
@@ -290,18 +296,7 @@ class Metric:
 
     def _results(self, states: Dict[str, Any]) -> Dict[str, Any]:
         """``compute`` of the reduced states, with each slice's keys as ``"{key}/{slice}"``."""
-        if self.slice_by is None:
-            return self.compute(states)
-
-        def defaults():
-            specs = {k: spec for k, spec in self._specs.items() if slicing.SEP not in k}
-            return plain_states({k: spec.new("cpu") for k, spec in specs.items()}, specs)
-
-        return slicing.results(self, states, defaults)
-
-    def _over_slice_bound(self, names: Sequence[str], bound: int) -> Optional[str]:
-        """The sync's check of ``max_slices`` over the data group's united state names."""
-        return slicing.over_bound(self, slicing.held(names), bound, "sync")
+        return interval.results(self.__interval, states)
 
     def update(self, inputs, outputs, **kwargs) -> Optional[Mapping[str, Any]]:
         """Return ``{state name: contribution}`` for one call; must not read or change states."""
@@ -325,9 +320,8 @@ class Metric:
         it): it goes back under the next interval, and the next calculate reports both.
         """
         if async_op:
-            return pending.submit([self], lambda results: results[0], reset, type(self).__name__)
-        pending.settle(self)
-        return sync_and_compute([self], reset=reset)[0]
+            return interval.calculate_async([self], reset, lambda results: results[0])
+        return interval.calculate([self], reset, lambda results: results[0])
 
     def export(self) -> Dict[str, Any]:
         """This rank's states as plain JSON, for a driver to merge (``calculate_from``).
@@ -339,9 +333,9 @@ class Metric:
         fingerprint, constructor arguments and states (``twinkle_metrics.core.export``).
         Raises ``RuntimeError`` while an asynchronous ``calculate()`` of it is in flight.
         """
-        pending.settle(self)
+        self._settle()
         out = export_metrics([("", self)], f"{type(self).__name__}.export()")
-        end_interval(self)
+        interval.end(self)
         return out
 
     def calculate_from(self, exports: Sequence[Mapping[str, Any]], *,
@@ -416,8 +410,8 @@ class Metric:
     def state_dict(self) -> Dict[str, Any]:
         """The local (unreduced) states, so a resumed run keeps what it accumulated,
         and the metric's fingerprint (checked by ``load_state_dict``)."""
-        pending.settle(self)
-        out: Dict[str, Any] = {name: t.detach().clone() for name, t in self._states.items()}
+        self._settle()
+        out: Dict[str, Any] = {name: t.detach().clone() for name, t in self.__interval.states.items()}
         out[FINGERPRINT_KEY] = self.fingerprint()
         return out
 
@@ -435,43 +429,9 @@ class Metric:
         checkpoint.commit_load(self, checkpoint.stage_load(self, state_dict))
         return self
 
-    def _fold_under(self, earlier: "Metric") -> None:
-        """Put an earlier interval under this one's states, as if the two had been one:
-        ``earlier``'s states come first, and the states this interval folded into fold
-        onto them with each state's own ``local`` fold, as ``accumulate`` folds a call (a
-        "last" state this interval set wins; one it never set keeps ``earlier``'s; values
-        measured from an origin are absolute, so a ``"min"`` fold keeps ``earlier``'s start),
-        and the interval keeps ``earlier``'s origins.
-        ``self`` is the metric or a later hand-off's snapshot (``pending``); not bounded by
-        ``max_slices``: both intervals were within it when handed off."""
-        specs = {**earlier._specs, **self._specs}
-        base = move_states({k: earlier._states[k].clone() if k in earlier._states else spec.new("cpu")
-                            for k, spec in specs.items()}, self._device)  # earlier may go under others too
-        later = {k: self._states[k] for k in self._touched if k in self._states}
-        saved = self._specs, self._states
-        self._specs, self._states = specs, base
-        try:
-            staged = staging.plan(self, later)
-        except BaseException:
-            self._specs, self._states = saved
-            raise
-        staged.apply()
-        self._touched = earlier._touched | self._touched
-        self._origins = dict(earlier._origins)
-
     def __repr__(self):
-        return f"{type(self).__name__}(states={list(self._specs)})"
+        return f"{type(self).__name__}(states={list(self.__interval.specs)})"
 
 
 config.ROOTS.add(Metric)
 
-
-def end_interval(metric: Metric) -> None:
-    """``reset()`` after a ``calculate()`` or at a hand-off: it ends the interval, so
-    intervals given back (``pending``), now or later, stay for the next one."""
-    metric._keep_returned = True
-    metric._intervals = getattr(metric, "_intervals", 0) + 1
-    try:
-        metric.reset()
-    finally:
-        metric._keep_returned = False

@@ -45,6 +45,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from twinkle_metrics.comm.agreement import begin
+from twinkle_metrics.core.state import interval_of
 from twinkle_metrics.inputs.checks import from_host
 from twinkle_metrics.inputs.microbatch import BATCH_KEYS, as_feature_list, split_by_sizes
 
@@ -90,7 +92,7 @@ def state_spec(metric, name: str):
     base = name.rpartition(SEP)[0]
     if base in metric.unsliced_states:
         return None
-    spec = metric._specs.get(base) or metric.dynamic_state(base)
+    spec = interval_of(metric).specs.get(base) or metric.dynamic_state(base)
     return None if spec is None else dataclasses.replace(spec)
 
 
@@ -104,12 +106,12 @@ def contributions(metric, whole, inputs, outputs, kwargs) -> Dict[str, Any]:
         raise ValueError(f"{name}: slice_by={metric.slice_by!r}, but this call has data and no inputs to read "
                          f"the slices from; pass inputs (an InputFeature or a list of them) with "
                          f"{metric.slice_by!r}, one entry per sequence")
-    known = set(held(metric._specs))
+    known = set(held(interval_of(metric).specs))
     error = over_bound(metric, known | {s for s, *_ in parts}, metric.max_slices, "accumulate")
     if error:
         raise ValueError(error)
     for value, s_inputs, s_outputs, s_kwargs in parts:
-        metric._agreed = []  # each update agrees anew over its groups (agreement.guard)
+        begin(metric)  # each update agrees anew over its groups (agreement.guard)
         for key, v in (metric.update(s_inputs, s_outputs, **s_kwargs) or {}).items():
             if key not in metric.unsliced_states:
                 out[f"{key}{SEP}{value}"] = v

@@ -4,7 +4,7 @@
 So a call that raises on bad input, or a ``MetricCollection`` call in which another
 metric raised, changes no state: ``Metric.accumulate`` is ``stage`` then ``apply``, and a
 collection stages every metric before it applies any. The same fold puts a failed
-asynchronous interval back under the next one (``Metric._fold_under``).
+asynchronous interval back under the next one (``Interval.fold_under``).
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
-from twinkle_metrics.comm.agreement import join_failed
+from twinkle_metrics.comm.agreement import begin, join_failed
 from twinkle_metrics.core import slicing
 from twinkle_metrics.core.state import as_tensor as _as_tensor
-from twinkle_metrics.core.state import move_states, new_states
+from twinkle_metrics.core.state import interval_of, move_states, new_states
 from twinkle_metrics.inputs import fields
 
 
@@ -29,7 +29,7 @@ def stage(metric, inputs, outputs, kwargs: Optional[Mapping[str, Any]], checked:
     still joins its groups' agreements, with nothing). On an error, join the agreements
     of the groups the metric would have communicated over, so that every rank raises
     together (``agreement.join_failed``)."""
-    metric._agreed = []
+    begin(metric)
     try:
         if not checked:
             kwargs = fields.check_call([metric], inputs, outputs, kwargs)[0]
@@ -41,15 +41,16 @@ def stage(metric, inputs, outputs, kwargs: Optional[Mapping[str, Any]], checked:
             contributions = metric.update(inputs, outputs, **kwargs)
             if metric.slice_by is not None:
                 contributions = slicing.contributions(metric, contributions, inputs, outputs, kwargs)
-            return plan(metric, contributions) if contributions else None
+            return plan(interval_of(metric), contributions) if contributions else None
     except Exception as exc:  # an interrupt joins nothing: it ends the job
         if metric.exchange_groups():
             join_failed(metric, exc)
         raise
 
 
-def plan(metric, contributions: Mapping[str, Any]) -> "Staged":
-    """Validate and stage ``{state: contribution}``; nothing changes until ``apply()``.
+def plan(interval, contributions: Mapping[str, Any]) -> "Staged":
+    """Validate and stage ``{state: contribution}`` into ``interval`` (``core.interval``);
+    nothing changes until ``apply()``.
 
     Stage first (names, devices, dtypes, shapes, results of callable folds), so
     that nothing in ``apply`` can raise; then one multi-tensor op per reduction
@@ -57,14 +58,14 @@ def plan(metric, contributions: Mapping[str, Any]) -> "Staged":
     Python numbers) instead of one op per state: ~5x less host time for the RL
     metrics' ~20 states, and one multi-tensor kernel on CUDA.
     """
-    specs, states = metric._specs, metric._states
+    specs, states = interval.specs, interval.states
     new_specs = {}
     for name in contributions.keys() - specs.keys():
-        spec = metric.state_spec(name)
+        spec = interval.dynamic_spec(name)
         if spec is None:
-            raise KeyError(f"{type(metric).__name__}.update returned unknown state {name!r}")
+            raise KeyError(f"{interval.name}.update returned unknown state {name!r}")
         new_specs[name] = spec
-    device = metric._device
+    device = interval.device
     move = None
     if device.type == "cpu":
         # States follow the first accelerator tensor they see, and never go back to the
@@ -107,13 +108,13 @@ def plan(metric, contributions: Mapping[str, Any]) -> "Staged":
                 continue
         value = _as_tensor(value, state)
         if not _broadcasts_to(value.shape, state.shape):
-            raise ValueError(f"{type(metric).__name__}: contribution to state {name!r} has shape "
+            raise ValueError(f"{interval.name}: contribution to state {name!r} has shape "
                              f"{list(value.shape)}, expected {list(state.shape)}")
         if callable(op) and getattr(op, "batched", False):  # merged below, with its kind
             stacks.setdefault((op, state.dtype, tuple(state.shape)), []).append(
                 (name, state, value.expand(state.shape)))
         elif callable(op):
-            copies.append((name, fold_value(metric, name, op, state, value)))
+            copies.append((name, fold_value(interval.name, name, op, state, value)))
         elif op == "last":
             copies.append((name, value))
         else:
@@ -123,18 +124,18 @@ def plan(metric, contributions: Mapping[str, Any]) -> "Staged":
     for (op, _, _), entries in stacks.items():  # one merge for every state sharing a batched fold
         names, olds, news = zip(*entries)
         if len(names) == 1:
-            copies.append((names[0], fold_value(metric, names[0], op, olds[0], news[0])))
+            copies.append((names[0], fold_value(interval.name, names[0], op, olds[0], news[0])))
             continue
-        merged = fold_value(metric, ", ".join(names), op, torch.stack(olds), torch.stack(news))
+        merged = fold_value(interval.name, ", ".join(names), op, torch.stack(olds), torch.stack(news))
         copies.extend(zip(names, merged.unbind()))
-    return Staged(metric, contributions, groups, copies, install, device, new_specs)
+    return Staged(interval, contributions, groups, copies, install, device, new_specs)
 
-def fold_value(metric, name: str, op, state: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def fold_value(owner: str, name: str, op, state: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``op(state, value)``, a local merge, checked to keep the state's shape (pure: it
     runs before any state changes)."""
     value = _as_tensor(op(state, value), state).detach()
     if not _broadcasts_to(value.shape, state.shape):
-        raise ValueError(f"{type(metric).__name__}: local merge of state {name!r} returned "
+        raise ValueError(f"{owner}: local merge of state {name!r} returned "
                          f"shape {list(value.shape)}, expected {list(state.shape)}")
     return value
 
@@ -145,21 +146,21 @@ class Staged:
     notes what the call folded (the states an interval touched, and the newest host number
     of each state an ``Origin`` follows), so host bookkeeping waits for the fold too."""
 
-    __slots__ = ("metric", "contributions", "groups", "copies", "install", "device", "new_specs")
+    __slots__ = ("interval", "contributions", "groups", "copies", "install", "device", "new_specs")
 
-    def __init__(self, metric, contributions, groups, copies, install, device, new_specs):
-        self.metric, self.contributions = metric, contributions
+    def __init__(self, interval, contributions, groups, copies, install, device, new_specs):
+        self.interval, self.contributions = interval, contributions
         self.groups, self.copies = groups, copies
         self.install, self.device, self.new_specs = install, device, new_specs
 
     def apply(self) -> None:
-        m = self.metric
+        m = self.interval
         if self.install is not None:  # states follow the first accelerator tensor; new states
             for name, spec in self.new_specs.items():
                 spec.name = name
-                m._specs[name] = spec
-            m._states, m._device = self.install, self.device
-        states = m._states
+                m.specs[name] = spec
+            m.states, m.device = self.install, self.device
+        states = m.states
         with torch.no_grad():
             for (op, _), (names, values) in self.groups.items():
                 FOREACH[op]([states[n] for n in names], values)
@@ -168,11 +169,11 @@ class Staged:
                     states[name].copy_(value)
                 else:
                     states[name].fill_(value)
-        m._touched.update(self.contributions)
-        for name in m._followed:  # host numbers only: what an Origin can follow without a read
+        m.touched.update(self.contributions)
+        for name in m.followed:  # host numbers only: what an Origin can follow without a read
             value = self.contributions.get(name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                m._last_host[name] = value
+                m.last_host[name] = value
 
 
 

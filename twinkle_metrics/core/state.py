@@ -93,7 +93,7 @@ class State:
     def __get__(self, obj, owner=None):
         if obj is None:
             return self
-        return obj._states[self.name]
+        return interval_of(obj).states[self.name]
 
     def __set__(self, obj, value):
         raise AttributeError(f"{type(obj).__name__}.{self.name} is a metric state; change it "
@@ -180,7 +180,7 @@ class Origin:
     def __get__(self, obj, owner=None):
         if obj is None:
             return self
-        return obj._origins[self.name]
+        return interval_of(obj).origins[self.name]
 
     def start(self, last_host: Mapping[str, Any]) -> Any:
         """The origin of an interval starting now, given the newest host number folded
@@ -188,6 +188,13 @@ class Origin:
         if callable(self.reading):
             return self.reading()
         return last_host.get(self.reading, 0)
+
+
+def interval_of(metric):
+    """The metric's current ``core.interval.Interval``: the one place that reads it off the
+    metric, for the machinery that moves its states (``Metric`` keeps it name-mangled, so that
+    no subclass attribute can clash with it)."""
+    return metric._Metric__interval
 
 
 def batched(fold: Callable) -> Callable:

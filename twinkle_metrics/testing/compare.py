@@ -69,16 +69,20 @@ def merged_results(shards: Sequence) -> Dict[str, Any]:
         parts = [MyMetric().accumulate(i, o) for i, o in shards_of(batch)]
         assert_results_close(merged_results(parts), whole)
     """
-    import copy
-
     from twinkle_metrics.comm.fused import plain_states
+    from twinkle_metrics.core.checkpoint import stage_load
+    from twinkle_metrics.core.interval import computing
+    from twinkle_metrics.core.state import interval_of
 
     lead = shards[0]
     types = {type(m) for m in shards}
     if len(types) != 1:
         raise ValueError(f"merged_results: shards must be the same metric, got "
                          f"{sorted(t.__name__ for t in types)}")
-    merged = copy.copy(lead)  # a shallow copy holding the merge: the shards stay as they are
-    merged._specs, merged._states = dict(lead._specs), dict(lead._states)
-    merged.load_state_dict([m.state_dict() for m in shards])
-    return merged.compute(plain_states(merged._states, merged._specs))
+    # the merge a load of every shard would install, staged only: the shards stay as they are
+    _, merged = stage_load(lead, [m.state_dict() for m in shards])
+    held = interval_of(lead)
+    specs = {name: held.spec_of(name) for name in merged}
+    merged_interval = held.copy(states=merged, touched=set(merged))
+    merged_interval.specs = specs
+    return computing(merged_interval).compute(plain_states(merged, specs))

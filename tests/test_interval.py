@@ -1,0 +1,112 @@
+"""A metric's interval: the one object staging, the sync, hand-offs and checkpoints work on."""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from twinkle_metrics import LossMetric, Metric, MetricCollection, State
+from twinkle_metrics.comm import fused
+from twinkle_metrics.core import interval
+from twinkle_metrics.core.interval import Interval
+from twinkle_metrics.core.state import interval_of
+
+
+class Peak(Metric):
+    peak = State("max")
+    count = State("sum", torch.int64)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state_family("seen/", State("sum", torch.int64))
+
+    def update(self, inputs, outputs, *, value=None, tag=None, **kwargs):
+        out = {"peak": float(value), "count": 1}
+        if tag is not None:
+            out[f"seen/{tag}"] = 1
+        return out
+
+    def compute(self, s):
+        return {"peak": s["peak"], "count": s["count"], **{k: v for k, v in s.items() if k.startswith("seen/")}}
+
+
+def test_accumulate_folds_into_the_current_interval_and_reset_starts_a_new_one():
+    m = Peak()
+    first = interval_of(m)
+    assert isinstance(first, Interval) and first.owner is m and first.name == "Peak"
+    m.accumulate(value=3.0, tag="a")
+    assert interval_of(m) is first
+    assert first.touched == {"peak", "count", "seen/a"} and first.states["count"].item() == 1
+    assert m.peak.item() == 3.0  # the author's view reads the same interval
+    m.reset()
+    second = interval_of(m)
+    assert second is not first and second.touched == set() and second.number == first.number
+    assert "seen/a" in second.specs and second.specs is not first.specs  # declarations carry over
+    assert first.states["count"].item() == 1  # the ended interval is left as it was
+
+
+def test_calculate_ends_the_interval_and_numbers_the_next():
+    m = Peak()
+    m.accumulate(value=2.0)
+    before = interval_of(m)
+    assert m.calculate() == {"peak": 2.0, "count": 1}
+    assert interval_of(m) is not before and interval_of(m).number == before.number + 1
+    assert m.calculate(reset=False) == {"peak": -float("inf"), "count": 0}
+    assert interval_of(m).number == before.number + 1
+
+
+def test_an_asynchronous_calculate_hands_the_interval_itself_off():
+    m = Peak()
+    m.accumulate(value=5.0, tag="b")
+    handed = interval_of(m)
+    handle = m.calculate(async_op=True)
+    assert interval_of(m) is not handed  # the metric goes on in a new interval at once
+    m.accumulate(value=1.0)
+    assert handle.wait(30) == {"peak": 5.0, "count": 1, "seen/b": 1}
+    assert m.calculate() == {"peak": 1.0, "count": 1, "seen/b": 0}
+
+
+def test_fold_under_puts_an_earlier_interval_first():
+    m = Peak()
+    m.accumulate(value=4.0, tag="x")
+    earlier = interval_of(m)
+    m.reset()
+    m.accumulate(value=1.0, tag="y")
+    interval_of(m).fold_under(earlier)
+    assert m.calculate() == {"peak": 4.0, "count": 2, "seen/x": 1, "seen/y": 1}
+
+
+def test_sync_and_compute_of_a_collection_without_a_group():
+    coll = MetricCollection({"loss": LossMetric(), "peak": Peak()})
+    coll.accumulate(None, {"loss": 2.0, "num_tokens": 4}, value=7.0)
+    got = interval.sync_and_compute(list(coll))
+    assert got[0]["loss"] == 2.0 and got[1] == {"peak": 7.0, "count": 1}
+    assert coll.calculate()["peak/count"] == 1  # sync_and_compute ended nothing
+
+
+def test_copy_and_adopt_leave_the_original_alone():
+    m = Peak()
+    m.accumulate(value=1.0)
+    iv = interval_of(m)
+    scratch = iv.copy(states={}, device=torch.device("cpu"), touched=set())
+    scratch.adopt(["seen/z"])
+    assert "seen/z" in scratch.specs and "seen/z" not in iv.specs and scratch.states["seen/z"].item() == 0
+
+
+class _Group:
+    """Stands in for a process group: the channel cache only needs it weakly referenceable."""
+
+
+def test_the_sync_cache_holds_its_groups_weakly_and_never_meets_a_freed_groups_entry():
+    a = _Group()
+    ch = fused._channel(a, None)
+    ch.width = 99
+    assert fused._channel(a, None) is ch
+    assert fused._channel(a, _Group()) is not ch  # another TP x PP group: another channel
+    del a
+    gc.collect()
+    for _ in range(50):  # new groups, some at a freed group's address: each starts empty
+        b = _Group()
+        assert fused._channel(b, None).width == 0
+        del b
+        gc.collect()

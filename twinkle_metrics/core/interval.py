@@ -1,0 +1,237 @@
+"""``Interval``: what a metric accumulated since its last reset, as one object.
+
+The machinery that moves a metric's states (staging in ``accumulate``, the fused sync,
+asynchronous calculate and its fold-back, checkpoints, exports and the driver's merge)
+works on this object and its public methods, never on the metric's attributes:
+
+* data: ``specs`` (each state's declaration), ``states`` (the tensors), ``device``,
+  ``touched`` (the states folded into), ``origins`` (host values fixed at its start),
+  ``number`` (intervals the metric ended before this one);
+* what it needs to know of its metric: ``name``, ``spec_of(name)`` / ``dynamic_spec(name)``
+  (declarations of states created on the fly), ``slice_bound`` and ``over_bound``
+  (``max_slices``), ``tp_mismatch_hint``, ``handoffs`` (``comm.pending.HandOffs``);
+* verbs: ``adopt(names)`` (create states other ranks hold), ``fold_under(earlier)`` (an
+  earlier interval under this one, as one), ``copy(...)``.
+
+A metric holds its current interval (``core.state.interval_of(metric)``); ``reset()`` starts a new one. The
+lower layer (``comm``) is handed intervals and plain data, and never reaches the metric.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+import torch
+
+from twinkle_metrics.comm import pending
+from twinkle_metrics.comm.fused import plain_states, sync_groups, sync_states
+from twinkle_metrics.core import slicing, staging
+from twinkle_metrics.core.state import interval_of, move_states
+
+__all__ = ["Interval", "calculate", "calculate_async", "computing", "end", "results", "sync_and_compute"]
+
+
+class Interval:
+    """One interval of one metric: its states, their declarations, what was folded into."""
+
+    __slots__ = ("owner", "specs", "states", "device", "touched", "origins", "number", "handoffs",
+                 "followed", "last_host")
+
+    def __init__(self, owner, specs: Dict[str, Any], states: Dict[str, torch.Tensor], device: torch.device,
+                 *, origins: Optional[Dict[str, Any]] = None, touched: Optional[Set[str]] = None, number: int = 0,
+                 handoffs=None, followed: frozenset = frozenset(), last_host: Optional[Dict[str, Any]] = None):
+        self.owner = owner  # the metric: its configuration (``compute``, slicing), never its states
+        self.specs, self.states, self.device = specs, states, device
+        self.touched: Set[str] = set() if touched is None else touched
+        self.origins: Dict[str, Any] = {} if origins is None else origins
+        self.number = number
+        self.handoffs = handoffs
+        # the states an ``Origin`` follows, and the newest host number folded into each
+        # (shared with the metric's next intervals: it is kept over resets)
+        self.followed = followed
+        self.last_host: Dict[str, Any] = {} if last_host is None else last_host
+
+    # --------------------------------------------------------------- the metric's facts
+    @property
+    def name(self) -> str:
+        return type(self.owner).__name__
+
+    @property
+    def tp_mismatch_hint(self) -> Optional[str]:
+        return self.owner.tp_mismatch_hint
+
+    @property
+    def slice_bound(self) -> Optional[int]:
+        """``max_slices`` of a sliced metric, else None."""
+        return self.owner.max_slices if self.owner.slice_by is not None else None
+
+    def dynamic_spec(self, name: str):
+        """The declaration of a state created on the fly under ``name``, else None."""
+        return self.owner.state_spec(name)
+
+    def spec_of(self, name: str):
+        """The declaration of ``name``: held, or one the metric creates on the fly (None: neither)."""
+        spec = self.specs.get(name)
+        return spec if spec is not None else self.owner.state_spec(name)
+
+    def over_bound(self, names: Sequence[str], bound: int, where: str = "sync") -> Optional[str]:
+        """Why the slices ``names`` hold exceed ``bound`` (``max_slices``); None when within it."""
+        return slicing.over_bound(self.owner, slicing.held(names), bound, where)
+
+    # ------------------------------------------------------------------------ verbs
+    def adopt(self, names: Sequence[str]) -> None:
+        """Create the states ``names`` (valid states created on the fly) at their identity."""
+        for name in names:
+            if name not in self.specs:
+                spec = self.owner.state_spec(name)
+                spec.name = name
+                self.specs[name] = spec
+                self.states[name] = spec.new(self.device)
+
+    def copy(self, states: Optional[Dict[str, torch.Tensor]] = None, device: Optional[torch.device] = None,
+             touched: Optional[Set[str]] = None, last_host: Optional[Dict[str, Any]] = None) -> "Interval":
+        """A copy with its own ``specs`` and ``touched`` (and ``states``: the same tensors unless
+        given), out of the metric's hand-off ledger; its host numbers are ``last_host`` (a
+        fresh record unless given)."""
+        return Interval(self.owner, dict(self.specs), dict(self.states) if states is None else states,
+                        self.device if device is None else device, origins=self.origins,
+                        touched=set(self.touched) if touched is None else touched, number=self.number,
+                        followed=self.followed, last_host=last_host)
+
+    def fold_under(self, earlier: "Interval") -> None:
+        """Put an earlier interval under this one's states, as if the two had been one:
+        ``earlier``'s states come first, and the states this interval folded into fold
+        onto them with each state's own ``local`` fold, as ``accumulate`` folds a call (a
+        "last" state this interval set wins; one it never set keeps ``earlier``'s; values
+        measured from an origin are absolute, so a ``"min"`` fold keeps ``earlier``'s start),
+        and the interval keeps ``earlier``'s origins. Not bounded by ``max_slices``: both
+        intervals were within it when handed off."""
+        specs = {**earlier.specs, **self.specs}
+        base = move_states({k: earlier.states[k].clone() if k in earlier.states else spec.new("cpu")
+                            for k, spec in specs.items()}, self.device)  # earlier may go under others too
+        later = {k: self.states[k] for k in self.touched if k in self.states}
+        saved = self.specs, self.states
+        self.specs, self.states = specs, base
+        try:
+            staged = staging.plan(self, later)
+        except BaseException:
+            self.specs, self.states = saved
+            raise
+        staged.apply()
+        self.touched = earlier.touched | self.touched
+        self.origins = dict(earlier.origins)
+
+
+# ------------------------------------------------------------- calculate, over intervals
+def end(metric) -> None:
+    """``reset()`` after a ``calculate()`` or at a hand-off: it ends the interval (the next
+    one is numbered on), and intervals given back (``comm.pending``), now or later, stay
+    for the next one."""
+    ended = interval_of(metric)
+    ended.handoffs.keep = True
+    try:
+        metric.reset()
+    finally:
+        ended.handoffs.keep = False
+    interval_of(metric).number = ended.number + 1
+
+
+def computing(interval: Interval):
+    """The metric of ``interval`` as ``compute`` must see it: with ``interval`` as its own
+    (``compute`` may read its declarations, ``self._specs``), itself when it is."""
+    metric = interval.owner
+    return metric if interval_of(metric) is interval else metric._viewing(interval)
+
+
+def results(interval: Interval, states: Dict[str, Any]) -> Dict[str, Any]:
+    """The metric's ``compute`` of ``interval``'s reduced states, with each slice's keys as
+    ``"{key}/{slice}"``."""
+    metric = computing(interval)
+    if metric.slice_by is None:
+        return metric.compute(states)
+
+    def defaults():
+        specs = {k: spec for k, spec in interval.specs.items() if slicing.SEP not in k}
+        return plain_states({k: spec.new("cpu") for k, spec in specs.items()}, specs)
+
+    return slicing.results(metric, states, defaults)
+
+
+def sync_and_compute(metrics: Sequence) -> List[Dict[str, Any]]:
+    """Reduce the current intervals of ``metrics`` globally and return each one's results.
+    Metrics that share the same data and TP x PP groups sync together in one pass
+    (``comm.fused.sync_states``)."""
+    return _sync_and_compute(_places(metrics), [interval_of(m) for m in metrics])
+
+
+def sync_handed(places: Sequence[tuple], intervals: Sequence[Interval], groups) -> List[Dict[str, Any]]:
+    """On the worker: ``sync_and_compute`` of handed-off ``intervals``, each synced where
+    ``places`` says (taken at the hand-off), on the groups ``groups(data group, TP x PP
+    group)`` gives (private twins)."""
+    return _sync_and_compute(places, intervals, groups)
+
+
+def _places(metrics: Sequence) -> List[tuple]:
+    """Where each metric syncs, and what its ranks must agree on: ``(mesh, data group, sync
+    fingerprint)``."""
+    out = []
+    for m in metrics:
+        mesh = m.resolve_mesh()
+        out.append((mesh, m.data_group(), m.sync_fingerprint()))
+    return out
+
+
+def _sync_and_compute(places: Sequence[tuple], intervals: Sequence[Interval], groups=None) -> List[Dict[str, Any]]:
+    buckets: Dict[tuple, List[int]] = {}
+    for i, (mesh, data_group, _) in enumerate(places):
+        buckets.setdefault((id(data_group), id(mesh.result_group)), []).append(i)
+    out: List[Dict[str, Any]] = [{} for _ in places]
+    for idx in buckets.values():
+        mesh, data_group, _ = places[idx[0]]
+        reduced = sync_states([intervals[i] for i in idx], mesh, data_group, [places[i][2] for i in idx], groups)
+        for i, states in zip(idx, reduced):
+            out[i] = results(intervals[i], states)
+    return out
+
+
+def calculate(metrics: Sequence, reset: bool, finish: Callable[[List[Dict[str, Any]]], Dict[str, Any]]):
+    """The synchronous ``calculate()`` of ``metrics``: intervals given back first, then the
+    sync; the intervals end only once every metric computed (an error keeps them all)."""
+    for m in metrics:
+        live = interval_of(m)
+        pending.settle(live.handoffs, live)
+    out = finish(sync_and_compute(metrics))
+    if reset:
+        for m in metrics:
+            end(m)
+    return out
+
+
+def calculate_async(metrics: Sequence, reset: bool, finish: Callable[[List[Dict[str, Any]]], Dict[str, Any]]
+                    ) -> pending.CalculateHandle:
+    """``calculate(async_op=True)``: each interval is handed off (``reset``: the states move
+    and the metric starts a new interval; else a copy), then synced on the worker."""
+    places = _places(metrics)  # taken now, on the caller's thread
+    groups: Dict[int, Any] = {}
+    for mesh, data_group, _ in places:
+        mesh.check_live("calculate()")
+        for group in sync_groups(mesh, data_group, mesh.result_group):
+            groups.setdefault(id(group), group)
+
+    def take() -> List[Interval]:
+        out = []
+        for m in metrics:
+            live = interval_of(m)
+            pending.settle(live.handoffs, live)
+            live = interval_of(m)
+            if reset:
+                end(m)
+                out.append(live)
+            else:
+                out.append(live.copy(states={k: v.clone() for k, v in live.states.items()}, last_host=live.last_host))
+        return out
+
+    def run(intervals, on_twins):
+        return finish(sync_handed(places, intervals, on_twins))
+
+    return pending.submit([interval_of(m).handoffs for m in metrics], take, places[0][0], list(groups.values()),
+                          run, reset)
