@@ -73,13 +73,9 @@ def _event():
 @contextlib.contextmanager
 def torch_path():
     """Route the metrics to the torch implementations (as on a machine without triton)."""
-    from twinkle_metrics.kernels import dispatch as _triton
-    saved = _triton.device_ok
-    _triton.device_ok = lambda x: False
-    try:
+    from twinkle_metrics.kernels import backend
+    with backend("torch"):
         yield
-    finally:
-        _triton.device_ok = saved
 
 
 def on_torch(fn):
@@ -237,9 +233,11 @@ def main():
     logps = torch.randn(b, s, device=DEVICE, dtype=torch.float32)
     sbv = logits.transpose(0, 1).contiguous().transpose(0, 1)  # Megatron [s, b, V] seen as [b, s, V]
     triton_ok = _triton.available()
-    _triton.ENABLED = True  # whatever TWINKLE_METRICS_TRITON says: both paths are measured
-    if DRY:
-        _triton.device_ok = lambda x: True  # the CPU stands in for the GPU, kernels interpreted
+    # whatever TWINKLE_METRICS_TRITON says, both paths are measured; in a dry run the CPU
+    # stands in for the GPU, kernels interpreted
+    if triton_ok:
+        from twinkle_metrics.kernels import backend
+        backend("triton" if DRY else "auto")
 
     def entropy_metric():
         return GRPOMetric(entropy_from_logits=True)

@@ -223,12 +223,9 @@ def async_check(dev, busy_ms=(0.0, 25.0, 100.0), after_ms: float = 50.0, repeats
 
 
 def _on_path(enabled, fn, z):
-    from twinkle_metrics.kernels import dispatch as _triton
-    saved, _triton.ENABLED = _triton.ENABLED, enabled
-    try:
+    from twinkle_metrics.kernels import backend
+    with backend("auto" if enabled else "torch"):  # "auto": CUDA tensors take the kernels
         return fn(z)
-    finally:
-        _triton.ENABLED = saved
 
 
 def memory_check(dev, shape=(2, 512, 152064)):

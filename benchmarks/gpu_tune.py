@@ -111,10 +111,9 @@ def main():
         print("gpu_tune: CUDA is not available on this machine; nothing was measured", file=sys.stderr)
         return 0
     from twinkle_metrics import Accuracy, DPOMetric, GRPOMetric, MoERoutingMetric, PPOValueMetric, RolloutMismatchMetric
+    from twinkle_metrics.kernels import backend
     from twinkle_metrics.kernels import dispatch as _triton
-    _triton.ENABLED = True
-    if DRY:  # GPU_BENCH_DRY=1 TRITON_INTERPRET=1: the CPU stands in, kernels interpreted
-        _triton.device_ok = lambda x: True
+    backend("triton" if DRY else "auto")  # DRY (GPU_BENCH_DRY=1 TRITON_INTERPRET=1): the CPU stands in, interpreted
     t0 = time.time()
     torch.manual_seed(0)
     logits = allocate(SHAPE)

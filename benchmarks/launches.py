@@ -43,7 +43,7 @@ from twinkle_metrics import (  # noqa: E402
 )
 from twinkle_metrics.kernels import (  # noqa: E402
     argmax_triton,
-    dispatch,
+    backend,
     dpo_triton,
     entropy_triton,
     moe_triton,
@@ -165,32 +165,28 @@ def _values(outputs):
 
 
 def count(make, step, fused: bool) -> dict:
-    dispatch.device_ok = (lambda x: True) if fused else (lambda x: False)
-    metric = make()
-    step(metric)  # warm: first-call work (state allocation) is not per step
-    counter = KernelCounter()
-    with counter, counted_triton(counter):
-        step(metric)
+    with backend("triton" if fused else "torch"):
+        metric = make()
+        step(metric)  # warm: first-call work (state allocation) is not per step
+        counter = KernelCounter()
+        with counter, counted_triton(counter):
+            step(metric)
     return {"kernels": sum(counter.ops.values()), "by_op": dict(counter.ops.most_common())}
 
 
 def main():
-    real = dispatch.device_ok
     out = {}
-    try:
-        for n_mb in (1, 4):
-            for name, (make, step) in cases(n_mb).items():
-                torch_path, fused = count(make, step, False), count(make, step, True)
-                out[f"{name}, {n_mb} microbatch{'es' if n_mb > 1 else ''}"] = {
-                    "torch_path": torch_path["kernels"], "one_kernel_path": fused["kernels"],
-                    "one_kernel_path_ops": fused["by_op"]}
-        make, step = moe_layer_call()
-        torch_path, fused = count(make, step, False), count(make, step, True)
-        out["MoERoutingMetric.observe, one layer"] = {"torch_path": torch_path["kernels"],
-                                                      "two_kernel_path": fused["kernels"],
-                                                      "two_kernel_path_ops": fused["by_op"]}
-    finally:
-        dispatch.device_ok = real
+    for n_mb in (1, 4):
+        for name, (make, step) in cases(n_mb).items():
+            torch_path, fused = count(make, step, False), count(make, step, True)
+            out[f"{name}, {n_mb} microbatch{'es' if n_mb > 1 else ''}"] = {
+                "torch_path": torch_path["kernels"], "one_kernel_path": fused["kernels"],
+                "one_kernel_path_ops": fused["by_op"]}
+    make, step = moe_layer_call()
+    torch_path, fused = count(make, step, False), count(make, step, True)
+    out["MoERoutingMetric.observe, one layer"] = {"torch_path": torch_path["kernels"],
+                                                  "two_kernel_path": fused["kernels"],
+                                                  "two_kernel_path_ops": fused["by_op"]}
     from benchmarks.common import save
     saved = save("launches", {"launches_per_accumulate": out},
                  "TRITON_INTERPRET=1 .venv/bin/python -m benchmarks.launches")

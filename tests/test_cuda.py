@@ -101,12 +101,11 @@ N_CALLS = 15  # len(_calls()); the calls build CUDA tensors, so not at collectio
 @pytest.fixture(params=["torch", "triton"])
 def kernel_path(request, monkeypatch):
     """Every call on the torch path and on the Triton path (the default where triton is installed)."""
-    from twinkle_metrics.kernels import dispatch
+    from twinkle_metrics.kernels import backend, dispatch
     if request.param == "triton" and not dispatch.available():
         pytest.skip("triton is not installed")
-    monkeypatch.setattr(dispatch, "ENABLED", request.param == "triton")
-    monkeypatch.setattr(dispatch, "failed", None)
-    return request.param
+    with backend("auto" if request.param == "triton" else "torch"):  # "auto": CUDA tensors take the kernels
+        yield request.param
 
 
 @pytest.mark.parametrize("index", range(N_CALLS))
@@ -134,20 +133,19 @@ def test_triton_path_agrees_with_torch_path(index, monkeypatch):
     import types
 
     import twinkle_metrics.metrics.system.train as train_module
-    from twinkle_metrics.kernels import dispatch
+    from twinkle_metrics.kernels import backend, dispatch
     if not dispatch.available():
         pytest.skip("triton is not installed")
     results = {}
     for path in ("torch", "triton"):
         clock = iter(range(10**6)).__next__  # each path's clock reads 0, 1, 2, ...
         monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=clock))
-        monkeypatch.setattr(dispatch, "ENABLED", path == "triton")
-        monkeypatch.setattr(dispatch, "failed", None)
-        label, metric, call = _calls()[index]
-        call(metric)
-        call(metric)
-        results[path] = metric.calculate()
-        assert dispatch.failed is None, dispatch.failed
+        with backend("auto" if path == "triton" else "torch"):  # "auto": CUDA tensors take the kernels
+            label, metric, call = _calls()[index]
+            call(metric)
+            call(metric)
+            results[path] = metric.calculate()
+            assert dispatch.failed is None, dispatch.failed
     assert_results_close(results["triton"], results["torch"], rel=1e-5 if "logits" in label or
                          "Accuracy" in label or "MoE" in label else 1e-9)
 

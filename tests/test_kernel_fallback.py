@@ -20,7 +20,7 @@ from triton.runtime.errors import OutOfResources, PTXASError  # noqa: E402
 
 from tests.rlref import make_rl_batch  # noqa: E402
 from twinkle_metrics import GRPOMetric, RolloutMismatchMetric  # noqa: E402
-from twinkle_metrics.kernels import dispatch, rl_triton, rollout_triton  # noqa: E402
+from twinkle_metrics.kernels import backend, dispatch, rl_triton, rollout_triton  # noqa: E402
 
 COMPILE_AND_LAUNCH_FAILURES = [
     CompilationError(None, ast.Pass(), "unsupported construct (simulated)"),
@@ -45,8 +45,10 @@ BUGS = [
 
 
 @pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-    monkeypatch.setattr(dispatch, "failed", None)
+def fresh():
+    """No failure recorded when a test starts, the choice before back after it."""
+    with backend("auto"):
+        yield
 
 
 class _Raising:
@@ -87,10 +89,6 @@ def test_other_exceptions_propagate(error):
     assert dispatch.failed is None  # the kernels stay on
 
 
-def _cpu_as_triton_device(monkeypatch):
-    monkeypatch.setattr(dispatch, "device_ok", lambda x: dispatch.failed is None)
-
-
 def _grpo_call():
     b = make_rl_batch(3, n_seq=4, seq_len=9)
     return ({"labels": b["labels"]}, {"logps": b["logps"]}), dict(old_logps=b["old"], advantages=b["adv"])
@@ -98,7 +96,7 @@ def _grpo_call():
 
 def test_a_bug_inside_a_kernel_wrapper_propagates_through_the_metric(monkeypatch):
     args, side = _grpo_call()
-    _cpu_as_triton_device(monkeypatch)
+    backend("triton")  # CPU tensors reach the (raising) launchers; no interpreter needed
     monkeypatch.setattr(rl_triton, "_rl_kernel", _Raising(IndexError("bad column (simulated bug)")))
     with pytest.raises(IndexError, match="simulated bug"):
         GRPOMetric().accumulate(*args, **side)
@@ -111,10 +109,9 @@ def test_a_bug_inside_a_kernel_wrapper_propagates_through_the_metric(monkeypatch
 
 def test_a_compile_failure_falls_back_to_the_same_numbers(monkeypatch):
     args, side = _grpo_call()
-    with monkeypatch.context() as mp:
-        mp.setattr(dispatch, "device_ok", lambda x: False)
+    with backend("torch"):
         want = GRPOMetric().accumulate(*args, **side).calculate()
-    _cpu_as_triton_device(monkeypatch)
+    backend("triton")
     monkeypatch.setattr(rl_triton, "_rl_kernel", _Raising(CompilationError(None, ast.Pass(), "simulated")))
     with pytest.warns(RuntimeWarning, match="RL token statistics: CompilationError"):
         got = GRPOMetric().accumulate(*args, **side).calculate()

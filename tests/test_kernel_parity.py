@@ -3,10 +3,10 @@
 within tight tolerances.
 
 Driven by the registry: each row of ``PAIRS`` has one case below (``CASES[op]``), which
-builds its inputs and calls the op's entry point; the harness runs it with the kernels off
-(the torch reference) and on (the CPU counts as a Triton device, the kernels run under
-Triton's interpreter), checks that the row's Triton function ran and nothing fell back,
-and compares the results. A new op is one row in ``PAIRS`` and one case here.
+builds its inputs and calls the op's entry point; the harness runs it under
+``kernels.backend("torch")`` (the torch reference) and ``kernels.backend("triton")`` (CPU
+tensors take the kernels, run by Triton's interpreter), checks that the row's Triton
+function ran and nothing fell back, and compares the results. A new op is one row in ``PAIRS`` and one case here.
 
 As in ``test_triton_kernels.py``, ``TRITON_INTERPRET=1`` must be set before triton is first
 imported, so the comparisons run in one child pytest with it set; the parent only starts it.
@@ -25,7 +25,7 @@ if importlib.util.find_spec("triton") is None:
 
 from tests.interpreted import INTERPRETED, interpreted, run_child  # noqa: E402,F401
 from tests.rlref import make_rl_batch  # noqa: E402
-from twinkle_metrics.kernels import PAIRS, dispatch  # noqa: E402
+from twinkle_metrics.kernels import PAIRS, backend, dispatch  # noqa: E402
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -207,17 +207,6 @@ def test_every_pair_has_one_case():
 # ------------------------------------------------------------------------- the harness
 
 
-def _kernels(monkeypatch, on: bool):
-    """The CPU counts as a Triton device (``on``), or no tensor takes a kernel."""
-    monkeypatch.setattr(dispatch, "failed", None)
-    if on:
-        monkeypatch.setattr(dispatch, "device_ok", lambda x: dispatch.failed is None)
-        monkeypatch.setattr(dispatch, "applies", lambda x: x.dtype in dispatch.DTYPES and dispatch.failed is None)
-    else:
-        monkeypatch.setattr(dispatch, "device_ok", lambda x: False)
-        monkeypatch.setattr(dispatch, "applies", lambda x: False)
-
-
 def _assert_same(got, want, rtol, where):
     if isinstance(want, dict):
         assert got.keys() == want.keys(), where
@@ -256,12 +245,10 @@ def test_torch_and_triton_agree(pair, seed, monkeypatch):
     assert cases
     for label, call, rtol in cases:
         direct = getattr(call, "direct", False)
-        with monkeypatch.context() as mp:
-            _kernels(mp, on=False)
+        with backend("torch"):
             want = call(False) if direct else call()
         ran.clear()
-        with monkeypatch.context() as mp, numpy.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            _kernels(mp, on=True)
+        with backend("triton"), numpy.errstate(invalid="ignore", divide="ignore", over="ignore"):
             got = call(True) if direct else call()
             assert dispatch.failed is None, (label, dispatch.failed)
         assert ran, f"{pair.op} {label}: {pair.triton} did not run"

@@ -23,11 +23,23 @@ is imported from here: triton stays optional, and kernels never import metrics);
 Beside them: ``dispatch`` (when the kernels run, and the fallback to torch when one cannot
 be compiled or launched), ``triton_common`` (the ``@triton.jit`` helpers, the shared
 finishing program and the views the kernels read).
+
+Which side runs is one public switch, ``backend("auto" | "torch" | "triton")``: a setter,
+or a context manager for a block (the parity tests run each pair through it)::
+
+    from twinkle_metrics import kernels
+
+    with kernels.backend("torch"):
+        want = metric_call()
 """
 from __future__ import annotations
 
 import importlib
 from typing import NamedTuple
+
+from twinkle_metrics.kernels.dispatch import BACKENDS, backend
+
+__all__ = ["BACKENDS", "PAIRS", "KernelPair", "backend"]
 
 
 class KernelPair(NamedTuple):

@@ -10,10 +10,16 @@ warning from Triton 3.9 about the default changing.
 On by default on CUDA where triton is installed: on one H200 (benchmarks/README.md, "GPU
 run, 2026-12-01") every kernel path was faster than its torch path (entropy from logits 15x,
 Accuracy 1.5x, the GRPO / Rollout / DPO updates 1.36x / 1.29x / 1.07x), agreed with it, and
-never synchronised. ``TWINKLE_METRICS_TRITON=0`` keeps every run on the torch path. With
-``TRITON_INTERPRET=1`` and ``TWINKLE_METRICS_TRITON=1`` (both by name), CPU tensors take
-the kernel paths too, run by Triton's interpreter: slow, for checking the kernels against
-the torch paths on a machine without a GPU::
+never synchronised.
+
+Which path runs is one choice, ``backend``: ``"auto"`` (the default: CUDA tensors take the
+kernels where triton is installed), ``"torch"`` (every tensor takes the torch path) or
+``"triton"`` (CUDA and CPU tensors take the kernels; CPU tensors run under Triton's
+interpreter, so ``TRITON_INTERPRET=1`` must be set before triton is first imported). The
+environment sets the choice a process starts with: ``TWINKLE_METRICS_TRITON=0`` starts it on
+``"torch"``; ``TRITON_INTERPRET=1`` and ``TWINKLE_METRICS_TRITON=1`` (both by name) on
+``"triton"``: slow, for checking the kernels against the torch paths on a machine without a
+GPU::
 
     TRITON_INTERPRET=1 TWINKLE_METRICS_TRITON=1 python my_metric_check.py
 """
@@ -31,12 +37,23 @@ T = TypeVar("T")
 #: logits dtypes the kernels read (they compute in float32; float64 stays on torch)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _available: Optional[bool] = None
-_SWITCH = os.environ.get("TWINKLE_METRICS_TRITON", "")
-#: whether CUDA runs use the kernels (unless ``TWINKLE_METRICS_TRITON=0``)
-ENABLED = _SWITCH != "0"
-#: CPU tensors take the kernels, run by Triton's interpreter: only when both are asked for
-#: by name (``TRITON_INTERPRET=1 TWINKLE_METRICS_TRITON=1``), never by default
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1" and _SWITCH == "1"
+#: the choices ``backend`` takes
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _from_environment() -> str:
+    """The choice a process starts with: ``TWINKLE_METRICS_TRITON=0`` the torch path; CPU
+    tensors take the kernels only when both variables ask for it by name, so an interpreted
+    test process keeps its torch-path references on the torch path."""
+    switch = os.environ.get("TWINKLE_METRICS_TRITON", "")
+    if switch == "0":
+        return "torch"
+    if switch == "1" and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "triton"
+    return "auto"
+
+
+_choice = _from_environment()
 
 
 def available() -> bool:
@@ -51,11 +68,67 @@ def available() -> bool:
 failed: Optional[str] = None
 
 
+class backend:
+    """Choose the compute path of every metric: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    A call sets the choice for the process; used as a context manager, the choice holds
+    inside the ``with`` block and the one before comes back at its end. ``"auto"``: CUDA
+    tensors take the Triton kernels where triton is installed, everything else the torch
+    path. ``"torch"``: every tensor takes the torch path. ``"triton"``: CUDA and CPU tensors
+    take the kernels (CPU tensors run under Triton's interpreter: set ``TRITON_INTERPRET=1``
+    before triton is first imported). Choosing starts afresh: a kernel failure recorded
+    before (``failed``) is forgotten, and comes back with the earlier choice at the end of a
+    ``with`` block. Under ``"auto"`` and ``"triton"`` a kernel that cannot be compiled or
+    launched still falls back to the torch path (``attempt``). Example::
+
+        from twinkle_metrics import kernels
+
+        with kernels.backend("torch"):
+            want = GRPOMetric().accumulate(inputs, outputs, **side).calculate()
+        with kernels.backend("triton"):   # on CPU: under TRITON_INTERPRET=1
+            got = GRPOMetric().accumulate(inputs, outputs, **side).calculate()
+        kernels.backend.current()         # 'auto' again
+
+    Raises:
+        ValueError: ``name`` is not one of ``BACKENDS``.
+        RuntimeError: ``"triton"`` where triton is not installed.
+    """
+
+    def __init__(self, name: str):
+        global _choice, failed
+        if name not in BACKENDS:
+            raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+        if name == "triton" and not available():
+            raise RuntimeError("backend('triton'): triton is not installed; install it (pip install triton) "
+                               "or choose 'auto' or 'torch'")
+        self.name = name
+        self._before = (_choice, failed)
+        _choice, failed = name, None
+
+    @staticmethod
+    def current() -> str:
+        """The choice in force: ``"auto"``, ``"torch"`` or ``"triton"``."""
+        return _choice
+
+    def __enter__(self) -> "backend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _choice, failed
+        _choice, failed = self._before
+
+    def __repr__(self) -> str:
+        return f"backend({self.name!r})"
+
+
 def device_ok(x: torch.Tensor) -> bool:
-    """The kernels run where ``x`` lives: enabled, a CUDA tensor (or a CPU tensor under
-    Triton's interpreter), triton installed, and no kernel has failed in this process."""
-    return (ENABLED and failed is None and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
-            and available())
+    """The kernels run where ``x`` lives: the choice (``backend``) lets them (under
+    ``"auto"`` a CUDA tensor, under ``"triton"`` a CUDA or CPU tensor), triton installed,
+    and no kernel has failed in this process."""
+    if _choice == "torch" or failed is not None:
+        return False
+    where = x.is_cuda or (_choice == "triton" and x.device.type == "cpu")
+    return where and available()
 
 
 #: words of the ``RuntimeError``s that triton's compiler, driver and launcher raise when a
@@ -119,7 +192,8 @@ def attempt(what: str, fn: Callable[..., T], *args, **kwargs) -> Optional[T]:
             raise
         failed = f"{what}: {type(e).__name__}: {e}"
         warnings.warn(f"twinkle_metrics: the Triton kernel path failed ({failed}); the torch path is used "
-                      "from now on in this process (TWINKLE_METRICS_TRITON=0 selects it from the start)",
+                      "from now on in this process (TWINKLE_METRICS_TRITON=0 or kernels.backend('torch') "
+                      "selects it from the start)",
                       RuntimeWarning, stacklevel=3)
         return None
 
