@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from parallel.bounded import twins
+from parallel.groups import DESTROYED
 from twinkle_metrics.comm.fused import sync_and_compute, sync_groups
 from twinkle_metrics.comm.waits import Bound
 
@@ -139,9 +140,9 @@ def _twins(groups, bound) -> Dict[int, Any]:
     held = [g for g in groups if g is not None]
     if not all(g in _TWINS for g in held):
         made = twins(held, bound.timeout, bound.what)
-        for g in held:
-            _TWINS[g] = made[id(g)]
-    return {id(g): _TWINS[g] for g in held}
+        for g in held:  # weakly, as torch's registry holds them: they end with destroy_process_group()
+            _TWINS[g] = None if made[id(g)] is None else weakref.ref(made[id(g)])
+    return {id(g): _TWINS[g] and (_TWINS[g]() or DESTROYED) for g in held}
 
 
 def submit(metrics: Sequence, finish: Callable[[List[Dict[str, Any]]], Dict[str, Any]], reset: bool,
