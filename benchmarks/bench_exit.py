@@ -38,7 +38,7 @@ SCRIPTS = {"library": os.path.join(common.ROOT, "tests", "exit_case.py"),
 TERMINATE = "terminate called without an active exception"
 
 
-def run_job(side: str, world: int, out: str, keep: bool = True, timeout: float = 180) -> dict:
+def run_job(side: str, world: int, out: str, keep: bool = True, timeout: float = 300) -> dict:
     """One job of ``side`` on ``world`` ranks: each rank's exit code, whether it wrote its
     results, and whether it printed ``TERMINATE``."""
     with Rendezvous() as rdzv:
@@ -71,10 +71,13 @@ def run_job(side: str, world: int, out: str, keep: bool = True, timeout: float =
 
 
 def verdict(job: dict) -> str:
-    """``ok``, ``died_at_exit`` (results written, then a nonzero exit or terminate), or
-    ``failed`` (some rank never wrote its results)."""
+    """``ok``, ``died_at_exit`` (results written, then a nonzero exit or terminate),
+    ``timed_out`` (results written, but a rank still running when the job's time ran out:
+    this harness killed it, -9), or ``failed`` (some rank never wrote its results)."""
     if not all(job["wrote"]):
         return "failed"
+    if any(c == -9 for c in job["codes"]) and not any(job["terminate"]):
+        return "timed_out"
     if any(c != 0 for c in job["codes"]) or any(job["terminate"]):
         return "died_at_exit"
     return "ok"
@@ -91,9 +94,11 @@ def main(argv=None):
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--no-keep", action="store_true", help="the library's script drops its collection "
                    "when main() returns")
+    p.add_argument("--job-timeout", type=float, default=300, help="seconds a job may run before its "
+                   "ranks are killed (counted as timed out)")
     p.add_argument("--out", default="exit")
     args = p.parse_args(argv)
-    counts = {side: {"ok": 0, "died_at_exit": 0, "failed": 0} for side in SCRIPTS}
+    counts = {side: {"ok": 0, "died_at_exit": 0, "timed_out": 0, "failed": 0} for side in SCRIPTS}
     deaths = {side: [] for side in SCRIPTS}
     loops = busy_loops(args.busy)
     t0 = time.time()
@@ -102,13 +107,15 @@ def main(argv=None):
             for run in range(args.runs):
                 order = list(SCRIPTS) if run % 2 == 0 else list(SCRIPTS)[::-1]
                 for side in order:
-                    job = run_job(side, args.world, os.path.join(tmp, f"{side}{run}"), keep=not args.no_keep)
+                    job = run_job(side, args.world, os.path.join(tmp, f"{side}{run}"), keep=not args.no_keep,
+                                  timeout=args.job_timeout)
                     v = verdict(job)
                     counts[side][v] += 1
                     if v != "ok":
                         deaths[side].append({"run": run, "verdict": v, "codes": job["codes"],
                                              "terminate": job["terminate"], "log": job["log"]})
-                line = "  ".join(f"{s} {c['died_at_exit']} died / {c['failed']} failed" for s, c in counts.items())
+                line = "  ".join(f"{s} {c['died_at_exit']} died / {c['timed_out']} timed out / {c['failed']} failed"
+                                 for s, c in counts.items())
                 print(f"run {run + 1}/{args.runs}: {line}", flush=True)
     finally:
         for loop in loops:
@@ -116,7 +123,7 @@ def main(argv=None):
             loop.wait()
     for side, c in counts.items():
         print(f"{side}: {c['died_at_exit']} of {args.runs} runs died at exit after their results "
-              f"({c['failed']} failed before them)")
+              f"({c['timed_out']} ran past the job's {args.job_timeout:g} s, {c['failed']} failed before them)")
     command = "python -m benchmarks.bench_exit " + " ".join(argv if argv is not None else sys.argv[1:])
     path = common.save(args.out, {"runs": args.runs, "busy_loops": args.busy, "world": args.world,
                                   "library_keeps_collection": not args.no_keep,
