@@ -5,6 +5,7 @@ WORLD is passed explicitly as ``torch.distributed.group.WORLD``.
 """
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 import torch
@@ -156,7 +157,7 @@ def group_alive(group: ProcessGroup) -> bool:
     """
     if group is None:
         return True
-    if not dist_ready():
+    if group is DESTROYED or not dist_ready():
         return False
     try:
         dist.get_backend(group)
@@ -190,3 +191,55 @@ def within(group: ProcessGroup, timeout) -> bool:
     group of unknown timeout has torch's 30 minutes."""
     own = group_timeout(group)
     return own is not None and own <= timeout
+
+
+# ------------------------------------------------------------------ holding groups
+class _Destroyed:
+    """What a table of groups holds for a group torch let go (``destroy_process_group()``)."""
+
+    def __repr__(self):
+        return "<destroyed process group>"
+
+
+#: a group torch's registry dropped (destroyed) and nothing else kept
+DESTROYED = _Destroyed()
+
+
+class GroupTable(dict):
+    """A ``dict`` of groups that never keeps a group alive past torch: one registered with
+    torch.distributed (``new_group``, WORLD) is held by a weak reference, so the object goes
+    when ``destroy_process_group()`` drops it (its threads and connections with it), not
+    at interpreter exit; one torch does not know (built directly, or ``None``) is held as
+    it is. Reading a group that went gives ``DESTROYED``."""
+
+    def __init__(self, items=()):
+        super().__init__()
+        for key, group in dict(items).items():
+            self[key] = group
+
+    def __setitem__(self, key, group):
+        held = weakref.ref(group) if group is not None and group_alive(group) else group
+        super().__setitem__(key, held)
+
+    def __getitem__(self, key):
+        held = super().__getitem__(key)
+        if isinstance(held, weakref.ref):
+            group = held()
+            return DESTROYED if group is None else group
+        return held
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def items(self):
+        return [(key, self[key]) for key in self]
+
+    def values(self):
+        return [self[key] for key in self]
+
+    def update(self, other=(), **kw):
+        for key, group in dict(other, **kw).items():
+            self[key] = group
+
+    def __reduce__(self):  # copy and pickle see the groups, not the references
+        return (type(self), (dict(self.items()),))

@@ -64,7 +64,8 @@ class DeviceMesh(bounded.BoundedWaits):
         unknown = set(groups) - set(GROUP_NAMES)
         if unknown:
             raise ValueError(f"DeviceMesh: unknown group names {sorted(unknown)}; valid: {GROUP_NAMES}")
-        self._groups = {name: G.normalize(groups.get(name)) for name in GROUP_NAMES}
+        # held weakly where torch holds them: destroy_process_group() ends them there
+        self._groups = G.GroupTable({name: G.normalize(groups.get(name)) for name in GROUP_NAMES})
         if "dp_cp" not in groups:
             # Without CP the data group is the DP group.
             if self.cp_size == 1:
@@ -90,7 +91,7 @@ class DeviceMesh(bounded.BoundedWaits):
         self.vpp_size = int(vpp_size or 1)
         self.source = source
         self._name_waits()
-        self._cpu_twins: Dict[Tuple[int, ...], G.ProcessGroup] = {}  # ranks -> gloo group within the bound
+        self._cpu_twins: Dict[Tuple[int, ...], G.ProcessGroup] = G.GroupTable()  # ranks -> gloo group within the bound
         self._bound_made: Optional[timedelta] = None
         if not getattr(_BUILDING, "deferred", False):
             self._make_cpu_groups()

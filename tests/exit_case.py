@@ -9,7 +9,11 @@ mesh's check that its groups are gone); ``atexit`` leaves it to an ``atexit`` ha
 it imports the library, which first runs a collective of its own (a checkpoint barrier)
 and writes ``$EXIT_CASE_OUT.<rank>.atexit``.
 
-Run by ``tests/test_clean_exit_e2e.py`` as 4 processes; each rank writes its results to
+``EXIT_CASE_KEEP=1``: the collection stays referenced until the interpreter exits (a
+module-level object, as a script or a trainer holds its metrics), so whatever it holds
+outlives ``destroy_process_group()`` unless the library lets it go there.
+
+Run by ``tests/test_clean_exit_e2e.py`` and ``benchmarks/bench_exit.py`` as 4 processes; each rank writes its results to
 ``$EXIT_CASE_OUT.<rank>`` and its last line is ``done``.
 """
 import atexit
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 HOW = os.environ.get("EXIT_CASE_DESTROY", "end")
+KEPT = None  # the collection, with EXIT_CASE_KEEP=1
 OUT = os.environ["EXIT_CASE_OUT"]
 
 
@@ -50,8 +55,9 @@ def main():
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=60))
     else:
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    global KEPT
     rank = dist.get_rank()
-    coll = MetricCollection({"acc": Accuracy(slice_by="source"),
+    KEPT = coll = MetricCollection({"acc": Accuracy(slice_by="source"),
                              "rew": CompletionRewardMetric(quantiles=(0.5, 0.9)),
                              "grpo": GRPOMetric()}, device_mesh=DeviceMesh.from_sizes(dp_size=dist.get_world_size()))
     asynchronous = os.environ.get("EXIT_CASE_ASYNC") == "1"
@@ -81,6 +87,8 @@ def main():
         f.write(json.dumps(keys) + "\ndone\n")
     if HOW == "end":
         dist.destroy_process_group()
+    if os.environ.get("EXIT_CASE_KEEP") != "1":
+        KEPT = None
 
 
 if __name__ == "__main__":

@@ -253,18 +253,15 @@ def _pack(plan: Optional[_Plan], metrics, width: int, pack, device, *, need: boo
     flat = [torch.tensor(head, dtype=torch.float64)]
     used = 0
     if plan is not None and not need:
-        for m, entries in zip(metrics, plan.entries):
-            for name, spec, _ in entries:
-                t = m.states.get(name)
-                if t is None:
-                    t = spec.new(pack)
-                t = t.detach().reshape(-1)
-                flat.append(t.view(torch.float64) if t.dtype == torch.int64 else t)
+        flat += plan.pieces(metrics, pack)  # the buffer's order (``_Plan``: kind by kind)
         used = plan.length
-    pack = next((t.device for t in flat if t.device.type != "cpu"), pack)
-    if pack.type != "cpu":
-        flat = _host_pieces_to(flat, pack)
-    buf = torch.cat([t if t.device == pack else t.to(pack) for t in flat])
+    if all(m.device.type == "cpu" for m in metrics) and pack.type == "cpu":  # states live on the interval's device
+        buf = torch.cat(flat).detach()
+    else:
+        pack = next((t.device for t in flat if t.device.type != "cpu"), pack)
+        if pack.type != "cpu":
+            flat = _host_pieces_to(flat, pack)
+        buf = torch.cat([t if t.device == pack else t.to(pack) for t in flat]).detach()
     buf = _to_device(buf, device)
     return torch.nn.functional.pad(buf, (0, width - used)) if width > used else buf
 
@@ -357,7 +354,7 @@ def first_disagreement(plan: _Plan, metrics, rows: torch.Tensor, first: int, oth
                           equal_nan=True)).nonzero().flatten().tolist()
     col = int(fcols[bad[0]]) if bad else None
     bad_i = (ints[other, icols] != ints[first, icols]).nonzero().flatten().tolist()
-    if bad_i and (col is None or int(icols[bad_i[0]]) < col):
+    if bad_i and (col is None or plan.rank[int(icols[bad_i[0]]) - _HEADER] < plan.rank[col - _HEADER]):
         col = int(icols[bad_i[0]])
     if col is None:
         return None

@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from parallel.bounded import twins
+from parallel.groups import DESTROYED
 from twinkle_metrics.comm.waits import Bound
 
 
@@ -175,9 +176,9 @@ def _twins(groups, bound) -> List[Tuple[Any, Any]]:
     held = [g for g in groups if g is not None]
     if not all(g in _TWINS for g in held):
         made = twins(held, bound.timeout, bound.what)
-        for g in held:
-            _TWINS[g] = made[id(g)]  # the groups are alive here: their ids are theirs
-    return [(g, _TWINS[g]) for g in held]
+        for g in held:  # weakly, as torch's registry holds them: they end with destroy_process_group()
+            _TWINS[g] = None if made[id(g)] is None else weakref.ref(made[id(g)])
+    return [(g, _TWINS[g] and (_TWINS[g]() or DESTROYED)) for g in held]
 
 
 def submit(ledgers: Sequence[HandOffs], take: Callable[[], List[Any]], mesh, groups: Sequence,

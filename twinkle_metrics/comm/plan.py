@@ -37,7 +37,7 @@ class _Plan:
 
     def __init__(self, metrics: Sequence, names: Sequence[Sequence[str]], configs: Sequence[str]):
         self.entries: List[List[Tuple[str, Any, int]]] = []   # per metric: (name, spec, offset)
-        self.owner: List[Tuple[int, str]] = []                 # per column: (metric, state)
+        self.owner: List[Tuple[int, str]]                      # per column: (metric, state)
         # states with a "sum"/"max"/"min" reduction are merged column by column, all such
         # columns of one (op, is int64) at once; the others by their own callable
         # reduction, given every rank's rows of them
@@ -50,17 +50,44 @@ class _Plan:
         self.custom: List[Tuple[int, List[Tuple[str, Any, int, int]]]] = []
         self.gathered: List[Tuple[int, List[Tuple[str, Any, int, int]]]] = []
         own: List[int] = []  # their columns
-        offset = 0
+        # The buffer holds the states kind by kind (``_REDUCED``'s order, then the states
+        # merged by their own reduction), each kind in metric and state order: every
+        # kind is one contiguous span, merged by slicing, with no index tensors.
         text = []
+        kinds: List[List[Tuple[int, str, Any]]] = [[] for _ in range(len(_REDUCED) + 1)]
+        for i, (m, metric_names) in enumerate(zip(metrics, names)):
+            reads = _merge_reads(m, metric_names)
+            for name in metric_names:
+                spec = _spec(m, name)
+                text.append(f"{i}.{name}:{spec.signature}")
+                kind = len(_REDUCED) if name in reads else _REDUCED.index((spec.reduce, spec.dtype == torch.int64))
+                kinds[kind].append((i, name, spec))
+        offsets: Dict[Tuple[int, str], int] = {}
+        #: (metric, state, spec) in buffer order
+        self.order: List[Tuple[int, str, Any]] = [entry for kind in kinds for entry in kind]
+        #: per kind with states: (its states, all of them scalars, int64): what ``pieces`` packs
+        self._kinds = [(kind, all(spec.shape == () for _, _, spec in kind),
+                        kind[0][2].dtype == torch.int64) for kind in kinds if kind]
+        self.slices: Dict[Tuple[str, bool], Tuple[int, int]] = {}  # kind -> buffer columns, header included
+        offset = 0
+        for k, kind in enumerate(kinds):
+            start = offset
+            for i, name, spec in kind:
+                offsets[(i, name)] = offset
+                offset += spec.numel
+            if k < len(_REDUCED) and offset > start:
+                self.slices[_REDUCED[k]] = (_HEADER + start, _HEADER + offset)
+        self.owner = [None] * offset
+        for i, name, spec in self.order:
+            self.owner[offsets[(i, name)]:offsets[(i, name)] + spec.numel] = [(i, name)] * spec.numel
         for i, (m, metric_names) in enumerate(zip(metrics, names)):
             entries, custom, gathered = [], [], []
             reads = _merge_reads(m, metric_names)
             for name in metric_names:
                 spec = _spec(m, name)
+                offset = offsets[(i, name)]
                 entries.append((name, spec, offset))
-                text.append(f"{i}.{name}:{spec.signature}")
                 span = range(offset, offset + spec.numel)
-                self.owner += [(i, name)] * spec.numel
                 is_int = spec.dtype == torch.int64
                 if not spec.per_rank and spec.scope != "model":
                     check[is_int].extend(span)
@@ -72,12 +99,16 @@ class _Plan:
                     own.extend(span)
                 else:
                     cols.setdefault((spec.reduce, is_int), []).extend(span)
-                offset += spec.numel
             if custom:
                 self.custom.append((i, custom))
                 self.gathered.append((i, gathered))
             self.entries.append(entries)
-        self.length = offset
+        #: per column: its place in metric and state order (what was the buffer order)
+        self.rank = [0] * len(self.owner)
+        for n, col in enumerate(c for entries in self.entries for _, spec, off in entries
+                                for c in range(off, off + spec.numel)):
+            self.rank[col] = n
+        self.length = len(self.owner)
         self._reduced = [cols.get(k, []) for k in _REDUCED] + [own]
         #: what the reduce path's collectives carry: float sums, int sums, extremes, gathered
         self.reduce_sizes = (len(self._reduced[0]), len(self._reduced[1]),
@@ -88,6 +119,26 @@ class _Plan:
         self._by_device: Dict[str, tuple] = {}
         digest = hashlib.blake2b("|".join(list(configs) + text).encode(), digest_size=6).digest()
         self.hash = float(int.from_bytes(digest, "little"))  # 48 bits: exact in float64
+
+    def pieces(self, intervals, device) -> List[torch.Tensor]:
+        """The states of ``intervals`` (each metric's) as flat float64 pieces (int64 bit-cast) in buffer
+        order. Where every metric's states are on one device, one piece per kind
+        (``torch.stack`` of its scalars, or one ``cat``): a handful of tensor calls, not
+        several per state; else one piece per state, on its own device. ``device``: where
+        a state an interval lacks is made."""
+        states = [iv.states for iv in intervals]
+        grouped = len({iv.device for iv in intervals}) == 1
+        out = []
+        for kind, scalars, is_int in self._kinds:
+            ts = [states[i].get(name) for i, name, _ in kind]
+            ts = [spec.new(device) if t is None else t for t, (_, _, spec) in zip(ts, kind)]
+            if not grouped:
+                flat = [t.reshape(-1) for t in ts]
+                out += [t.view(torch.float64) for t in flat] if is_int else flat
+                continue
+            piece = torch.stack(ts) if scalars else torch.cat([t.reshape(-1) for t in ts])
+            out.append(piece.view(torch.float64) if is_int else piece)
+        return out
 
     def columns(self, device) -> Dict[Tuple[str, bool], torch.Tensor]:
         """Buffer columns (header included) of the states merged column by column, by
@@ -140,12 +191,12 @@ def _merge(plan: _Plan, metrics, rows: torch.Tensor) -> torch.Tensor:
     vec = rows[0].clone()
     if rows.shape[0] == 1:
         return vec
-    for (op, is_int), cols in plan.columns(rows.device).items():
-        sel = rows.index_select(1, cols)
+    for (op, is_int), (a, b) in plan.slices.items():
+        sel = rows[:, a:b]
         if is_int:
             sel = sel.view(torch.int64)
         red = sel.sum(0) if op == "sum" else (sel.amax(0) if op == "max" else sel.amin(0))
-        vec[cols] = red.view(torch.float64) if is_int else red
+        vec[a:b] = red.view(torch.float64) if is_int else red
     _merge_own(plan.custom, metrics, rows, vec)
     return vec
 
