@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-$(CKSUM)
 TORCH ?= torch==2.13.0
 MEGATRON ?= megatron-core==0.16.1
 EXTRAS := .[megatron,deepspeed,loggers,test]
-# verl's metric code, for tests/test_verl*.py: without its dependencies (vllm, ray, transformers,
+# verl's metric code, for tests/integrations/test_verl*.py: without its dependencies (vllm, ray, transformers,
 # ...), which those tests do not import (they read verl's files: tests/verlref.py)
 VERL ?= verl==0.9.1
 
@@ -91,7 +91,7 @@ run-newest: $(STAMP312)
 	$(BIN312)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider -m megatron tests
 
 # One tier at a time (markers applied by tests/conftest.py): unit (one process), multirank
-# (real gloo ranks, tests/*_dist.py), e2e (launch scripts, megatron-core's loop, the wheel).
+# (real gloo ranks, tests/**/*_dist.py), e2e (launch scripts, megatron-core's loop, the wheel).
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider -m unit tests
 
@@ -102,16 +102,16 @@ test-e2e: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider -m e2e tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" -p no:cacheprovider tests/test_base.py
+	$(BIN)/python -m pytest -q -m "not slow" -p no:cacheprovider tests/core/test_base.py
 
 demo: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH bash launch/demo.sh
 
-# tests/test_twinkle_compat.py against the real twinkle-kit too (installed only in benchmarks/.venv).
+# tests/integrations/test_twinkle_compat.py against the real twinkle-kit too (installed only in benchmarks/.venv).
 test-twinkle:
 	[ -x benchmarks/.venv/bin/python ] || bash benchmarks/setup_env.sh
 	benchmarks/.venv/bin/python -c "import pytest" 2>/dev/null || benchmarks/.venv/bin/python -m pip install -q pytest
-	benchmarks/.venv/bin/python -m pytest -q -p no:cacheprovider tests/test_twinkle_compat.py
+	benchmarks/.venv/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_twinkle_compat.py
 
 # The kernels compiled with the Triton of the GPU image this project measures on (3.6), beside
 # the one the test extra installs: every variant must build there too.
@@ -120,7 +120,7 @@ test-triton-image: install
 	[ -d .triton-$(TRITON_IMAGE_VERSION) ] || .venv/bin/python -m pip install -q --no-deps \
 		--target .triton-$(TRITON_IMAGE_VERSION) triton==$(TRITON_IMAGE_VERSION)
 	PYTHONPATH=.triton-$(TRITON_IMAGE_VERSION) .venv/bin/python -m pytest -q -p no:cacheprovider -p no:xdist \
-		tests/test_triton_kernels.py -k "compiles or fewer or float64_constant"
+		tests/kernels/test_triton_kernels.py -k "compiles or fewer or float64_constant"
 
 # Benchmarks run in their own environment (benchmarks/.venv: peers twinkle-kit, torchmetrics).
 bench:

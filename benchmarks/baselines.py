@@ -157,7 +157,7 @@ def _megatron_grad_norm(grads, fns: Dict[str, Callable], notes: Dict[str, Any]) 
     if torch.cuda.is_available():
         return lambda: None  # the unpatched call above is the real one; not timed here
     # On CPU: with the project's shim (device='cuda' literals sent to the CPU) and a
-    # 1-rank gloo group for its all_reduce, as tests/test_norms_dist.py runs it.
+    # 1-rank gloo group for its all_reduce, as tests/metrics/system/test_norms_dist.py runs it.
     import torch.distributed as dist
 
     from twinkle_metrics.integrations import megatron_cpu

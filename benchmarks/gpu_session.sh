@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh            # from the repository root; results under $OUT
 #
-# 1. tests/test_cuda.py: every metric's accumulate under set_sync_debug_mode("error") on the
+# 1. tests/kernels/test_cuda.py: every metric's accumulate under set_sync_debug_mode("error") on the
 #    torch path and on the Triton path, the two paths' results compared, calculate()'s
 #    synchronisations counted;
 # 2. benchmarks/gpu_check.py: sync debug, calculate() on a 1-rank NCCL group, host time
@@ -38,7 +38,7 @@ step() {  # step NAME LIMIT_S COMMAND...: stdout and stderr to NAME.txt, status 
   echo "$name rc=$? seconds=$((SECONDS - t0))" >> "$OUT/steps.txt"
 }
 
-step test_cuda 90 "$PY" -m pytest -q -p no:cacheprovider -p no:xdist -rs tests/test_cuda.py
+step test_cuda 90 "$PY" -m pytest -q -p no:cacheprovider -p no:xdist -rs tests/kernels/test_cuda.py
 step gpu_check 90 "$PY" benchmarks/gpu_check.py
 step gpu_bench 150 "$PY" benchmarks/gpu_bench.py
 step gpu_tune 180 "$PY" benchmarks/gpu_tune.py

@@ -17,7 +17,7 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "$TORCH"
 # Keep the torch we just installed: a dependency must not swap it for another build.
-# pytest: `make test-twinkle` runs tests/test_twinkle_compat.py here, against the real twinkle-kit.
+# pytest: `make test-twinkle` runs tests/integrations/test_twinkle_compat.py here, against the real twinkle-kit.
 "$VENV/bin/python" -m pip install -q "$TWINKLE" torchmetrics psutil pytest "$TORCH"
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" - <<'PY'

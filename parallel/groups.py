@@ -112,7 +112,7 @@ def all_gather_bytes(data: bytes, group: ProcessGroup, wait=None) -> List[bytes]
 
 # ------------------------------------------------------------------ torch's private fields
 # torch 2.13/2.14 keep no public getter for these; each is read in this one function, and
-# tests/test_torch_reads.py fails when torch moves it.
+# tests/package/test_guest.py fails when torch moves it.
 def group_timeout(group: ProcessGroup):
     """The collective timeout of ``group``, or ``None`` if unknown.
 

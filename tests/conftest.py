@@ -3,9 +3,9 @@
 Every collected test gets exactly one tier marker, from where it lives:
 
 * ``e2e``: real processes running the launch scripts, the README recipe in megatron-core's
-  own loop, the built wheel (``tests/test_launch_e2e.py``, ``tests/test_packaging.py``, and
+  own loop, the built wheel (``tests/e2e/test_launch_e2e.py``, ``tests/e2e/test_packaging.py``, and
   every test marked ``slow``);
-* ``multirank``: real gloo ranks (``tests/*_dist.py``, and any test using ``dist_pool``);
+* ``multirank``: real gloo ranks (``tests/**/*_dist.py``, and any test using ``dist_pool``);
 * ``unit``: the rest, one process.
 
 A test that carries a tier marker itself keeps it. ``pytest -m unit`` (or ``multirank``,

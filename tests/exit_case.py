@@ -13,8 +13,8 @@ and writes ``$EXIT_CASE_OUT.<rank>.atexit``.
 module-level object, as a script or a trainer holds its metrics), so whatever it holds
 outlives ``destroy_process_group()`` unless the library lets it go there.
 
-Run by ``tests/test_clean_exit_e2e.py`` and ``benchmarks/bench_exit.py`` as 4 processes; each rank writes its results to
-``$EXIT_CASE_OUT.<rank>`` and its last line is ``done``.
+Run by ``tests/e2e/test_clean_exit_e2e.py`` and ``benchmarks/bench_exit.py`` as 4 processes; each rank
+writes its results to ``$EXIT_CASE_OUT.<rank>`` and its last line is ``done``.
 """
 import atexit
 import json

@@ -12,7 +12,7 @@ two ``python`` blocks of the README's "## Megatron" section (metrics, ``LogitsHo
 result, the raw data of its interval for an independent check: the per-token losses the
 schedule handed to ``loss_func``, the loss masks and labels, and the argmax of the full
 (TP-gathered) logits taken by a hook of the test's own. Each rank writes
-``OUT_DIR/rank<R>.json``; ``tests/test_megatron_loop.py`` compares.
+``OUT_DIR/rank<R>.json``; ``tests/integrations/test_megatron_loop.py`` compares.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """twinkle-metrics: Twinkle's training metrics, exact and cheap under Megatron and DeepSpeed.
 
-The package is layered; each layer imports only the ones below it (``tests/test_layers.py``
+The package is layered; each layer imports only the ones below it (``tests/package/test_layers.py``
 checks this, and that no library module imports another in a circle)::
 
     integrations/   Megatron hooks and loss_func, CPU shim, loggers, plot, factory

@@ -18,7 +18,7 @@ The logits ops' torch paths live here; the statistics ops' torch paths are the m
 own steps (a metric file reads as its states, ``update`` and ``compute``), which choose the
 kernel where ``dispatch`` says it applies. ``PAIRS`` lists every pair by module path (nothing
 is imported from here: triton stays optional, and kernels never import metrics);
-``tests/test_kernel_parity.py`` runs both sides of each on random inputs.
+``tests/kernels/test_kernel_parity.py`` runs both sides of each on random inputs.
 
 Beside them: ``dispatch`` (when the kernels run, and the fallback to torch when one cannot
 be compiled or launched), ``triton_common`` (the ``@triton.jit`` helpers, the shared
@@ -60,7 +60,7 @@ class KernelPair(NamedTuple):
 
 _K = "twinkle_metrics.kernels."
 _M = "twinkle_metrics.metrics."
-#: every kernel pair; a new op is one row here (and one case in tests/test_kernel_parity.py)
+#: every kernel pair; a new op is one row here (and one case in tests/kernels/test_kernel_parity.py)
 PAIRS = (
     KernelPair("entropy", _K + "entropy:token_entropy", _K + "entropy_triton:triton_token_partials"),
     KernelPair("argmax", _K + "argmax:local_argmax", _K + "argmax_triton:triton_argmax"),

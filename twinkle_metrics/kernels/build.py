@@ -6,7 +6,7 @@ with triton's own toolchain (TTIR, TTGIR, LLVM, PTX, ptxas): no GPU needed.
 Needs triton (the test extra) but no GPU; the metrics never import it. ``report()`` is
 what that command saves.
 
-``tests/test_triton_kernels.py`` compiles every variant to sm_90 (H100/H200) and sm_80
+``tests/kernels/test_triton_kernels.py`` compiles every variant to sm_90 (H100/H200) and sm_80
 (A100) cubins and requires no register spills, so a kernel that the interpreter runs but
 the compiler rejects fails in CI rather than on a user's first step; this script prints
 what ptxas reports for each (registers per thread bound how many programs share an SM).

@@ -32,7 +32,7 @@ HOST = "127.0.0.1"
 #: torch's contract between its launcher and ``env://``: with it set, rank 0 connects to the
 #: store at MASTER_ADDR:MASTER_PORT instead of hosting one (torch.distributed.rendezvous
 #: ``_create_c10d_store``; ``torchrun`` sets it for its workers). The one place it is named;
-#: tests/test_rendezvous_dist.py fails if torch stops reading it.
+#: tests/testing/test_rendezvous_dist.py fails if torch stops reading it.
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
