@@ -31,7 +31,7 @@ def _launch(tmp_path, asynchronous: bool, run: int, how: str):
                    EXIT_CASE_STORE_PORT=str(store.port), OMP_NUM_THREADS="1",
                    EXIT_CASE_OUT=str(out), EXIT_CASE_ASYNC="1" if asynchronous else "0",
                    EXIT_CASE_DESTROY=how)
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "exit_case.py")], env=env,
+        procs.append(subprocess.Popen([sys.executable, os.path.join(os.path.dirname(HERE), "exit_case.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     codes, logs = [], []
     for p in procs:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -30,6 +30,12 @@ _I64_MIN = -(1 << 63)
 class MetricSyncError(RuntimeError):
     """Ranks hold different metrics or states, or disagree where they must agree;
     raised on every rank."""
+
+
+def _int_kind(kind) -> Optional[bool]:
+    """Whether a kind's states are int64 (True), float64 (False) or both (None)."""
+    dtypes = {spec.dtype for _, _, spec in kind}
+    return None if len(dtypes) > 1 else dtypes.pop() == torch.int64
 
 
 class _Plan:
@@ -65,9 +71,9 @@ class _Plan:
         offsets: Dict[Tuple[int, str], int] = {}
         #: (metric, state, spec) in buffer order
         self.order: List[Tuple[int, str, Any]] = [entry for kind in kinds for entry in kind]
-        #: per kind with states: (its states, all of them scalars, int64): what ``pieces`` packs
-        self._kinds = [(kind, all(spec.shape == () for _, _, spec in kind),
-                        kind[0][2].dtype == torch.int64) for kind in kinds if kind]
+        #: per kind with states: (its states, all of them scalars, int64 (None: both
+        #: dtypes, as the self-merged states may be)): what ``pieces`` packs
+        self._kinds = [(kind, all(spec.shape == () for _, _, spec in kind), _int_kind(kind)) for kind in kinds if kind]
         self.slices: Dict[Tuple[str, bool], Tuple[int, int]] = {}  # kind -> buffer columns, header included
         offset = 0
         for k, kind in enumerate(kinds):
@@ -132,9 +138,9 @@ class _Plan:
         for kind, scalars, is_int in self._kinds:
             ts = [states[i].get(name) for i, name, _ in kind]
             ts = [spec.new(device) if t is None else t for t, (_, _, spec) in zip(ts, kind)]
-            if not grouped:
+            if not grouped or is_int is None:
                 flat = [t.reshape(-1) for t in ts]
-                out += [t.view(torch.float64) for t in flat] if is_int else flat
+                out += [t.view(torch.float64) if t.dtype == torch.int64 else t for t in flat]
                 continue
             piece = torch.stack(ts) if scalars else torch.cat([t.reshape(-1) for t in ts])
             out.append(piece.view(torch.float64) if is_int else piece)
