@@ -255,13 +255,10 @@ def _pack(plan: Optional[_Plan], metrics, width: int, pack, device, *, need: boo
     if plan is not None and not need:
         flat += plan.pieces(metrics, pack)  # the buffer's order (``_Plan``: kind by kind)
         used = plan.length
-    if all(m.device.type == "cpu" for m in metrics) and pack.type == "cpu":  # states live on the interval's device
-        buf = torch.cat(flat).detach()
-    else:
-        pack = next((t.device for t in flat if t.device.type != "cpu"), pack)
-        if pack.type != "cpu":
-            flat = _host_pieces_to(flat, pack)
-        buf = torch.cat([t if t.device == pack else t.to(pack) for t in flat]).detach()
+    pack = next((t.device for t in flat if t.device.type != "cpu"), pack)
+    if pack.type != "cpu":
+        flat = _host_pieces_to(flat, pack)
+    buf = torch.cat([t if t.device == pack else t.to(pack) for t in flat]).detach()
     buf = _to_device(buf, device)
     return torch.nn.functional.pad(buf, (0, width - used)) if width > used else buf
 
