@@ -29,6 +29,7 @@ import time
 import traceback
 from datetime import timedelta
 
+from twinkle_metrics.testing import standin
 from twinkle_metrics.testing.rendezvous import Rendezvous
 
 WORLD = 8
@@ -58,14 +59,21 @@ def _worker(rank, world, tasks, results, timeout_s=COLLECTIVE_TIMEOUT_S):
         job = tasks.get()
         if job is None:
             break
-        job_id, fn, args = job
+        job_id, fn, args, backend = job
         own = dist.PrefixStore(f"job{job_id}", store)
         try:
+            if backend == standin.NAME:
+                standin.register()
+                standin.clear()
             # Connecting the default group may take only the pool's collective timeout (a few
             # seconds in some tests), and a busy host can keep a rank from its queue longer.
             _all_reach(own, "arrived", world)
-            dist.init_process_group("gloo", store=own, rank=rank, world_size=world, timeout=timeout)
-            results.put((job_id, rank, True, fn(*args)))
+            dist.init_process_group(backend, store=own, rank=rank, world_size=world, timeout=timeout)
+            value = fn(*args)
+            if backend == standin.NAME and standin.calls():
+                raise AssertionError(f"the library made calls that can harm a user's communicator on a "
+                                     f"group it did not make: {standin.calls()}")
+            results.put((job_id, rank, True, value))
         except BaseException:  # noqa: BLE001 - report everything to the caller
             results.put((job_id, rank, False, traceback.format_exc()))
         finally:
@@ -184,8 +192,13 @@ class DistPool:
                 got[rank] = (ok, value)
         return got
 
-    def run(self, fn, *args, timeout: float = 240, failure_grace: float = 2):
+    def run(self, fn, *args, timeout: float = 240, failure_grace: float = 2, backend: str = "gloo"):
         """Run ``fn(*args)`` on every rank; return ``[result of rank 0, ...]``.
+
+        ``backend``: the default group's backend, ``"gloo"`` or ``"standin"``
+        (``twinkle_metrics.testing.standin``: gloo that the library takes for a device
+        backend; the job fails if the library made a bounded wait, an abort, a barrier or a
+        destroy on one of its groups).
 
         Raises ``AssertionError`` with the lowest failed rank's traceback when any rank
         raised (ranks still running ``failure_grace`` seconds after the first failure, such
@@ -194,7 +207,7 @@ class DistPool:
         """
         self._job += 1
         for q in self._tasks:
-            q.put((self._job, fn, args))
+            q.put((self._job, fn, args, backend))
         try:
             got = self._collect(self._job, timeout, failure_grace)
         except TimeoutError:
