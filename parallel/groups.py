@@ -5,6 +5,8 @@ WORLD is passed explicitly as ``torch.distributed.group.WORLD``.
 """
 from __future__ import annotations
 
+import os
+import threading
 import weakref
 from typing import List, Optional
 
@@ -166,31 +168,45 @@ def group_alive(group: ProcessGroup) -> bool:
     return True
 
 
-def cpu_twin(group: ProcessGroup, timeout=None) -> ProcessGroup:
-    """A CPU (gloo) group over the ranks of ``group``: ``group`` itself when it is a CPU
-    group, else a new gloo group, or ``None`` when one cannot be made (callers then fall
-    back to the device). The caller keeps it (``DeviceMesh.cpu_group``).
+#: torch reads it at every gloo group it builds (since 2.8, pytorch/pytorch #150801): the
+#: group then connects a pair of ranks when a collective first needs it, not all pairs at once
+LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
+_LAZY_LOCK = threading.Lock()
+#: the groups the library made itself (``gloo_group``): weakly, as torch's registry holds them
+_MADE: "weakref.WeakSet" = weakref.WeakSet()
 
-    Made through torch's registry with ``use_local_synchronization=True``: only the ranks
-    of ``group`` take part, and every one of them must ask at the same point of its
-    sequence of collectives over ``group`` (the metrics do: their first agreement).
-    """
-    if group is None or group_size(group) <= 1:
-        return None
-    if is_cpu_group(group):
-        return group
+
+def made_here(group: ProcessGroup) -> bool:
+    """Whether the library made ``group`` (every other group is the user's: the library never
+    waits on one with a timeout, aborts, barriers or destroys it)."""
+    return group is not None and group in _MADE
+
+
+def gloo_group(ranks, timeout) -> ProcessGroup:
+    """A gloo group over ``ranks`` (this rank among them) with ``timeout``, made by those ranks
+    alone (``use_local_synchronization=True``: each must ask at the same point of its
+    collectives over them) and connected lazily where torch can (``TORCH_GLOO_LAZY_INIT``,
+    torch 2.8 and later): building it makes one store write and no connection; a ring
+    collective then connects this rank to its two neighbours only. ``None`` when no gloo
+    group can be made (torch without gloo; torchcomms, which refuses local synchronisation)."""
+    lazy = _LAZY_TORCH and LAZY_GLOO not in os.environ
     try:
-        return dist.new_group(group_ranks(group), backend="gloo", use_local_synchronization=True,
-                              timeout=timeout or default_timeout())
-    except (RuntimeError, ValueError, NotImplementedError):  # no gloo, or torchcomms
+        with _LAZY_LOCK:  # the variable is the process's: set only around this call
+            if lazy:
+                os.environ[LAZY_GLOO] = "1"
+            try:
+                group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
+                                       timeout=timeout)
+            finally:
+                if lazy:
+                    del os.environ[LAZY_GLOO]
+    except (RuntimeError, ValueError, NotImplementedError):
         return None
+    _MADE.add(group)
+    return group
 
 
-def within(group: ProcessGroup, timeout) -> bool:
-    """Whether a collective on ``group`` gives up within ``timeout`` (a ``timedelta``). A
-    group of unknown timeout has torch's 30 minutes."""
-    own = group_timeout(group)
-    return own is not None and own <= timeout
+_LAZY_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 
 
 # ------------------------------------------------------------------ holding groups

@@ -23,14 +23,13 @@ Without torch.distributed, or with one rank, every size is 1 and no collective r
 from __future__ import annotations
 
 import sys
-from datetime import timedelta
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch.distributed as dist
 
 from . import bounded, sizes
 from . import groups as G
-from .bounded import _BUILDING, _as_timedelta, _deferred, _timed
+from .bounded import _as_timedelta, _timed
 from .layout import DEFAULT_ORDER, Layout
 from .sizes import GROUP_NAMES, LAYOUT_AXES, create_layout_groups
 
@@ -91,10 +90,6 @@ class DeviceMesh(bounded.BoundedWaits):
         self.vpp_size = int(vpp_size or 1)
         self.source = source
         self._name_waits()
-        self._cpu_twins: Dict[Tuple[int, ...], G.ProcessGroup] = G.GroupTable()  # ranks -> gloo group within the bound
-        self._bound_made: Optional[timedelta] = None
-        if not getattr(_BUILDING, "deferred", False):
-            self._make_cpu_groups()
 
     def _check_orthogonal(self) -> None:
         """Groups of different axes meet in this rank only: a data group that shares a
@@ -143,13 +138,12 @@ class DeviceMesh(bounded.BoundedWaits):
         The groups created here take ``timeout`` (default: the timeout given to
         ``init_process_group``, not torch's 30-minute default for new groups).
         """
-        with _deferred():
-            mesh = sizes.from_sizes(cls, dp_size=dp_size, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size,
-                                    ep_size=ep_size, etp_size=etp_size, vpp_size=vpp_size, world_size=world_size,
-                                    order=order, create_groups=create_groups, backend=backend, fsdp_size=fsdp_size,
-                                    ulysses_size=ulysses_size, sequence_parallel=sequence_parallel,
-                                    device_type=device_type, timeout=_as_timedelta(timeout),
-                                    unsupported=unsupported)
+        mesh = sizes.from_sizes(cls, dp_size=dp_size, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size,
+                                ep_size=ep_size, etp_size=etp_size, vpp_size=vpp_size, world_size=world_size,
+                                order=order, create_groups=create_groups, backend=backend, fsdp_size=fsdp_size,
+                                ulysses_size=ulysses_size, sequence_parallel=sequence_parallel,
+                                device_type=device_type, timeout=_as_timedelta(timeout),
+                                unsupported=unsupported)
         return _timed(mesh, timeout)
 
     @classmethod
@@ -167,8 +161,7 @@ class DeviceMesh(bounded.BoundedWaits):
         ``distributed_timeout_minutes`` Megatron gave its groups."""
         from . import adapters
 
-        with _deferred():
-            mesh = adapters.from_megatron(cls, pg_collection)
+        mesh = adapters.from_megatron(cls, pg_collection)
         return _timed(mesh, timeout)
 
     @classmethod
@@ -176,8 +169,7 @@ class DeviceMesh(bounded.BoundedWaits):
         """From a DeepSpeed engine, grid or topology (``parallel.adapters.from_deepspeed``)."""
         from . import adapters
 
-        with _deferred():
-            mesh = adapters.from_deepspeed(cls, obj, timeout=_as_timedelta(timeout))
+        mesh = adapters.from_deepspeed(cls, obj, timeout=_as_timedelta(timeout))
         return _timed(mesh, timeout)
 
     @classmethod
@@ -185,8 +177,7 @@ class DeviceMesh(bounded.BoundedWaits):
         """From a named torch ``DeviceMesh`` (``parallel.adapters.from_torch``)."""
         from . import adapters
 
-        with _deferred():
-            mesh = adapters.from_torch(cls, device_mesh, timeout=_as_timedelta(timeout))
+        mesh = adapters.from_torch(cls, device_mesh, timeout=_as_timedelta(timeout))
         return _timed(mesh, timeout)
 
     @classmethod
@@ -194,8 +185,7 @@ class DeviceMesh(bounded.BoundedWaits):
         """From ModelScope Twinkle's ``DeviceMesh`` (``parallel.adapters.from_twinkle``)."""
         from . import adapters
 
-        with _deferred():
-            mesh = adapters.from_twinkle(cls, twinkle_mesh, timeout=_as_timedelta(timeout))
+        mesh = adapters.from_twinkle(cls, twinkle_mesh, timeout=_as_timedelta(timeout))
         return _timed(mesh, timeout)
 
     @classmethod
@@ -261,13 +251,9 @@ class DeviceMesh(bounded.BoundedWaits):
         return self._groups["dp_cp"]
 
     @property
-    def cpu_data_group(self) -> G.ProcessGroup:
-        """A CPU (gloo) group over the data-group ranks (``cpu_group``), or None."""
-        return self.cpu_group(self._groups["dp_cp"], create=False)
-
-    @property
     def mp_group(self) -> G.ProcessGroup:
-        """TP x PP: reduced results are shared over it."""
+        """TP x PP (the model-parallel group): every rank of it holds one rank of each data
+        group, and ``calculate()`` shares the result source's numbers over it."""
         return self._groups["mp"]
 
     @property
@@ -362,13 +348,8 @@ class DeviceMesh(bounded.BoundedWaits):
         return self.pp_rank == self.pp_size - 1
 
     @property
-    def result_group(self) -> G.ProcessGroup:
-        """The group over which reduced results are shared: TP x PP when known, else PP."""
-        return self.mp_group if self.mp_group is not None else self.pp_group
-
-    @property
     def is_result_source(self) -> bool:
-        """Whether this rank's reduced numbers are the ones its ``result_group`` returns:
+        """Whether this rank's reduced numbers are the ones its ``mp_group`` returns:
         last pipeline stage and, when results are shared over TP x PP, TP rank 0. TP
         replicas agree on every metric value but not on wall-clock readings; one source
         makes every rank return the same dict."""

@@ -222,40 +222,35 @@ def _source_mesh(source):
     return DeviceMesh.current()
 
 
-def case_every_source_only_rank0_calculates():
-    """One mesh of each group source in turn (Megatron's groups with their 30-minute
-    default); rank 0 alone calls calculate(). Also: the Megatron data group's own timeout."""
+def case_only_rank0_calculates(source):
+    """A mesh of ``source`` (Megatron's groups with their 30-minute default); rank 0 alone
+    calls calculate(). Its collective stays in flight on the job's group, which is spent:
+    one job per source. Also: the Megatron data group's own timeout."""
     from megatron.core import parallel_state as ps
 
-    out = {}
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,  # 30-min groups
-                                 create_gloo_process_groups=False)
+    if source != "current":  # current(): WORLD as pure data parallel
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                     create_gloo_process_groups=False)  # 30-min groups
     try:
-        for source in SOURCES:
-            if source == "current":
-                ps.destroy_model_parallel()  # current(): WORLD as pure data parallel
-            def run():
-                mesh = _source_mesh(source)  # noqa: B023
-                if source == "megatron":  # noqa: B023
-                    out["held"] = G.group_timeout(mesh.data_group)
-                return _only({0}, _loss(mesh).calculate)
-            out[source] = _with_bound(run)
-            dist.barrier()  # every rank here before the next source's groups
+        def run():
+            mesh = _source_mesh(source)
+            return (G.group_timeout(mesh.data_group) if source == "megatron" else None,
+                    _only({0}, _loss(mesh).calculate))
+        return _with_bound(run)
     finally:
         ps.destroy_model_parallel()
-    return out
 
 
-def test_every_group_source_bounds_and_names_a_missing_rank(dist_pool):
-    out = dist_pool.run(case_every_source_only_rank0_calculates, timeout=240)
-    held = out[0]["held"]
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_group_source_bounds_and_names_a_missing_rank(dist_pool, source):
+    out = dist_pool.run(case_only_rank0_calculates, source, timeout=240)
+    held, (kind, text, seconds) = out[0]
     assert held is None or held.total_seconds() >= 600, held  # Megatron's long default stays
-    for source in SOURCES:
-        kind, text, seconds = out[0][source]
-        assert kind == "MetricSyncError" and "did not arrive" in text and "calculate()" in text, (source, text)
-        assert "ranks 1-7" in text, (source, text)
-        assert seconds < GROUPS_S, (source, seconds)
-        assert all(o[source] is None for o in out[1:]), source  # theirs to time out later
+    assert kind == "MetricSyncError" and "did not arrive" in text and "calculate()" in text, text
+    assert "ranks 1-7" in text, text
+    assert "collective in flight" in text and "must stop" in text, text  # the job's group, left as it is
+    assert seconds < GROUPS_S, seconds
+    assert all(o[1] is None for o in out[1:])  # theirs to time out later
 
 
 def _named(text, what="did not arrive"):

@@ -58,8 +58,8 @@ def agree(metric, group, *, error: Optional[BaseException] = None, values: Seque
           cpu_group=None) -> List[int]:
     """One host-side agreement over ``group``; returns the MAX of ``values`` over it.
 
-    All-reduces ``[bad, v1, v2, v3]`` (int64, MAX) over a CPU (gloo) twin of
-    ``group``: no device read. ``bad`` is this rank's global rank + 1 when ``error``
+    All-reduces ``[bad, v1, v2, v3]`` (int64, MAX) over a CPU group over the ranks of
+    ``group`` (``DeviceMesh.host_group``): no device read. ``bad`` is this rank's global rank + 1 when ``error``
     is given. If any rank of ``group`` is bad, every rank raises: a rejecting rank
     its own ``error``, the others ``MetricSyncError`` naming the rejecting rank.
     Encode a minimum as the maximum of the negation (``values=[n, -n]`` checks that
@@ -73,7 +73,7 @@ def agree(metric, group, *, error: Optional[BaseException] = None, values: Seque
         error: this rank's validation error, or ``None``.
         values: up to 3 host-known Python integers.
         cpu_group: a CPU group over the ranks of ``group`` to use instead of the
-            mesh's (``DeviceMesh.cpu_group``).
+            mesh's (``DeviceMesh.host_group``).
 
     Returns:
         the reduced values, as many as given.
@@ -90,7 +90,7 @@ def agree(metric, group, *, error: Optional[BaseException] = None, values: Seque
 
     mesh = metric.resolve_mesh()
     if cpu_group is None:
-        cpu_group = mesh.cpu_group(group)
+        cpu_group = mesh.host_group(group)
     bad = dist.get_rank() + 1 if error is not None else 0
     name = type(metric).__name__
     reduced = host_max(name, [bad] + values + [0] * (_SLOTS - len(values)), group, cpu_group,

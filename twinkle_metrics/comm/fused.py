@@ -65,9 +65,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from parallel import comm_device
 from parallel.groups import group_ranks, group_size
-from twinkle_metrics.comm import waits
 from twinkle_metrics.comm.plan import (  # noqa: F401 - the plan's names, used here and by tests
     _H_NEED,
     _H_PLAN,
@@ -86,6 +84,7 @@ from twinkle_metrics.comm.plan import (  # noqa: F401 - the plan's names, used h
     _spec,
 )
 from twinkle_metrics.comm.reduce import _filled, _reduce_data, _reduce_pack, _reduce_unpack  # noqa: F401
+from twinkle_metrics.comm.transport import Transport
 from twinkle_metrics.inputs.checks import from_host, from_host_all
 
 
@@ -98,10 +97,16 @@ def _threshold(default: int) -> int:
                          "unset it for the default") from None
 
 
-#: data groups of more ranks than this all-reduce instead of gathering every rank's row:
-#: above ~512 the gather's merge costs the host more than the reduce path's pack and
-#: unpack (``benchmarks/bench_sync_scaling.py``); set it alike on every rank
+#: data groups of more ranks than this all-reduce instead of gathering every rank's row.
+#: On host (gloo) groups, above ~512 the gather's merge costs the host more than the
+#: reduce path's pack and unpack (``benchmarks/bench_sync_scaling.py``); on device groups
+#: the merge is the device's, and what decides is the collectives' depth: NCCL's
+#: all_gather is a ring (N - 1 dependent steps) where its all-reduce takes a tree (about
+#: 2 log2 N), so the reduce path's three or four all-reduces win above a few dozen ranks
+#: (benchmarks/README.md, the cost model). ``TWINKLE_METRICS_REDUCE_ABOVE`` sets both;
+#: set it alike on every rank.
 REDUCE_ABOVE = _threshold(512)
+DEVICE_REDUCE_ABOVE = _threshold(64)
 #: the reduce path's column kinds, in the order its collectives carry them
 class _Channel:
     """What the ranks agreed on for one pair of groups: plans and the buffer width."""
@@ -124,66 +129,52 @@ _CHANNELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCAL_PLANS: Dict[Tuple, _Plan] = {}
 
 
-def _channel(data_group, share_group) -> _Channel:
+def _channel(data_group, mp_group) -> _Channel:
     """The channel of a pair of groups, made the first time they sync together."""
     data_key = _NO_GROUP if data_group is None else data_group
-    share_key = _NO_GROUP if share_group is None else share_group
-    by_share = _CHANNELS.get(data_key)
-    if by_share is None:
-        by_share = _CHANNELS[data_key] = weakref.WeakKeyDictionary()
-    ch = by_share.get(share_key)
+    mp_key = _NO_GROUP if mp_group is None else mp_group
+    by_mp = _CHANNELS.get(data_key)
+    if by_mp is None:
+        by_mp = _CHANNELS[data_key] = weakref.WeakKeyDictionary()
+    ch = by_mp.get(mp_key)
     if ch is None:
-        ch = by_share[share_key] = _Channel()
+        ch = by_mp[mp_key] = _Channel()
     return ch
 
 
 # ---------------------------------------------------------------------- entry point
-def sync_states(intervals: Sequence, mesh, data_group, configs: Sequence[str], groups=None) -> List[Dict[str, Any]]:
+def sync_states(intervals: Sequence, transport: Transport, configs: Sequence[str]) -> List[Dict[str, Any]]:
     """Globally reduced states of each interval as plain Python numbers (lists if shaped).
 
     ``intervals``: the metrics' intervals (``core.interval.Interval``), all reduced over
-    ``data_group`` and the TP x PP group of ``mesh``; ``configs``: each metric's sync
-    fingerprint, which every rank must share. Collective over the mesh (or over
-    ``groups(data group, TP x PP group)``: an asynchronous calculate's private twins).
+    ``transport``'s data group and shared over its TP x PP group; ``configs``: each
+    metric's sync fingerprint, which every rank must share. Collective over both groups.
     Does not change the intervals' states (it may create states that other ranks created
     on the fly, holding their identity).
     """
     metrics = intervals
     lead = metrics[0]
-    mesh.check_live("calculate()")
-    share_group = mesh.result_group
-    bound = waits.Bound("calculate()" if groups is None else "calculate(async_op=True)", mesh,
-                        (data_group, share_group))
-    data_group, share_group = sync_groups(mesh, data_group, share_group)
-    if groups is not None:
-        data_group, share_group = groups(data_group, share_group)
+    transport.mesh.check_live("calculate()")
     configs = tuple(configs)
-    if data_group is None and share_group is None:
+    if transport.data is None and transport.mp is None:
         plan = _local_plan(metrics, configs)
         buf = _pack(plan, metrics, plan.length, lead.device, lead.device, need=False,
                     is_source=True, pp_rank=0)
         return _unpack(buf.cpu(), plan, metrics)
 
-    ch = _channel(data_group, share_group)
+    ch = _channel(transport.data, transport.mp)
+    path = _path(transport)
     for _ in range(2):
         plan = ch.plans.get(configs)
         if plan is None and not ch.plans:  # nothing agreed on these groups yet, on any rank
-            plan = _negotiate(metrics, configs, ch, data_group, share_group, _path(data_group), bound)
+            plan = _negotiate(metrics, configs, ch, transport, path)
         need = plan is None or not plan.covers(metrics)
-        host = _data_phase(metrics, plan, need, ch, data_group, share_group, mesh, bound)
+        host = _data_phase(metrics, plan, need, ch, transport)
         if host is not None:
             return host
-        _negotiate(metrics, configs, ch, data_group, share_group, _path(data_group), bound)
+        _negotiate(metrics, configs, ch, transport, path)
     raise MetricSyncError("calculate(): ranks still disagree on the metrics' states after a "
                           "negotiation; a state was added during calculate()")
-
-
-def sync_groups(mesh, data_group, share_group) -> Tuple:
-    """The groups the sync of ``(data group, TP x PP group)`` runs on: the mesh's CPU
-    groups over their ranks, within its wait bound (``DeviceMesh.cpu_group``), so every
-    wait gives up in time and the user's device groups are left alone; the groups
-    themselves where none can be made."""
-    return tuple(g if g is None else (mesh.cpu_group(g) or g) for g in (data_group, share_group))
 
 
 def _local_plan(metrics, configs) -> _Plan:
@@ -197,41 +188,37 @@ def _local_plan(metrics, configs) -> _Plan:
 
 
 # ------------------------------------------------------------------------ data phase
-def _data_phase(metrics, plan: Optional[_Plan], need: bool, ch: _Channel, data_group, share_group,
-                mesh, bound) -> Optional[List[Dict[str, Any]]]:
-    """Pack, gather (or all-reduce), merge, share; None when some rank asked for a new plan.
-    Every wait is bounded and named by ``bound`` (``comm.waits.Bound``)."""
-    gather = bound.gather
+def _data_phase(metrics, plan: Optional[_Plan], need: bool, ch: _Channel,
+                transport: Transport) -> Optional[List[Dict[str, Any]]]:
+    """Pack, gather (or all-reduce), merge, share, read once; None when some rank asked for
+    a new plan. Every wait is bounded and named by ``transport``."""
     lead = metrics[0]
-    comm = data_group if data_group is not None else share_group
-    device = comm_device(comm)
+    data, mp = transport.data, transport.mp
+    mesh = transport.mesh
     is_source, pp_rank = mesh.is_result_source, mesh.pp_rank
     usable = plan if plan is not None and not need else None
-    buf = _pack(plan, metrics, ch.width, lead.device, device, need=usable is None,
+    buf = _pack(plan, metrics, ch.width, lead.device, transport.device, need=usable is None,
                 is_source=is_source, pp_rank=pp_rank)
-    if _reduces(data_group):  # the same size on every rank of the group: all take this branch
-        vec = _reduce_data(usable, metrics, buf, ch.reduce_sizes, data_group, bound)
+    if _reduces(transport):  # the same size on every rank of the group: all take this branch
+        vec = _reduce_data(usable, metrics, buf, ch.reduce_sizes, data, transport)
     else:
-        rows = gather(buf, data_group)                           # collective 1
+        rows = transport.gather(buf, data)                        # collective 1
         vec = _merge(usable, metrics, rows) if usable is not None else rows[0].clone()
         vec[_H_NEED] = torch.maximum(rows[:, _H_NEED].amax(),
                                      (rows[:, _H_PLAN] != rows[0, _H_PLAN]).any().to(torch.float64))
     vec[_H_SOURCE] = float(is_source)
     vec[_H_PP] = float(pp_rank)
-    if share_group is None:
-        host = vec.unsqueeze(0).cpu()                            # the one device-to-host copy
-    else:
-        host = gather(vec, share_group).cpu()                    # collective 2, then the copy
+    host = transport.host(transport.gather(vec, mp))          # collective 2, the one read
     if bool((host[:, _H_NEED] != 0).any()):
         return None
-    if share_group is not None:
+    if mp is not None:
         source = (host[:, _H_SOURCE] == 1.0).nonzero().flatten().tolist()
         if len(source) != 1:
             raise MetricSyncError(
                 f"calculate(): {len(source)} ranks of the TP x PP group "
-                f"{group_ranks(share_group)} claim to hold the results (last pipeline stage, TP "
+                f"{group_ranks(mp)} claim to hold the results (last pipeline stage, TP "
                 "rank 0); expected exactly one: check the mesh's pipeline and TP groups")
-        _check_tp_agreement(plan, metrics, host, share_group)
+        _check_tp_agreement(plan, metrics, host, mp)
         vec_host = _merge_placed(plan, host, host[source[0]])
     else:
         vec_host = host[0]
@@ -287,14 +274,15 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------ reduce path
-def _path(data_group) -> str:
-    return "reduce" if _reduces(data_group) else "gather"
+def _path(transport: Transport) -> str:
+    return "reduce" if _reduces(transport) else "gather"
 
 
-def _reduces(data_group) -> bool:
+def _reduces(transport: Transport) -> bool:
     """Whether the data phase all-reduces (a data group of more than ``REDUCE_ABOVE``
-    ranks) instead of gathering every rank's row."""
-    return data_group is not None and group_size(data_group) > REDUCE_ABOVE
+    ranks, ``DEVICE_REDUCE_ABOVE`` on a device) instead of gathering every rank's row."""
+    above = REDUCE_ABOVE if transport.device.type == "cpu" else DEVICE_REDUCE_ABOVE
+    return transport.data is not None and group_size(transport.data) > above
 
 
 

@@ -30,7 +30,7 @@ def host_max(metric: str, values: Sequence[int], group, cpu_group=None, label: s
     Uses ``cpu_group`` (a gloo group over the same ranks) or ``group`` itself when it
     is a CPU group: no device involved. Otherwise it falls back to an all-reduce on
     the device and a read of its result (a device wait), warning once. The wait is
-    bounded by ``timeout`` (torch's ``Work.wait``) and names the ranks that never came
+    bounded by ``timeout``, kept from the host, and names the ranks that never came
     (``comm.waits``; ``label`` names the group).
     """
     via = cpu_group if cpu_group is not None else (group if is_cpu_group(group) else None)
@@ -43,9 +43,10 @@ def host_max(metric: str, values: Sequence[int], group, cpu_group=None, label: s
                           "(EmbeddingMetric: size_group=, e.g. megatron's "
                           "get_data_parallel_group_gloo(with_context_parallel=True))", stacklevel=2)
         via = group
-    t = torch.tensor(list(values), dtype=torch.int64, device=comm_device(via))
+    device = comm_device(via)
+    t = torch.tensor(list(values), dtype=torch.int64, device=device)
     work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=via, async_op=True)
     waits.wait(work, via, f"{metric}.accumulate()", label or f"group {group_ranks(via)}",
-               timeout or timedelta(minutes=30))
+               timeout or timedelta(minutes=30), on_host=device.type == "cpu")
     with host_reads():
         return [int(v) for v in t.tolist()]

@@ -15,7 +15,8 @@ other, in call order: the same packed buffer, merge and ``compute`` as the
 synchronous path, but on *private twins* of the data and TP x PP groups (groups
 over the same ranks that nothing else uses), so that these collectives cannot
 interleave with the training loop's collectives on the real groups, however the
-threads are timed. Every rank calls ``calculate(async_op=True)`` at the same
+threads are timed (``comm.transport.twins``: made by each group's ranks alone when first
+needed, on the caller's thread). Every rank calls ``calculate(async_op=True)`` at the same
 points, so every rank's thread runs the same syncs in the same order.
 
 ``handle.wait()`` returns exactly what the synchronous call would have returned,
@@ -40,14 +41,9 @@ import collections
 import contextlib
 import os
 import threading
-import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
-
-from parallel.bounded import twins
-from parallel.groups import DESTROYED
-from twinkle_metrics.comm.waits import Bound
 
 
 class Outcome:
@@ -139,7 +135,6 @@ class _Worker:
 
 _WORKER = _Worker()
 _SIDE_STREAMS: Dict[Any, Any] = {}
-_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its twin for the worker
 
 
 class HandOffs:
@@ -170,33 +165,15 @@ class HandOff:
         self.interval, self.epoch, self.gives_back, self.ready = interval, epoch, gives_back, None
 
 
-def _twins(groups, bound) -> List[Tuple[Any, Any]]:
-    """The worker's twin of each of ``groups`` (``[(group, twin)]``), made the first time
-    (collective over WORLD: ``parallel.bounded.twins``, its exchange bounded by ``bound``)."""
-    held = [g for g in groups if g is not None]
-    if not all(g in _TWINS for g in held):
-        made = twins(held, bound.timeout, bound.what)
-        for g in held:  # weakly, as torch's registry holds them: they end with destroy_process_group()
-            _TWINS[g] = None if made[id(g)] is None else weakref.ref(made[id(g)])
-    return [(g, _TWINS[g] and (_TWINS[g]() or DESTROYED)) for g in held]
-
-
-def submit(ledgers: Sequence[HandOffs], take: Callable[[], List[Any]], mesh, groups: Sequence,
-           run: Callable[[List[Any], Callable], Dict[str, Any]], reset: bool) -> CalculateHandle:
+def submit(ledgers: Sequence[HandOffs], take: Callable[[], List[Any]],
+           run: Callable[[List[Any]], Dict[str, Any]], reset: bool) -> CalculateHandle:
     """Hand an interval of each metric off and sync them in the background.
 
     ``ledgers``: each metric's ``HandOffs``; ``take()``: on the caller's thread, under the
     lock that keeps intervals from being given back meanwhile, settles each metric and
     returns its handed-off ``Interval`` (the live one, the metric reset; or a copy);
-    ``groups``: the groups the sync runs over, twinned first (collective, in program
-    order); ``run(intervals, groups)``: on the worker, the sync and the handle's dict,
-    ``groups`` mapping ``(data group, TP x PP group)`` to their twins."""
-    what = "calculate(async_op=True)"
-    twins_of = _twins([g for g in groups if g is not None], Bound(what, mesh))
-
-    def on_twins(data_group, share_group):
-        return tuple(None if g is None else next(t for h, t in twins_of if h is g) for g in (data_group, share_group))
-
+    ``run(intervals)``: on the worker, the sync (on the private twins the caller took,
+    ``comm.transport.twins``) and the handle's dict."""
     with _RETURN_LOCK:  # no interval given back between the settle and the hand-off
         intervals = take()
         handed = [(ledger, HandOff(iv, ledger.epoch, reset)) for ledger, iv in zip(ledgers, intervals)]
@@ -204,8 +181,8 @@ def submit(ledgers: Sequence[HandOffs], take: Callable[[], List[Any]], mesh, gro
             ledger.in_flight.append(h)
     guard = _stream_guard([h for _, h in handed])
     outcome = Outcome()
-    _WORKER.submit(lambda: run(intervals, on_twins), outcome, guard, handed)
-    return CalculateHandle(what, outcome)
+    _WORKER.submit(lambda: run(intervals), outcome, guard, handed)
+    return CalculateHandle("calculate(async_op=True)", outcome)
 
 
 _RETURN_LOCK = threading.RLock()

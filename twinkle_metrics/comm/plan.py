@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from parallel.groups import all_gather_bytes, group_ranks
+from parallel.groups import group_ranks
 
 _HEADER = 4  # plan hash, needs a new plan, is result source, pipeline rank
 _H_PLAN, _H_NEED, _H_SOURCE, _H_PP = 0, 1, 2, 3
@@ -219,8 +219,9 @@ def _merge_own(custom, metrics, rows: torch.Tensor, vec: torch.Tensor) -> None:
             vec[dst:dst + spec.numel] = v.view(torch.float64) if spec.dtype == torch.int64 else v
 
 
-def _negotiate(metrics, configs: Tuple[str, ...], ch, data_group, share_group, path: str, bound) -> _Plan:
-    """Agree with every rank on the plan of ``metrics``; collective over both groups.
+def _negotiate(metrics, configs: Tuple[str, ...], ch, transport, path: str) -> _Plan:
+    """Agree with every rank on the plan of ``metrics``; collective over both groups of
+    ``transport`` (``comm.transport.Transport``).
 
     Each rank describes its metrics (fingerprints) and states (name, signature,
     whether it was created on the fly); the descriptions are united over the data
@@ -237,10 +238,10 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch, data_group, share_group, p
         for name, spec in m.specs.items():
             dynamic = m.dynamic_spec(name) is not None
             desc["states"][f"{i}/{name}"] = {"sig": {spec.signature: [me]}, "dyn": dynamic}
-    summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(desc).encode(), data_group, bound)])
-    if share_group is not None:
-        summary = _unite([json.loads(b) for b in _all_gather_bytes(json.dumps(summary).encode(),
-                                                                    share_group, bound)])
+    summary = _unite([json.loads(b) for b in transport.gather_bytes(json.dumps(desc).encode(), transport.data)])
+    if transport.mp is not None:
+        summary = _unite([json.loads(b) for b in transport.gather_bytes(json.dumps(summary).encode(),
+                                                                         transport.mp)])
     everyone = sorted(summary["ranks"])
     if len(summary["paths"]) > 1:
         sides = "; ".join(f"ranks {_ranges(rs)}: {p}" for p, rs in sorted(summary["paths"].items()))
@@ -298,12 +299,6 @@ def _unite(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
             for sig, ranks in entry["sig"].items():
                 mine["sig"][sig] = sorted(set(mine["sig"].get(sig, [])) | set(ranks))
     return out
-
-
-def _all_gather_bytes(data: bytes, group, bound) -> List[bytes]:
-    """Every rank's ``data`` over ``group``: two collectives (lengths, then bytes), their
-    waits bounded by ``bound`` (``comm.waits.Bound``)."""
-    return all_gather_bytes(data, group, wait=lambda work: bound.wait(work, group))
 
 
 def _ranges(ranks: Sequence[int]) -> str:

@@ -12,7 +12,7 @@ from twinkle_metrics.comm.plan import _H_NEED, _H_PLAN, _I64_MIN, _KEYS_HEAD, _m
 
 
 def _reduce_data(plan: Optional[_Plan], metrics, buf: torch.Tensor, sizes: Tuple[int, int, int, int],
-                 group, bound) -> torch.Tensor:
+                 group, transport) -> torch.Tensor:
     """The merged row ``_merge`` would make of the group's gathered rows, from all-reduces.
 
     What a rank receives no longer grows with the group: a ring all-reduce moves about
@@ -33,11 +33,11 @@ def _reduce_data(plan: Optional[_Plan], metrics, buf: torch.Tensor, sizes: Tuple
     then contributes identities, and the need flag sends every rank to negotiate.
     """
     top, sums_f, sums_i, own = _reduce_pack(plan, buf, sizes)
-    bound.all_reduce(top, group, op=dist.ReduceOp.MAX)
+    transport.all_reduce(top, group, op=dist.ReduceOp.MAX)
     for t in (sums_f, sums_i):
         if t is not None:
-            bound.all_reduce(t, group)
-    rows = bound.gather(own, group) if own is not None else None
+            transport.all_reduce(t, group)
+    rows = transport.gather(own, group) if own is not None else None
     return _reduce_unpack(plan, metrics, buf, top, sums_f, sums_i, rows)
 
 

@@ -1,11 +1,20 @@
-"""Bounded, named waits, on torch's own mechanism: ``Work.wait(timeout)``.
+"""Bounded, named waits that never touch the job's communicators.
 
 Every collective the library issues (``calculate()``'s gathers and all-reduces, a plan's
-negotiation, the agreements inside ``accumulate``, the exchange that makes an
-asynchronous calculate's groups) runs with ``async_op=True`` and is waited on through
-:func:`wait`, with the mesh's ``wait_timeout()`` as the timeout. torch ends the wait
-there, whatever timeout the group itself has (Megatron's and DeepSpeed's 30 minutes),
-on every backend; no group, barrier or thread is added for it.
+negotiation, the agreements inside ``accumulate``) runs with ``async_op=True``, and the
+host keeps the bound (the mesh's ``wait_timeout()``) itself: it waits for the work's
+completion, never with ``Work.wait(timeout)`` (on NCCL a wait that times out aborts the
+communicator, the user's group), and makes no barrier, abort or destroy:
+
+* a work on host tensors (gloo, or a device backend over host tensors) completes its
+  future on the host: the host waits for that, within the bound;
+* a work on device tensors (NCCL) completes its end event: the host polls it
+  (``Work.is_completed``), within the bound. A collective whose result the host does not
+  need yet is only ordered before the device's next work (``Work.wait()``), so a sync of
+  several collectives reads the device once, at its end (``Transport.host``).
+
+Once done, ``Work.wait()`` (no timeout) raises what the work raised (a peer that gave up
+closed its connections) and orders the current stream after it.
 
 Naming the ranks that never came uses the group's own store
 (``ProcessGroup.get_group_store()``), and only when a wait runs long:
@@ -22,14 +31,15 @@ Naming the ranks that never came uses the group's own store
 
 The key of a call is the same on every rank that should come: for a group, its name, its
 incarnation and its calls so far; for a call that every rank of a mesh makes
-(``Bound``), the mesh's ``wait_key`` (its source, sizes and place among the meshes built
+(``mesh_roll``), the mesh's ``wait_key`` (its source, sizes and place among the meshes built
 alike on every rank) and its calls so far, never a rank's own groups.
 
-A failed wait leaves the group's collectives out of step (the work may still be in
-flight, the absent ranks may enter later), so the group is closed for the library: later
-waits on it raise at once, naming the first failure. Nothing accumulated is lost: a
-failed ``calculate()`` keeps the interval in the metrics (an asynchronous one gives it
-back), a failed ``accumulate`` adds nothing.
+A failed wait leaves the group's collectives out of step: on the job's own groups a
+collective is still in flight that the absent ranks never joined (torch's own timeout and,
+on NCCL, its watchdog end the job), so the group is closed for the library: later waits
+on it raise at once, naming the first failure. Nothing accumulated is lost: a failed
+``calculate()`` keeps the interval in the metrics (an asynchronous one gives it back), a
+failed ``accumulate`` adds nothing.
 
 Costs per wait, over a group of N ranks: healthy, nothing; slow (longer than
 ``EARLY_S``), one store request per waiting rank; failed, about four store requests per
@@ -41,9 +51,8 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
 from parallel import groups as G
@@ -51,6 +60,32 @@ from twinkle_metrics.comm.plan import MetricSyncError
 
 #: seconds a wait runs before the rank writes its arrival (a healthy step ends sooner)
 EARLY_S = 1.0
+#: the longest pause between two polls of a device work's completion
+POLL_MAX_S = 1e-3
+
+
+def completion(work, on_host: bool) -> Callable[[float], bool]:
+    """``done(seconds) -> bool``: whether ``work`` completed within ``seconds`` more, kept
+    from the host. ``on_host``: the work's tensors are host tensors, so its future
+    completes on the host when it does (a device work's future completes at once, its
+    end event later: that is polled, the pause growing from 20 us to ``POLL_MAX_S``)."""
+    if on_host:
+        event = threading.Event()
+        work.get_future().add_done_callback(lambda _: event.set())
+        return event.wait
+    pause = [2e-5]
+
+    def poll(seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while not work.is_completed():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause[0], left))
+            pause[0] = min(2 * pause[0], POLL_MAX_S)
+        return True
+
+    return poll
 
 
 class _Group:
@@ -101,11 +136,13 @@ def check_open(group) -> None:
                               "collectives are out of step; restart the job)")
 
 
-def wait(work, group, what: str, label: str, timeout: timedelta, roll: Optional["Roll"] = None) -> None:
+def wait(work, group, what: str, label: str, timeout: timedelta, roll: Optional["Roll"] = None,
+         on_host: bool = True) -> None:
     """Return once ``work`` (a collective on ``group``) is done, or raise
     ``MetricSyncError`` within about ``timeout`` naming the ranks that did not come:
     of ``roll`` when given (every rank of a mesh), else of ``group``. ``what`` names the
-    call (``"calculate()"``), ``label`` the group."""
+    call (``"calculate()"``), ``label`` the group; ``on_host``: the work's tensors are
+    host tensors (``completion``)."""
     record = _record(group)
     check_open(group)
     record.calls += 1
@@ -113,57 +150,39 @@ def wait(work, group, what: str, label: str, timeout: timedelta, roll: Optional[
     if roll is None:
         roll = Roll(record.store, f"{record.prefix}/{record.calls}", record.ranks, label)
     start = time.monotonic()
+    done = completion(work, on_host)
     early = min(EARLY_S, timeout.total_seconds() / 4)
     marked = False
+    if not done(early):
+        marked = roll.mark(me)
+        if not done(max(timeout.total_seconds() - (time.monotonic() - start), 0.001)):
+            _fail(record, roll, marked, what, timeout, time.monotonic() - start, None, group, me)
     try:
-        work.wait(timedelta(seconds=early))
-        return
-    except RuntimeError as exc:
-        if work.is_completed():  # it failed (a peer gave up), not merely slow
-            _fail(record, roll, marked, what, timeout, time.monotonic() - start, exc, group, me)
-    marked = roll.mark(me)
-    try:
-        left = max(timeout.total_seconds() - (time.monotonic() - start), 0.001)
-        work.wait(timedelta(seconds=left))
-    except RuntimeError as exc:
+        work.wait()  # done: raises what the work raised; orders the current stream after it
+    except RuntimeError as exc:  # a peer that gave up closed the group's connections
         _fail(record, roll, marked, what, timeout, time.monotonic() - start, exc, group, me)
 
 
-class Bound:
-    """The bound and names of one call's waits on a mesh: ``what`` (``"calculate()"``),
-    the mesh's ``wait_timeout()``, and the roll of its ranks.
+def mesh_roll(what: str, mesh) -> Optional["Roll"]:
+    """The roll of one call that every rank of ``mesh`` makes (``calculate()``): ``None``
+    for a mesh over part of the world or of one rank (each group's own roll names its ranks).
 
-    A call that every rank of a mesh makes (``calculate()``, given its ``groups``) takes
-    the roll of the whole mesh: every rank of a mesh that spans the world ends up waiting
-    on one of the call's collectives when some rank is missing (each TP x PP group holds
-    a rank of every data group), so the ranks that never marked it are the absent ones,
-    named in one message on every rank that came. The roll's key is the mesh's
-    ``wait_key``, ``what`` and the count of such calls on the mesh: the same on every rank
-    (every rank of the mesh makes its calls in one order), where the names of a rank's
-    own groups are not (rank 4's data group is not rank 5's)."""
-
-    def __init__(self, what: str, mesh, groups: Sequence = ()):
-        self.what, self.mesh, self.timeout = what, mesh, mesh.wait_timeout()
-        self.roll = None
-        ranks = mesh.member_ranks() if groups else None
-        if ranks is not None and len(ranks) > 1:
-            ident = f"{what}:{mesh.wait_key}"
-            with _LOCK:
-                calls = _counts("calls")
-                calls[ident] = n = calls.get(ident, 0) + 1
-            self.roll = Roll(G.group_store(dist.group.WORLD), f"twinkle_metrics/calls/{ident}/{n}", ranks,
-                             f"mesh from {mesh.source} (ranks {ranges(ranks)})")
-
-    def wait(self, work, group) -> None:
-        wait(work, group, self.what, self.mesh.group_label(group), self.timeout, self.roll)
-
-    def gather(self, buf: torch.Tensor, group) -> torch.Tensor:
-        return G.all_gather_rows(buf, group, wait=lambda work: self.wait(work, group))
-
-    def all_reduce(self, t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if G.group_size(group) > 1:
-            self.wait(dist.all_reduce(t, op=op, group=group, async_op=True), group)
-        return t
+    Every rank of a mesh that spans the world ends up waiting on one of the call's
+    collectives when some rank is missing (each TP x PP group holds a rank of every data
+    group), so the ranks that never marked the roll are the absent ones, named in one
+    message on every rank that came. Its key is the mesh's ``wait_key``, ``what`` and the
+    count of such calls on the mesh: the same on every rank (every rank of the mesh makes
+    its calls in one order), where the names of a rank's own groups are not (rank 4's data
+    group is not rank 5's)."""
+    ranks = mesh.member_ranks()
+    if ranks is None or len(ranks) <= 1:
+        return None
+    ident = f"{what}:{mesh.wait_key}"
+    with _LOCK:
+        calls = _counts("calls")
+        calls[ident] = n = calls.get(ident, 0) + 1
+    return Roll(G.group_store(dist.group.WORLD), f"twinkle_metrics/calls/{ident}/{n}", ranks,
+                f"mesh from {mesh.source} (ranks {ranges(ranks)})")
 
 
 # ------------------------------------------------------------------------ naming
@@ -244,7 +263,19 @@ def _fail(record: _Group, roll: Roll, marked: bool, what: str, timeout: timedelt
     pause = min(EARLY_S, timeout.total_seconds() / 4)
     time.sleep(pause)
     record.closed = message(what, timeout, waited, roll, me, roll.absent(pause), arrived)
+    if not G.made_here(group):
+        record.closed += in_flight(group, cause is None)
     raise MetricSyncError(record.closed) from cause
+
+
+def in_flight(group, pending: bool) -> str:
+    """What a failed wait leaves on a group of the job's (the library never cancels or aborts
+    it): said after the names of the ranks that never came."""
+    if not pending:  # the work failed: a peer that gave up closed the group's connections
+        return f". The group {G.group_ranks(group)} is spent for this job: stop it"
+    return (f". The group {G.group_ranks(group)} ({dist.get_backend(group)}, the job's own) now holds a "
+            "collective in flight that the absent ranks never joined; the library does not cancel or abort "
+            "it, so the job must stop (torch's own timeout, and on NCCL its watchdog, end it)")
 
 
 def message(what: str, timeout: timedelta, waited: float, roll: Roll, me: int,

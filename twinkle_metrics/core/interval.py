@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 import torch
 
 from twinkle_metrics.comm import pending
-from twinkle_metrics.comm.fused import plain_states, sync_groups, sync_states
+from twinkle_metrics.comm.fused import plain_states, sync_states
+from twinkle_metrics.comm.transport import Transport, on_twins
 from twinkle_metrics.core import slicing, staging
 from twinkle_metrics.core.state import interval_of, move_states
 
@@ -163,31 +164,35 @@ def sync_and_compute(metrics: Sequence) -> List[Dict[str, Any]]:
     return _sync_and_compute(_places(metrics), [interval_of(m) for m in metrics])
 
 
-def sync_handed(places: Sequence[tuple], intervals: Sequence[Interval], groups) -> List[Dict[str, Any]]:
+def sync_handed(places: Sequence[tuple], intervals: Sequence[Interval]) -> List[Dict[str, Any]]:
     """On the worker: ``sync_and_compute`` of handed-off ``intervals``, each synced where
-    ``places`` says (taken at the hand-off), on the groups ``groups(data group, TP x PP
-    group)`` gives (private twins)."""
-    return _sync_and_compute(places, intervals, groups)
+    ``places`` says (taken at the hand-off: the transports over private twins)."""
+    return _sync_and_compute(places, intervals)
 
 
-def _places(metrics: Sequence) -> List[tuple]:
-    """Where each metric syncs, and what its ranks must agree on: ``(mesh, data group, sync
-    fingerprint)``."""
+def _places(metrics: Sequence, what: str = "calculate()", transports=None) -> List[tuple]:
+    """Where each metric syncs, and what its ranks must agree on: ``(transport, sync
+    fingerprint)``. Metrics of one mesh and data group share one transport (one sync);
+    ``transports(mesh, data group)``: a maker of the transport (default ``Transport``)."""
+    made: Dict[tuple, Transport] = {}
     out = []
     for m in metrics:
-        mesh = m.resolve_mesh()
-        out.append((mesh, m.data_group(), m.sync_fingerprint()))
+        mesh, data = m.resolve_mesh(), m.data_group()
+        key = (id(mesh), id(data), id(mesh.mp_group))
+        if key not in made:
+            made[key] = Transport(what, mesh, data) if transports is None else transports(mesh, data)
+        out.append((made[key], m.sync_fingerprint()))
     return out
 
 
-def _sync_and_compute(places: Sequence[tuple], intervals: Sequence[Interval], groups=None) -> List[Dict[str, Any]]:
-    buckets: Dict[tuple, List[int]] = {}
-    for i, (mesh, data_group, _) in enumerate(places):
-        buckets.setdefault((id(data_group), id(mesh.result_group)), []).append(i)
+def _sync_and_compute(places: Sequence[tuple], intervals: Sequence[Interval]) -> List[Dict[str, Any]]:
+    buckets: Dict[int, List[int]] = {}
+    for i, (transport, _) in enumerate(places):
+        buckets.setdefault(id(transport), []).append(i)
     out: List[Dict[str, Any]] = [{} for _ in places]
     for idx in buckets.values():
-        mesh, data_group, _ = places[idx[0]]
-        reduced = sync_states([intervals[i] for i in idx], mesh, data_group, [places[i][2] for i in idx], groups)
+        transport = places[idx[0]][0]
+        reduced = sync_states([intervals[i] for i in idx], transport, [places[i][1] for i in idx])
         for i, states in zip(idx, reduced):
             out[i] = results(intervals[i], states)
     return out
@@ -210,12 +215,11 @@ def calculate_async(metrics: Sequence, reset: bool, finish: Callable[[List[Dict[
                     ) -> pending.CalculateHandle:
     """``calculate(async_op=True)``: each interval is handed off (``reset``: the states move
     and the metric starts a new interval; else a copy), then synced on the worker."""
-    places = _places(metrics)  # taken now, on the caller's thread
-    groups: Dict[int, Any] = {}
-    for mesh, data_group, _ in places:
-        mesh.check_live("calculate()")
-        for group in sync_groups(mesh, data_group, mesh.result_group):
-            groups.setdefault(id(group), group)
+    what = "calculate(async_op=True)"
+    for m in metrics:
+        m.resolve_mesh().check_live("calculate()")
+    # taken now, on the caller's thread: the twins are made here, at the same point on every rank
+    places = _places(metrics, what, lambda mesh, data: on_twins(mesh, data)(what))
 
     def take() -> List[Interval]:
         out = []
@@ -230,8 +234,7 @@ def calculate_async(metrics: Sequence, reset: bool, finish: Callable[[List[Dict[
                 out.append(live.copy(states={k: v.clone() for k, v in live.states.items()}, last_host=live.last_host))
         return out
 
-    def run(intervals, on_twins):
-        return finish(sync_handed(places, intervals, on_twins))
+    def run(intervals):
+        return finish(sync_handed(places, intervals))
 
-    return pending.submit([interval_of(m).handoffs for m in metrics], take, places[0][0], list(groups.values()),
-                          run, reset)
+    return pending.submit([interval_of(m).handoffs for m in metrics], take, run, reset)

@@ -52,11 +52,11 @@ class EmbeddingMetric(Metric):
     than one rank this costs two collectives, on every rank, whatever its data:
 
     1. a host-side MAX all-reduce of three integers (row count, embedding dim) over
-       a CPU group: ``size_group``, else the mesh's ``cpu_data_group`` (the data group
-       itself when it is gloo, Megatron's gloo DP x CP group, or the gloo groups
-       ``DeviceMesh.from_sizes`` creates beside NCCL ones), so that no rank reads the
-       device; without any CPU group it falls back to a device all-reduce read on
-       the host (one device wait, warned).
+       a CPU group: ``size_group``, else the mesh's ``host_group`` of the data group
+       (the data group itself when it is gloo, Megatron's gloo DP x CP group, or a gloo
+       group over its ranks made at the first call, lazily connected), so that no rank
+       reads the device; without any CPU group it falls back to a device all-reduce
+       read on the host (one device wait, warned).
     2. an all-gather of ``[max rows, d + 1]`` float64 (positives and a validity
        column) on the device. Rows past a rank's count and non-anchor rows carry
        validity 0, so statistics are masked arithmetic and no rank branches on data;
@@ -79,7 +79,7 @@ class EmbeddingMetric(Metric):
 
     Args:
         size_group: a CPU (gloo) process group over the data-group ranks for the
-            row-count exchange; defaults to the mesh's ``cpu_data_group``.
+            row-count exchange; defaults to the mesh's ``host_group`` of the data group.
         eps: lower bound of the norm in the cosine.
         nan_policy: ``'propagate'`` or ``'skip'`` (see above).
 
