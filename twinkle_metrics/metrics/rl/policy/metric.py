@@ -75,7 +75,9 @@ class GRPOMetric(Metric):
       ``position_ids`` value when the input has them (the global position under CP),
       else its index in the local row. Equal k3 values keep the earlier token (sequence,
       then position), so the records are the same on any layout and either compute path.
-      Twinkle keeps per-rank records with local indices.
+      Twinkle keeps per-rank records with local indices. A list of dicts, not a number:
+      the loggers write it to ``records.jsonl`` (``integrations.loggers``) and the verl
+      drop-in to its ``records=`` dict, never to a sink that takes numbers.
 
     ``inputs`` are required whenever ``outputs`` hold log-probs (labels or
     ``completion_mask`` give the token mask); ``outputs=None`` or an empty
