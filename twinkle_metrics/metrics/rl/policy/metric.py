@@ -19,7 +19,7 @@ from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.kernels import entropy
-from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg, sequence_mean
+from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg
 from twinkle_metrics.metrics.rl.policy import batch as batch_mod
 from twinkle_metrics.metrics.rl.policy import records, sums
 from twinkle_metrics.metrics.rl.policy.table import (
@@ -30,7 +30,9 @@ from twinkle_metrics.metrics.rl.policy.table import (
     SEQ_SUMS,
     Config,
     check_clip,
+    sequence_means,
     states,
+    token_means,
 )
 from twinkle_metrics.metrics.vocab import check_reach, vocab_states
 from twinkle_metrics.stats.histogram import check_quantiles, quantile_keys
@@ -362,13 +364,12 @@ class GRPOMetric(Metric):
         out: Dict[str, Any] = {"train/nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
         if not s["n_tok"]:
             return out
-        # mean(total, count): the token mean s[total] / s[count], or under a sequence
-        # loss_agg_mode the mean over sequences of each one's value (``_sequence_means``)
-        mean = _sequence_means(cfg, s) if cfg.per_sequence else lambda total, count: _total(s, total) / s[count]
-        # GSPO's clip counts are sequences already, and verl's extra clip keys are token-weighted
-        # whatever the mode: plain fractions. Every clip key carries ``clip_nan`` (0, or NaN when a
-        # gated token was non-finite under 'propagate').
-        clip = (lambda total, count: _total(s, total) / s[count]) if cfg.sequence_level_clip else mean
+        # mean(total, count): s[total] / s[count], or under a sequence loss_agg_mode the mean over
+        # sequences of each one's (``table``); GSPO's clip counts are sequences already, and verl's
+        # extra clip keys token-weighted whatever the mode. Every clip key carries clip_nan (0, or
+        # NaN when a gated token was non-finite under 'propagate').
+        mean = sequence_means(s) if cfg.per_sequence else token_means(s)
+        clip = token_means(s) if cfg.sequence_level_clip else mean
         nan = s["clip_nan"]
         out["train/mean_new_logp"] = mean("sum_new", "n_tok")
         if s["n_old"]:
@@ -413,21 +414,6 @@ class GRPOMetric(Metric):
         if found:
             out["_high_kl_records"] = found
         return out
-
-
-def _total(values, total):
-    """``values[total]``, or the sum of ``values[c]`` over a tuple ``total`` of columns."""
-    return values[total] if isinstance(total, str) else sum(values[c] for c in total)
-
-
-def _sequence_means(cfg: Config, s):
-    """``mean(total, count)`` under a sequence ``loss_agg_mode``: the mean over the sequences
-    with a counted token of each sequence's value of ``total`` (``table.SEQ_SUMS``, reduced
-    by ``loss_agg.sequence_table``); ``sum_ratio`` is the sum of its two parts."""
-    sums = dict(zip((c for c, _ in SEQ_SUMS), s["seq_sums"]))
-    sums["sum_ratio"] = sums["sum_ratio_m1"] + sums["n_old"]  # r = (r - 1) + 1
-    seqs = dict(zip(SEQ_COUNTS, s["seq_counts"]))
-    return lambda total, count: sequence_mean(_total(sums, total), seqs[count])
 
 
 def _exp(d: float) -> float:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from twinkle_metrics.core.state import State
-from twinkle_metrics.metrics.rl.loss_agg import LOSS_AGG_MODES
+from twinkle_metrics.metrics.rl.loss_agg import LOSS_AGG_MODES, sequence_mean
 from twinkle_metrics.stats.histogram import Histogram
 
 I64, F64 = torch.int64, torch.float64
@@ -75,6 +75,26 @@ SEQ_SUMS = (("sum_new", "n_tok"), ("sum_ent", "n_ent"), ("sum_adv", "n_adv"), ("
 SEQ_COUNTS = ("n_tok", "n_ent", "n_adv", "n_ref", "n_old", "clip_n")
 #: ``SEQ_COUNT_OF[f]``: the index in ``SEQ_COUNTS`` of the count of ``SEQ_SUMS[f]``
 SEQ_COUNT_OF = tuple(SEQ_COUNTS.index(count) for _, count in SEQ_SUMS)
+
+
+def token_means(s) -> Callable:
+    """``mean(total, count)``: ``s[total] / s[count]``, ``total`` a column or a tuple of them
+    (summed), from the reduced states ``s``."""
+    return lambda total, count: _total(s, total) / s[count]
+
+
+def sequence_means(s) -> Callable:
+    """``mean(total, count)`` under a sequence ``loss_agg_mode``: the mean over the sequences
+    with a counted token of each one's value of ``total`` (columns of ``SEQ_SUMS``, reduced by
+    ``loss_agg.sequence_table``; ``sum_ratio`` is its two parts)."""
+    sums = dict(zip((c for c, _ in SEQ_SUMS), s["seq_sums"]))
+    sums["sum_ratio"] = sums["sum_ratio_m1"] + sums["n_old"]  # r = (r - 1) + 1
+    seqs = dict(zip(SEQ_COUNTS, s["seq_counts"]))
+    return lambda total, count: sequence_mean(_total(sums, total), seqs[count])
+
+
+def _total(values, total):
+    return values[total] if isinstance(total, str) else sum(values[c] for c in total)
 
 #: per-token ratio exp(d), k3 KL (often ~1e-9 on policy) and entropy (<= log vocab)
 RATIO_HISTOGRAM = Histogram(1e-6, 1e6, signed=False)
