@@ -354,6 +354,9 @@ def _bad_cases():
          ValueError, r"export 1: field \"metrics\[1\].states\['correct'\]\" holds 2.5"),
         ("int past int64", _edit(exports, 1, lambda e: e["metrics"][1]["states"]["correct"].__setitem__(1, 2 ** 63)),
          ValueError, "holds 9223372036854775808; an int64 state holds ints in int64 range"),
+        ("negative count", _edit(exports, 1, lambda e: e["metrics"][1]["states"]["total"].__setitem__(1, -4)),
+         ValueError, r"export 1: field \"metrics\[1\].states\['total'\]\" of 'acc' \(Accuracy\) holds -4: an int64 "
+         "'sum' state counts"),
         ("bool rank", _edit(exports, 0, lambda e: e["place"].__setitem__("tp_rank", True)), TypeError,
          "export 0: field 'place.tp_rank' is a bool"),
         ("rank past size", _edit(exports, 1, lambda e: e["place"].__setitem__("data_rank", 2)), ValueError,
@@ -383,6 +386,35 @@ def test_bad_exports_raise_naming_the_export_and_the_field_and_change_nothing(ca
         driver.calculate_from(exports)
     assert not state_dict_differences(before, driver.state_dict())
     assert equal(driver.calculate(), _driver_with_state().calculate())
+
+
+def test_counts_are_checked_at_the_driver_as_on_the_workers():
+    """A negative count in an export raises naming the export, the metric and the state (an
+    Accuracy whose total is negated would report 2.0 otherwise), in a histogram's bucket too;
+    the checks a metric's compute makes name the exports' interval, not the driver's."""
+    acc = Accuracy()
+    _lm(acc)
+    export = acc.export()
+    total = export["metrics"][0]["states"]["total"][1]
+    export["metrics"][0]["states"]["total"][1] = -total
+    with pytest.raises(ValueError, match=rf"export 0: field \"metrics\[0\].states\['total'\]\" of Accuracy holds "
+                                         rf"-{total}: an int64 'sum' state counts"):
+        Accuracy().calculate_from([export])
+    grpo = GRPOMetric(quantiles=Q)
+    _rl(grpo)
+    export = grpo.export()
+    export["metrics"][0]["states"]["hist_kl"][1][7] = -1
+    with pytest.raises(ValueError, match=r"states\['hist_kl'\]\" of GRPOMetric holds -1"):
+        GRPOMetric(quantiles=Q).calculate_from([export])
+
+    worker, driver = LossMetric(loss_reduction="sum"), LossMetric(loss_reduction="sum")
+    for _ in range(3):  # intervals 0, 1, 2; the driver's is 0
+        _lm(worker)
+        export = worker.export()
+    export["metrics"][0]["states"]["num_tokens"][1] = -3.0  # a float count: LossMetric's compute checks it
+    with pytest.raises(ValueError, match=r"LossMetric: calculate\(\) of interval 2: num_tokens totals -3.0"):
+        driver.calculate_from([export])
+    assert interval_of(driver).number == 0
 
 
 def test_a_driver_metric_takes_only_its_own_class_and_arguments():

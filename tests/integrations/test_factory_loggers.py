@@ -208,6 +208,33 @@ def test_jsonl_and_fan_out(tmp_path, capsys):
     assert "step 4 | loss 2.5000 | accuracy 0.2500 | total_tokens 12" in out
 
 
+def test_sinks_write_numbers_and_records_go_to_their_own_file(tmp_path, capsys):
+    """GRPO's ``_high_kl_records`` (a list of dicts) reaches no sink that takes numbers:
+    ``records.jsonl`` holds it, beside ``metrics.jsonl``, made only when a record comes."""
+    from tests.rlref import make_rl_batch
+    from twinkle_metrics import GRPOMetric
+
+    b = make_rl_batch(1)
+    m = GRPOMetric(top_k_kl=2)
+    m.accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, old_logps=b["old"], advantages=b["adv"])
+    results = m.calculate()
+    assert len(results["_high_kl_records"]) == 2
+    run = tmp_path / "run"
+    logger = loggers.build_loggers(["console", "jsonl"], str(run))
+    logger.log({"loss": 2.0}, 1)
+    assert not (run / "records.jsonl").exists()
+    logger.log({**results, "inf": float("inf")}, 2)
+    logger.close()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(isinstance(v, (int, float)) or v is None for r in rows for v in r.values())
+    assert rows[1]["train/approx_kl"] == results["train/approx_kl"] and rows[1]["inf"] is None
+    assert "_high_kl_records" not in rows[1]
+    (records,) = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    assert records["step"] == 2 and records["_high_kl_records"] == results["_high_kl_records"]
+    out = capsys.readouterr().out
+    assert "train/approx_kl" in out and "_high_kl_records" not in out and "gsi" not in out
+
+
 def test_unknown_sink_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="valid: \\['console', 'jsonl', 'tensorboard', 'wandb'\\]"):
         loggers.build_loggers(["csv"], str(tmp_path))

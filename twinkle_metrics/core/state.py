@@ -28,7 +28,8 @@ class State:
     Args:
         reduce: ``"sum"``, ``"max"``, ``"min"``, or a callable taking the rows of every
             rank stacked as ``[ranks, *shape]`` and returning ``[*shape]``.
-        dtype: ``torch.float64`` (default) or ``torch.int64``.
+        dtype: ``torch.float64`` (default) or ``torch.int64``. An int64 ``"sum"`` state is a
+            count, never negative (``calculate_from`` refuses an export that holds one).
         shape: fixed shape; state size never grows with the number of steps.
         default: the value after ``reset()``; the identity of ``reduce`` when omitted.
         local: how ``accumulate`` folds a new value in: the reduce op by default,

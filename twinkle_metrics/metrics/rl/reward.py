@@ -112,7 +112,7 @@ class CompletionRewardMetric(Metric):
     result_keys = ('train/*_reward', 'train/*_reward_std', 'train/*_reward_p*', 'train/completion_length',
                   'train/completion_length_min', 'train/completion_length_max', 'train/completion_length_p*',
                   'train/completion_clipped_ratio', 'train/frac_reward_zero_std', 'train/nonfinite_rewards',
-                  'profiling/*',)
+                  'profiling/Time taken: move_model_to_sampler', 'profiling/Time taken: generate',)
 
     # fixed names or names as they come decide which states are created on the fly: ranks
     # must agree on it, while a checkpoint loads across the two (its states are checked)

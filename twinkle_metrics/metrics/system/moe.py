@@ -124,7 +124,9 @@ class MoERoutingMetric(Metric):
 
     reads = Reads(outputs=("routing_map?", "router_logits?", "router_probs?", "token_mask?", "aux_loss?",
                            "z_loss?", "tokens_dropped?"))
-    result_keys = ('moe/*',)
+    result_keys = ('moe/load_imbalance', 'moe/cv', 'moe/dead_expert_fraction', 'moe/router_entropy', 'moe/aux_loss',
+                   'moe/z_loss', 'moe/tokens_per_expert_p*', 'moe/*_p*', 'moe/load_imbalance_max',
+                   'moe/tokens_dropped', 'moe/drop_fraction', 'moe/nonfinite', 'moe/layer*/*')
 
     unsliceable = "router statistics are per token of a layer, not per sequence"
 
