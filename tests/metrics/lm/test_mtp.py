@@ -50,6 +50,18 @@ def test_per_depth_counts_and_token_weighted_loss_match_a_recomputation():
     assert m.calculate() == {}  # reset by calculate
 
 
+def test_microbatch_lists_equal_the_whole_batch_and_an_empty_stage_adds_nothing():
+    labels, mask, logits, losses = _depth_batch(10, b=4)
+    whole = MTPMetric(depths=2).accumulate({"labels": labels, "completion_mask": mask},
+                                           {"mtp_logits": logits, "mtp_losses": losses}, depth=2).calculate()
+    m = MTPMetric(depths=2)
+    m.accumulate([], [], depth=2)  # a pipeline stage without the MTP heads
+    parts = (slice(0, 1), slice(1, None))
+    m.accumulate([{"labels": labels[r], "completion_mask": mask[r]} for r in parts],
+                 [{"mtp_logits": logits[r], "mtp_losses": losses[r]} for r in parts], depth=2)
+    assert_results_close(m.calculate(), whole, rel=1e-12)
+
+
 def test_the_three_loss_forms_and_labels_without_a_mask():
     labels, _, logits, losses = _depth_batch(4)
     labels[0, :4] = -100
@@ -125,8 +137,8 @@ def test_logits_labels_and_losses_that_do_not_line_up_raise():
         m.accumulate({"labels": labels}, {"mtp_logits": labels}, depth=1)
     with pytest.raises(ValueError, match=r"got outputs\['mtp_logits'\] but no inputs\['labels'\]"):
         m.accumulate({"completion_mask": mask}, {"mtp_logits": logits}, depth=1)
-    with pytest.raises(TypeError, match=r"inputs must be one dict \(one batch, one depth per call\), got list"):
-        m.accumulate([{"labels": labels}], {"mtp_logits": logits}, depth=1)
+    with pytest.raises(ValueError, match=r"got 2 input microbatches but 1 outputs dicts"):
+        m.accumulate([{"labels": labels}, {"labels": labels}], [{"mtp_logits": logits}], depth=1)
     assert m.calculate() == {}
 
 

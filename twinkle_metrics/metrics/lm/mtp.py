@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -15,8 +15,8 @@ from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import count, f64, floating_tensor, int_tensor, negative_count, plus, scalar
 from twinkle_metrics.inputs.fields import Reads
-from twinkle_metrics.inputs.microbatch import host_array
-from twinkle_metrics.kernels.argmax import argmax_hits, vocab_parallel_argmax
+from twinkle_metrics.inputs.microbatch import as_feature_list, host_array, join
+from twinkle_metrics.kernels.argmax import joined_hits, vocab_parallel_argmax
 from twinkle_metrics.metrics.vocab import agree_shards, check_reach, reach
 
 _NAME = "MTPMetric"
@@ -27,7 +27,8 @@ class MTPMetric(Metric):
     """Per MTP depth ``k``: the loss, token-weighted, and the acceptance rate of the depth's
     argmax, reduced over the data group (DP x CP) in the one fused sync.
 
-    Call once per depth and batch, with ``depth=k`` (1 to ``depths``; Megatron's ``mtp_{k}``)::
+    Call once per depth and batch (or list of pipeline microbatches), with ``depth=k`` (1 to
+    ``depths``; Megatron's ``mtp_{k}``)::
 
         m.accumulate({"labels": labels_k, "completion_mask": mask_k},
                      {"mtp_logits": logits_k, "mtp_losses": losses_k}, depth=k)
@@ -103,44 +104,40 @@ class MTPMetric(Metric):
 
     def update(self, inputs, outputs, *, depth: Optional[int] = None, **kwargs):
         with exchange.guard(self):
-            work = self._validate(inputs, outputs, depth)
+            work = [w for w in (self._checked(f, o) for f, o in _pairs(inputs, outputs)) if w]
+            k = self._depth(depth) if work else 0
+            logits = [w["logits"] for w in work if "logits" in w]
             for group in self.exchange_groups():
-                agree_shards(self, group, [work["logits"]] if "logits" in work else [])
+                agree_shards(self, group, logits)
         if not work:
             return None
-        k, out = work["depth"], {}
-        if "logits" in work:
-            logits, labels, valid = work["logits"], work["labels"], work["valid"]
-            if self.vocab_parallel:  # the peers agreed: all of them hold logits here
+        out: Dict[str, Any] = {}
+        if logits:  # the peers agreed: every TP rank holds as many tokens here
+            labels = [w["labels"] for w in work if "logits" in w]
+            valid = [w["valid"] for w in work if "logits" in w]
+            if self.vocab_parallel:
                 mesh = self.resolve_mesh()
-                hits = vocab_parallel_argmax([logits], mesh.tp_group, mesh.tp_rank, mesh.tp_size)[0] == labels
+                preds = vocab_parallel_argmax(logits, mesh.tp_group, mesh.tp_rank, mesh.tp_size)
+                hits = join([p == y for p, y in zip(preds, labels)])
             else:
-                hits = argmax_hits(logits, labels)
-            out[f"correct_{k}"], out[f"total_{k}"] = (hits & valid).sum(), valid.sum()
-            out.update(reach([labels], [valid], [int(logits.shape[-1])], self.vocab_parallel) or {})
+                hits = joined_hits(list(zip(logits, labels)))
+            counted = join(valid)
+            out[f"correct_{k}"], out[f"total_{k}"] = (hits & counted).sum(), counted.sum()
+            out.update(reach(labels, valid, [int(x.shape[-1]) for x in logits], self.vocab_parallel) or {})
         loss = tokens = None
-        if "losses" in work:
-            weights = work["weights"]
-            loss, tokens = (work["losses"].double() * weights).sum(), weights.sum()
-        if "loss" in work:
-            loss, tokens = plus(loss, f64(work["loss"])), plus(tokens, f64(work["num_tokens"]))
+        for w in work:
+            if "losses" in w:
+                loss = plus(loss, (w["losses"].double() * w["weights"]).sum())
+                tokens = plus(tokens, w["weights"].sum())
+            if "loss" in w:
+                loss, tokens = plus(loss, f64(w["loss"])), plus(tokens, f64(w["num_tokens"]))
         if loss is not None:
             out[f"loss_sum_{k}"], out[f"loss_tokens_{k}"] = loss, tokens
         return out
 
-    def _validate(self, inputs, outputs, depth) -> Dict[str, Any]:
-        """This call's tensors, checked; ``{}`` for a call with nothing for this metric."""
-        if inputs is not None and not isinstance(inputs, Mapping):
-            raise TypeError(f"{_NAME}: inputs must be one dict (one batch, one depth per call), got "
-                            f"{type(inputs).__name__}")
-        if outputs is not None and not isinstance(outputs, Mapping):
-            raise TypeError(f"{_NAME}: outputs must be one dict (one batch, one depth per call), got "
-                            f"{type(outputs).__name__}")
-        inputs, outputs = inputs or {}, outputs or {}
-        fields = [f for f in ("mtp_logits", "mtp_losses", "mtp_loss") if outputs.get(f) is not None]
-        if not fields:
-            return {}
-        work: Dict[str, Any] = {"depth": self._depth(depth)}
+    def _checked(self, inputs: Mapping, outputs: Mapping) -> Dict[str, Any]:
+        """One microbatch's tensors, checked; ``{}`` when it holds nothing for this metric."""
+        work: Dict[str, Any] = {}
         target = None
         if outputs.get("mtp_logits") is not None:
             logits = floating_tensor(_NAME, "mtp_logits", outputs["mtp_logits"])
@@ -163,8 +160,8 @@ class MTPMetric(Metric):
             if labels is None and (mask is None or "logits" in work):
                 what = "mtp_logits" if "logits" in work else "mtp_losses"
                 raise ValueError(f"{_NAME}: labels missing: outputs have {what} but the inputs hold no labels "
-                                 f"(got keys {sorted(inputs)}); pass the depth-{work['depth']} labels of shape "
-                                 f"{target} aligned to them")
+                                 f"(got keys {sorted(inputs)}); pass the depth's labels of shape {target} "
+                                 "aligned to them")
             valid = mask != 0 if mask is not None else labels != self.ignore_index
             if "logits" in work:
                 work["labels"], work["valid"] = labels, valid
@@ -216,3 +213,20 @@ class MTPMetric(Metric):
                 if self.megatron_keys:  # megatron-core logs a percentage
                     out[f"mtp_{k}_acceptance_rate"] = 100.0 * s[f"correct_{k}"] / total
         return out
+
+
+def _pairs(inputs, outputs) -> List[Tuple[Mapping, Mapping]]:
+    """``(input feature, outputs)`` per microbatch: one dict each, or lists of them (a pipeline
+    schedule's; ``[]`` on a stage without the MTP heads)."""
+    feats = as_feature_list(_NAME, inputs)
+    outs = list(outputs) if isinstance(outputs, (list, tuple)) else [] if outputs is None else [outputs]
+    for i, o in enumerate(outs):
+        if o is not None and not isinstance(o, Mapping):
+            raise TypeError(f"{_NAME}: outputs must be a dict or a list of them, got {type(o).__name__}"
+                            + (f" at [{i}]" if isinstance(outputs, (list, tuple)) else ""))
+    if not outs:
+        return []
+    if feats and len(feats) != len(outs):
+        raise ValueError(f"{_NAME}: got {len(feats)} input microbatches but {len(outs)} outputs dicts; pass one "
+                         "outputs dict per microbatch")
+    return [(f, o or {}) for f, o in zip(feats or [{}] * len(outs), outs)]
