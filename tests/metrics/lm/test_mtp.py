@@ -228,6 +228,6 @@ def test_register_mtp_hooks_refuses_what_cannot_be_fed_and_is_inactive_off_the_l
     hooks = register_mtp_hooks([model], MTPMetric(depths=2))
     assert not hooks.active and "compute_language_model_loss" not in model.__dict__
     last = _Model()
-    with register_mtp_hooks(torch.nn.Sequential(last).__getitem__(0), MTPMetric(depths=2)) as hooks:
+    with register_mtp_hooks(last, MTPMetric(depths=2)) as hooks:
         assert hooks.active and "compute_language_model_loss" in last.__dict__ and last._forward_pre_hooks
     assert "compute_language_model_loss" not in last.__dict__ and not last._forward_pre_hooks
