@@ -64,6 +64,7 @@ def _check(ranks, tp):
     assert len(data) == len(ranks) // tp
     first = ranks[0]
     assert len(first["intervals"]) == 2
+    run = {k: [0, 0] for k in range(1, DEPTHS + 1)}  # correct, total since the start
     for i, interval in enumerate(first["intervals"]):
         got = interval["results"]
         for r in ranks:  # every rank: the same dict
@@ -80,10 +81,16 @@ def _check(ranks, tp):
             assert got[f"mtp_{k}_acceptance_rate"] == pytest.approx(100 * correct / total, rel=1e-12)
             assert got[f"mtp/depth{k}/loss"] == pytest.approx(loss_sum / tokens, rel=1e-6)
             assert got[f"mtp_{k} loss"] == got[f"mtp/depth{k}/loss"]
+            run[k] = [run[k][0] + correct, run[k][1] + total]
+            assert got[f"mtp/depth{k}/cumulative_acceptance_rate"] == run[k][0] / run[k][1]
             if first["has_counts"]:  # megatron-core 0.19's tracker, reduced over DP x CP per step
                 steps = interval["steps"]
                 assert correct == sum(s["correct"][k - 1] for s in steps)
                 assert total == sum(s["total"][k - 1] for s in steps)
+                cumulative = steps[-1]["cumulative"]  # the tracker's, since the process started
+                assert run[k] == [cumulative[0][k - 1], cumulative[1][k - 1]]
+                assert got[f"mtp_{k}_cumulative_acceptance_rate"] == pytest.approx(
+                    100 * cumulative[0][k - 1] / cumulative[1][k - 1], rel=1e-12)
     hits = sum(iv["results"][f"mtp/depth{k}/correct_tokens"] for iv in first["intervals"] for k in (1, 2))
     assert hits > 0  # the argmax path is exercised, not only misses
 

@@ -41,13 +41,14 @@ def test_per_depth_counts_and_token_weighted_loss_match_a_recomputation():
     for k, (c, t, ls, n) in _reference(batches).items():
         want.update({f"mtp/depth{k}/loss": ls / n, f"mtp/depth{k}/num_tokens": int(n),
                      f"mtp/depth{k}/acceptance_rate": c / t, f"mtp/depth{k}/correct_tokens": c,
-                     f"mtp/depth{k}/total_tokens": t})
+                     f"mtp/depth{k}/total_tokens": t, f"mtp/depth{k}/cumulative_acceptance_rate": c / t})
     assert_results_close(got, want, rel=1e-12)
     assert type(got["mtp/depth1/correct_tokens"]) is int and 0 < got["mtp/depth1/acceptance_rate"] < 1
     # token-weighted: a batch of 3 positions weighs less than one of 21, not as much
     means = [float((x * w).sum() / w.sum()) for k, (_, w, _, x) in batches if k == 1]
     assert got["mtp/depth1/loss"] != pytest.approx(sum(means) / 2, rel=1e-6)
-    assert m.calculate() == {}  # reset by calculate
+    later = m.calculate()  # an interval without calls: only the run's rates
+    assert later == {k: v for k, v in got.items() if "cumulative" in k} and len(later) == 2
 
 
 def test_microbatch_lists_equal_the_whole_batch_and_an_empty_stage_adds_nothing():
@@ -98,7 +99,7 @@ def test_megatron_keys_are_the_same_numbers_under_megatron_names():
     assert {k: v for k, v in both.items() if k.startswith("mtp/")} == plain
     assert both["mtp_2 loss"] == plain["mtp/depth2/loss"]
     assert both["mtp_2_acceptance_rate"] == pytest.approx(100 * plain["mtp/depth2/acceptance_rate"])  # percent
-    assert set(both) - set(plain) == {"mtp_2 loss", "mtp_2_acceptance_rate"}
+    assert set(both) - set(plain) == {"mtp_2 loss", "mtp_2_acceptance_rate", "mtp_2_cumulative_acceptance_rate"}
     # compute-only: a checkpoint of one loads into the other
     saved = MTPMetric(depths=2).accumulate(*feed, depth=2).state_dict()
     assert MTPMetric(depths=2, megatron_keys=True).load_state_dict(saved).calculate() == both
@@ -231,3 +232,24 @@ def test_register_mtp_hooks_refuses_what_cannot_be_fed_and_is_inactive_off_the_l
     with register_mtp_hooks(last, MTPMetric(depths=2)) as hooks:
         assert hooks.active and "compute_language_model_loss" in last.__dict__ and last._forward_pre_hooks
     assert "compute_language_model_loss" not in last.__dict__ and not last._forward_pre_hooks
+
+
+def test_the_cumulative_rate_runs_over_intervals_and_survives_a_resume_at_another_dp_size():
+    """Two DP ranks' metrics (one process each), saved mid-run, resumed in one process."""
+    batches = [_depth_batch(20 + i) for i in range(5)]
+    ranks = [MTPMetric(depths=1, megatron_keys=True) for _ in range(2)]
+    hits = total = 0
+    for i, (labels, mask, logits, _) in enumerate(batches[:4]):
+        ranks[i % 2].accumulate({"labels": labels, "completion_mask": mask}, {"mtp_logits": logits}, depth=1)
+        hits, total = hits + int(((logits.argmax(-1) == labels) & (mask != 0)).sum()), total + int((mask != 0).sum())
+        if i == 1:  # an interval ends on both ranks (each calculates alone here: one process)
+            for r in ranks:
+                r.calculate()
+    resumed = MTPMetric(depths=1, megatron_keys=True).load_state_dict([r.state_dict() for r in ranks])
+    labels, mask, logits, _ = batches[4]
+    resumed.accumulate({"labels": labels, "completion_mask": mask}, {"mtp_logits": logits}, depth=1)
+    hits, total = hits + int(((logits.argmax(-1) == labels) & (mask != 0)).sum()), total + int((mask != 0).sum())
+    got = resumed.calculate()
+    assert got["mtp/depth1/cumulative_acceptance_rate"] == hits / total
+    assert got["mtp_1_cumulative_acceptance_rate"] == pytest.approx(100 * hits / total)
+    assert got["mtp/depth1/total_tokens"] < total  # the interval's rate is the interval's alone

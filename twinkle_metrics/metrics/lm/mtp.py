@@ -48,9 +48,11 @@ class MTPMetric(Metric):
     sum(mask)`` over the interval, its microbatches and the data group),
     ``mtp/depth{k}/num_tokens``, ``mtp/depth{k}/acceptance_rate`` (a fraction: correct
     argmax over counted positions), ``mtp/depth{k}/correct_tokens``,
-    ``mtp/depth{k}/total_tokens``. With ``megatron_keys=True`` also megatron-core's names
-    for the same numbers: ``mtp_{k} loss`` and ``mtp_{k}_acceptance_rate`` (in percent, as
-    megatron-core logs it); docs/metrics.md says where they differ from megatron-core's
+    ``mtp/depth{k}/total_tokens``, and ``mtp/depth{k}/cumulative_acceptance_rate`` over the
+    run (kept states: they outlive ``calculate()`` and ride in ``state_dict()``, so a resume
+    keeps them). With ``megatron_keys=True`` also megatron-core's names for the same numbers:
+    ``mtp_{k} loss``, ``mtp_{k}_acceptance_rate`` and ``mtp_{k}_cumulative_acceptance_rate``
+    (in percent, as megatron-core logs them); docs/metrics.md says where they differ from megatron-core's
     tracker. Counts are int64 and exact; TP replicas count once, pipeline stages other
     than the last add nothing.
 
@@ -70,13 +72,14 @@ class MTPMetric(Metric):
         ...                  {"mtp_logits": logits, "mtp_losses": torch.tensor([[0.5, 1.5, 9.0]])}, depth=2)
         >>> m.calculate()  # doctest: +NORMALIZE_WHITESPACE
         {'mtp/depth2/loss': 1.0, 'mtp/depth2/num_tokens': 2, 'mtp/depth2/acceptance_rate': 0.5,
-         'mtp/depth2/correct_tokens': 1, 'mtp/depth2/total_tokens': 2}
+         'mtp/depth2/correct_tokens': 1, 'mtp/depth2/total_tokens': 2,
+         'mtp/depth2/cumulative_acceptance_rate': 0.5}
     """
 
     reads = (Reads(outputs=("mtp_logits",), context=Reads(inputs=("labels", "completion_mask?"), keywords=("depth",))),
              Reads(outputs=("mtp_losses",), context=Reads(inputs=("completion_mask|labels",), keywords=("depth",))),
              Reads(outputs=("mtp_loss", "mtp_num_tokens"), context=_DEPTH))
-    result_keys = ("mtp/depth*", "mtp_* loss", "mtp_*_acceptance_rate")
+    result_keys = ("mtp/depth*", "mtp_* loss", "mtp_*_acceptance_rate", "mtp_*_cumulative_acceptance_rate")
     schema = Schema(sync_only=("megatron_keys",))
 
     label_reach = State("max", torch.int64)  # the largest label id counted (metrics.vocab)
@@ -98,6 +101,8 @@ class MTPMetric(Metric):
             self.add_state(f"total_{k}", State("sum", torch.int64))
             self.add_state(f"loss_sum_{k}", State("sum"))
             self.add_state(f"loss_tokens_{k}", State("sum"))
+            self.add_state(f"run_correct_{k}", State("sum", torch.int64, keep=True))  # over the run
+            self.add_state(f"run_total_{k}", State("sum", torch.int64, keep=True))
         self.agree_over = ("tp",) if vocab_parallel else ()
         if not vocab_parallel:
             self.tp_mismatch_hint = "mtp_logits look vocab-sharded over the TP group: pass vocab_parallel=True"
@@ -123,6 +128,7 @@ class MTPMetric(Metric):
                 hits = joined_hits(list(zip(logits, labels)))
             counted = join(valid)
             out[f"correct_{k}"], out[f"total_{k}"] = (hits & counted).sum(), counted.sum()
+            out[f"run_correct_{k}"], out[f"run_total_{k}"] = out[f"correct_{k}"], out[f"total_{k}"]
             out.update(reach(labels, valid, [int(x.shape[-1]) for x in logits], self.vocab_parallel) or {})
         loss = tokens = None
         for w in work:
@@ -212,6 +218,10 @@ class MTPMetric(Metric):
                 out[f"mtp/depth{k}/correct_tokens"], out[f"mtp/depth{k}/total_tokens"] = s[f"correct_{k}"], total
                 if self.megatron_keys:  # megatron-core logs a percentage
                     out[f"mtp_{k}_acceptance_rate"] = 100.0 * s[f"correct_{k}"] / total
+            if s[f"run_total_{k}"]:
+                out[f"mtp/depth{k}/cumulative_acceptance_rate"] = s[f"run_correct_{k}"] / s[f"run_total_{k}"]
+                if self.megatron_keys:
+                    out[f"mtp_{k}_cumulative_acceptance_rate"] = 100.0 * s[f"run_correct_{k}"] / s[f"run_total_{k}"]
         return out
 
 
