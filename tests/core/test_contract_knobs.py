@@ -61,10 +61,11 @@ def test_every_knob_serves_two_shipped_metrics_or_is_a_tested_general_one():
         for a in attributes:
             if getattr(m, a) != getattr(Metric, a):
                 users.setdefault(a, set()).add(type(m).__name__)
-    thin = {k: sorted(users.get(k, ())) for k in state + attributes if len(users.get(k, ())) < 2}
+    general = {"keep"}  # general ideas: in docs/contract.md, with their direct tests below
+    thin = {k: sorted(users.get(k, ())) for k in state + attributes if len(users.get(k, ())) < 2 and k not in general}
     assert thin == {}
     doc = open(os.path.join(ROOT, "docs", "contract.md")).read()
-    assert "Origin(" in doc and all(f"`{a}`" in doc for a in attributes)
+    assert "Origin(" in doc and all(f"`{a}`" in doc for a in attributes) and "keep=True" in doc
 
 
 def test_collection_drives_metrics_through_public_or_package_functions():
@@ -173,6 +174,44 @@ def test_a_failed_interval_folds_back_from_the_earlier_origins(monkeypatch):
     NOW[0] = 16.0
     m.accumulate(step=7)
     assert m.calculate() == {"seconds": 6.0, "steps": 7}  # one interval from 10 s and step 0
+
+
+# ------------------------------------------------------------------ kept states
+class _Seen(Metric):
+    """Tokens of the interval, and of the run (a state kept over calculate())."""
+
+    tokens = State("sum", torch.int64)
+    run_tokens = State("sum", torch.int64, keep=True)
+
+    def update(self, inputs, outputs, *, n, **kwargs):
+        return {"tokens": n, "run_tokens": n}
+
+    def compute(self, s):
+        return {"tokens": s["tokens"], "run_tokens": s["run_tokens"]}
+
+
+def test_a_kept_state_outlives_calculate_a_resume_and_a_failed_interval(monkeypatch):
+    m = _Seen().accumulate(n=3)
+    assert m.calculate() == {"tokens": 3, "run_tokens": 3}
+    m.accumulate(n=4)
+    assert m.calculate() == {"tokens": 4, "run_tokens": 7}
+    ranks = [_Seen().accumulate(n=2), _Seen().accumulate(n=5)]  # DP2 saves; DP1 resumes with both
+    for r in ranks:
+        r.calculate()
+    resumed = _Seen().load_state_dict([r.accumulate(n=1).state_dict() for r in ranks])
+    assert resumed.calculate() == {"tokens": 2, "run_tokens": 9}
+
+    def fail(*a, **k):
+        raise MetricSyncError("ranks disagree (simulated)")
+
+    with monkeypatch.context() as p:
+        p.setattr(interval, "sync_handed", fail)
+        handle = resumed.calculate(async_op=True)  # handed off with run_tokens 9
+        resumed.accumulate(n=10)                   # the next interval goes on from 9
+        with pytest.raises(MetricSyncError):
+            handle.wait()
+    assert resumed.calculate() == {"tokens": 10, "run_tokens": 19}  # the failed interval under it, counted once
+    assert resumed.reset().calculate() == {"tokens": 0, "run_tokens": 0}  # reset() starts a new run
 
 
 # ------------------------------------------------------------------ callable reductions

@@ -111,6 +111,16 @@ def _emb(m, seed=1):
     m.accumulate({"labels": torch.tensor([1, 0, 1, 0, 0, 1])}, {"embeddings": torch.randn(6, 5, generator=g)})
 
 
+def _mtp(m, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for k in (1, 2):
+        labels = torch.randint(0, 11, (4, 6), generator=g)
+        mask = (torch.rand(4, 6, generator=g) < 0.7).float()
+        m.accumulate({"labels": labels, "completion_mask": mask},
+                     {"mtp_logits": torch.randn(4, 6, 11, generator=g), "mtp_losses": torch.rand(4, 6, generator=g)},
+                     depth=k)
+
+
 def _train(m, seed=1):
     m.accumulate(None, None, lr=[1e-3, 2e-4], step=4, tokens=100, samples=3)
 
@@ -133,6 +143,7 @@ WORKERS = {
     "StalenessMetric": ({"max_staleness": 2}, _stale),
     "ModelNormMetric": ({}, _norms),
     "MoERoutingMetric": ({"num_layers": 2, "num_experts": 4, "percentiles": (50, 90)}, _moe),
+    "MTPMetric": ({"depths": 2, "megatron_keys": True}, _mtp),
 }
 
 
@@ -168,7 +179,7 @@ def test_every_shipped_metric_round_trips_through_json(name):
     driver = SHIPPED[name](**kwargs)
     got = driver.calculate_from([json.loads(text)])
     assert list(got) == list(want) and equal(got, want), (got, want)
-    assert worker.calculate() == {} or name in ("TrainMetric", "StalenessMetric", "PassAtKMetric")  # reset
+    assert worker.calculate() == {} or name in ("TrainMetric", "StalenessMetric", "PassAtKMetric", "MTPMetric")  # reset
     # built from the JSON arguments alone: no class named by the data, no worker code
     assert equal(from_export(json.loads(text)).calculate_from([json.loads(text)]), want)
 

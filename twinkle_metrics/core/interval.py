@@ -106,9 +106,12 @@ class Interval:
         and the interval keeps ``earlier``'s origins. Not bounded by ``max_slices``: both
         intervals were within it when handed off."""
         specs = {**earlier.specs, **self.specs}
-        base = move_states({k: earlier.states[k].clone() if k in earlier.states else spec.new("cpu")
+        # a kept state of this interval started from earlier's value (``end``): it holds both
+        first = {k: self.states[k] if spec.keep and k in self.states else earlier.states.get(k)
+                 for k, spec in specs.items()}
+        base = move_states({k: spec.new("cpu") if first[k] is None else first[k].clone()
                             for k, spec in specs.items()}, self.device)  # earlier may go under others too
-        later = {k: self.states[k] for k in self.touched if k in self.states}
+        later = {k: self.states[k] for k in self.touched if k in self.states and not specs[k].keep}
         saved = self.specs, self.states
         self.specs, self.states = specs, base
         try:
@@ -132,7 +135,11 @@ def end(metric) -> None:
         metric.reset()
     finally:
         ended.handoffs.keep = False
-    interval_of(metric).number = ended.number + 1
+    new = interval_of(metric)
+    new.number = ended.number + 1
+    for name, spec in ended.specs.items():  # states kept over the run go on from where they are
+        if spec.keep and name in new.states:
+            new.states[name] = ended.states[name].clone()
 
 
 def computing(interval: Interval):

@@ -53,6 +53,9 @@ class State:
               agreement check, since TP ranks hold different parts.
 
             ``"stage"`` and ``"model"`` need a ``"sum"``, ``"max"`` or ``"min"`` reduction.
+        keep: the value outlives ``calculate()``: a total over the run (the end of an
+            interval leaves it, calls go on folding into it, every sync reduces it with the
+            other states, ``state_dict()`` carries it over a resume; ``reset()`` clears it).
 
     A callable ``reduce`` (with its own ``local``) is how a merge that the three operations
     cannot express is declared: Chan's merge of moments (``stats.moments``), GRPO's top-k
@@ -66,6 +69,7 @@ class State:
     local: Union[str, Callable, None] = None
     per_rank: bool = False
     scope: str = "data"
+    keep: bool = False
 
     def __post_init__(self):
         if not callable(self.reduce) and self.reduce not in _OPS:
