@@ -34,7 +34,8 @@ class Undeclaring(Keyed):
     result_keys = ()
 
 
-UNDECLARED = r"Keyed: compute\(\) returned the key 'oops', which its result_keys \['count', 'per/\*', 'x_n'\] do not name"
+UNDECLARED = (r"Keyed: compute\(\) returned the key 'oops', which its result_keys "
+              r"\['count', 'per/\*', 'x_n'\] do not name")
 
 
 def test_declared_keys_patterns_and_settings_pass():

@@ -290,7 +290,7 @@ CASES = {
     "EmbeddingMetric": (EmbeddingMetric, feed_embedding, ["dp2"], reject_embedding, None),
     "TrainMetric": (functools.partial(TrainMetric, counts="local"), feed_train, ["dp2"], None,
                     lambda key: "time" in key or "speed" in key or "/s" in key or key == "mfu"),
-    "GRPOMetric": (functools.partial(GRPOMetric, top_k_kl=3), feed_policy, ["tp2xpp2xdp2"], reject_policy, None),
+    "GRPOMetric": (functools.partial(GRPOMetric, top_k_kl=3), feed_policy, ["tp2xdp2"], reject_policy, None),
     "GSPOMetric": (functools.partial(GSPOMetric, epsilon=0.05), feed_policy, ["cp2xdp2"], reject_policy, None),
     "CISPOMetric": (CISPOMetric, feed_policy, ["dp2"], reject_policy, None),
     "PPOMetric": (functools.partial(PPOMetric, loss_agg_mode="seq-mean-token-mean"), feed_policy, ["cp2xdp2"],
@@ -318,6 +318,8 @@ def test_every_exported_metric_has_a_case():
                 if isinstance(getattr(twinkle_metrics, name), type)
                 and issubclass(getattr(twinkle_metrics, name), Metric) and name != "Metric"}
     assert exported == set(CASES)
+    # every shipped metric declares its keys (the library checks them; a collection refuses clashes by them)
+    assert not [name for name in exported if not getattr(twinkle_metrics, name).result_keys]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
