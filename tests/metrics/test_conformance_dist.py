@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import twinkle_metrics
-from tests.moeref import losses, make_layer, piece
+from tests.moeref import feed_layers
 from tests.passref import make_samples
 from tests.refmetric import cp_slice, dp_shards
 from tests.rlref import make_ppo_batch, make_rl_batch, ragged
@@ -241,17 +241,7 @@ def reject_staleness(m):
 
 
 # ------------------------------------------------------------------------------ system
-MOE_LAYERS, MOE_EXPERTS, MOE_TOPK, MOE_TOKENS, MOE_CHUNKS = 4, 6, 2, 40, 4
-
-
-def feed_moe(m, shard):
-    """Stage p routes layers p, p + pp, ...; the data ranks share out each layer's token chunks."""
-    me, n = shard.dp_rank * shard.cp_size + shard.cp_rank, shard.dp_size * shard.cp_size
-    for layer in range(shard.pp_rank, MOE_LAYERS, shard.pp_size):
-        data = make_layer(100 * shard.interval + layer, MOE_TOKENS, MOE_EXPERTS, MOE_TOPK)
-        for c in range(me, MOE_CHUNKS, n):
-            rows = torch.arange(MOE_TOKENS).tensor_split(MOE_CHUNKS)[c].tolist()
-            m.observe(layer, **piece(data, rows, MOE_TOPK), **losses(shard.interval, layer, c))
+MOE_LAYERS, MOE_EXPERTS = 4, 6
 
 
 def reject_moe(m):
@@ -308,7 +298,8 @@ CASES = {
     "StalenessMetric": (functools.partial(StalenessMetric, max_staleness=4), feed_staleness, ["cp2xdp2"],
                         reject_staleness, None),
     "MoERoutingMetric": (functools.partial(MoERoutingMetric, num_layers=MOE_LAYERS, num_experts=MOE_EXPERTS),
-                         feed_moe, ["pp2xdp2"], reject_moe, None),
+                         functools.partial(feed_layers, num_layers=MOE_LAYERS, num_experts=MOE_EXPERTS),
+                         ["pp2xdp2"], reject_moe, None),
     "ModelNormMetric": (make_norms, feed_norms, ["dp2"], None, None),
 }
 
