@@ -19,7 +19,8 @@ For a metric (yours or a shipped one) and the ``feed(metric, shard)`` that
 * ``calculate()`` ends the interval: the states are back at their defaults;
 
 then runs ``assert_layout_invariant`` on ``layouts`` (real gloo ranks). Each failure is an
-``AssertionError`` naming the metric and the check.
+``AssertionError`` naming the metric and the check (an undeclared key: the library's own
+``ValueError``).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def check_metric(make_metric: Callable, feed: Callable, layouts: Union[str, Sequ
                  reject: Optional[Callable[[Any], Any]] = None, rel: float = 1e-9, abs_tol: float = 1e-12,
                  ignore: Union[None, Collection[str], Callable[[str], bool]] = None, exports: bool = True,
                  **layout_options: Any) -> Optional[LayoutReport]:
-    """Raise ``AssertionError`` unless the metric keeps the contract (see the module docstring).
+    """Raise ``AssertionError`` unless the metric keeps the contract (see the module docstring;
+    an undeclared key raises the library's ``ValueError``).
 
     Example (``feed`` as in docs/testing.md; arguments with ``functools.partial``)::
 
@@ -82,13 +84,13 @@ def check_metric(make_metric: Callable, feed: Callable, layouts: Union[str, Sequ
     check.same_results(loaded.calculate(reset=False), first, "load_state_dict(state_dict())")
 
     try:
-        copy = pickle.loads(pickle.dumps(m))
+        pickled = pickle.loads(pickle.dumps(m))
     except Exception as e:  # noqa: BLE001 - whatever stops pickling (a lambda, a lock, a handle)
         raise AssertionError(f"check_metric: {check.name}: it cannot be pickled ({type(e).__name__}: {e}); define "
                              "its class at module level and keep lambdas, locks and handles out of its attributes"
                              ) from None
-    check.same_states(fed, "a pickled copy holds other states", copy)
-    check.same_results(copy.calculate(reset=False), first, "a pickled copy")
+    check.same_states(fed, "a pickled copy holds other states", pickled)
+    check.same_results(pickled.calculate(reset=False), first, "a pickled copy")
 
     with _refusing_after_update(m) as refused:
         try:
