@@ -54,7 +54,7 @@ def test_every_knob_serves_two_shipped_metrics_or_is_a_tested_general_one():
     base = State()
     users = {}
     for m in metrics:
-        for spec in list(m._specs.values()) + list(m._families.values()):
+        for spec in list(m.declarations.values()) + list(m.families.values()):
             for f in state:
                 if getattr(spec, f) != getattr(base, f):
                     users.setdefault(f, set()).add(type(m).__name__)
@@ -251,9 +251,9 @@ def test_grpo_records_are_one_state_with_its_own_reduction():
     """The top-k records and what places them (sequences counted, DP and CP rank) are one
     state: two ranks' records merge with the second rank's sequences after the first's."""
     m = GRPOMetric(top_k_kl=2)
-    spec = m._specs["topk"]
+    spec = m.declarations["topk"]
     assert callable(spec.reduce) and spec.shape == (3, 7)
-    assert not {"n_seq", "dp_index", "cp_index"} & set(m._specs)
+    assert not {"n_seq", "dp_index", "cp_index"} & set(m.declarations)
     inf = float("-inf")
     rank0 = torch.tensor([[0.5, 1, 0, 0, 1, 0, 0], [0.2, 0, 3, 0, 1, 0, 0], [4, 0, 0, inf, inf, inf, inf]],
                          dtype=torch.float64)

@@ -12,8 +12,8 @@ recipe in megatron-core's schedule on 1 and 4 gloo ranks). A block without a mar
 with an unknown name, fails ``test_every_block_has_a_runner``.
 
 ``docs/contract.md``, ``docs/testing.md`` and ``docs/single-controller.md`` are left out: their
-examples run in their own tests (``tests/docs/test_contract_doc.py``, those of
-``twinkle_metrics.testing``, ``tests/core/test_single_controller_dist.py``).
+examples run in their own tests (``tests/docs/test_contract_doc.py``,
+``tests/docs/test_testing_doc_dist.py``, ``tests/core/test_single_controller_dist.py``).
 """
 import glob
 import json

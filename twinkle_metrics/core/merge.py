@@ -13,12 +13,13 @@ and no mesh and hands ``calculate_from`` the workers' ``export()`` values. For e
   rank for ``"model"``; TP replicas count once (the lowest TP rank given) and must agree
   as the sync demands; an export given twice counts once, two different ones for one
   place raise;
-* several intervals fold per place as ``accumulate`` folds (``Metric._fold_under``: each
+* several intervals fold per place as ``accumulate`` folds (``Interval.fold_under``: each
   state's own local fold), so they merge as one long interval would;
 * the rows merge by the sync's own plan and merges (``comm.offline.Rows``) and the result
   is the metric's ``compute`` of them (``core.interval.results``, on a copy numbered as the
   exports' interval, the last with ``merge_intervals=True``): the keys and numbers
-  ``calculate()`` returns on the workers, and the errors its checks raise there.
+  ``calculate()`` returns on the workers, each checked against the metric's ``result_keys``
+  as there, and the errors its checks raise there.
 
 Every check comes before any result and the driver metric is never changed: it works on
 a copy. Errors are ``TypeError``/``ValueError`` naming the export's index and the field

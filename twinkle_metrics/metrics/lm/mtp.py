@@ -207,7 +207,7 @@ class MTPMetric(Metric):
         for k in range(1, self.depths + 1):
             tokens, total = s[f"loss_tokens_{k}"], s[f"total_{k}"]
             if tokens < 0:  # a negative device count (masks weight the loss: a sum may be fractional)
-                negative_count(_NAME, f"depth {k}'s mtp_num_tokens", tokens, self._intervals)
+                negative_count(_NAME, f"depth {k}'s mtp_num_tokens", tokens, self.intervals)
             if tokens > 0 or not math.isfinite(tokens):
                 out[f"mtp/depth{k}/loss"] = s[f"loss_sum_{k}"] / tokens
                 out[f"mtp/depth{k}/num_tokens"] = int(tokens) if float(tokens).is_integer() else tokens

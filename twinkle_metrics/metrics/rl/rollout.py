@@ -265,7 +265,7 @@ class RolloutMismatchMetric(Metric):
             return {}
         totals, rows = result
         for name, value in totals.items():  # every token state, by its declared reduction
-            fold.by(acc, name, value, self._specs[name].reduce)
+            fold.by(acc, name, value, self.declarations[name].reduce)
         return dict(zip(which, rows))
 
     def _token_sums(self, acc, item) -> torch.Tensor:

@@ -218,7 +218,7 @@ class MoERoutingMetric(Metric):
                 raise ValueError(f"{_NAME}: {where}[{per_layer[0]!r}] belongs to one layer but no layer "
                                  "was given; pass accumulate(..., layer=i) or observe(i, ...)")
         L, E = self.num_layers, self.num_experts
-        fields["device"] = next((v.device for v in fields.values() if isinstance(v, torch.Tensor)), self._device)
+        fields["device"] = next((v.device for v in fields.values() if isinstance(v, torch.Tensor)), self.device)
         lead = None  # leading (token) dims shared by routing_map, logits, probs, mask
         for key in ("routing_map", "router_logits", "router_probs"):
             if key in fields:
