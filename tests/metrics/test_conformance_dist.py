@@ -30,6 +30,7 @@ from twinkle_metrics import (
     Metric,
     ModelNormMetric,
     MoERoutingMetric,
+    MTPMetric,
     PassAtKMetric,
     PPOMetric,
     PPOValueMetric,
@@ -97,6 +98,21 @@ def feed_accuracy(m, shard):
 
 def reject_accuracy(m):
     m.accumulate({"labels": torch.zeros(2, 3, dtype=torch.long)}, {"logits": torch.zeros(2, 4, VOCAB)})
+
+
+def feed_mtp(m, shard):
+    """Per MTP depth: this rank's rows, its TP shard of the vocabulary, and its loss pair."""
+    labels, logits = _lm_batch(shard.interval)
+    v = VOCAB // shard.tp_size
+    vocab = slice(shard.tp_rank * v, (shard.tp_rank + 1) * v)
+    rows = _rows(shard)
+    for k in (1, 2):
+        m.accumulate({"labels": labels[rows].roll(-k, 1)}, {"mtp_logits": logits[rows][..., vocab]}, depth=k)
+        m.accumulate(None, {"mtp_loss": 0.5 * k * len(rows), "mtp_num_tokens": len(rows)}, depth=k)
+
+
+def reject_mtp(m):
+    m.accumulate({"labels": torch.zeros(2, 3, dtype=torch.long)}, {"mtp_logits": torch.zeros(2, 4, VOCAB)}, depth=1)
 
 
 #: pair-aligned row ranges of 12 embedding rows per DP rank (of 1 or 2)
@@ -301,6 +317,8 @@ CASES = {
                          functools.partial(feed_layers, num_layers=MOE_LAYERS, num_experts=MOE_EXPERTS),
                          ["pp2xdp2"], reject_moe, None),
     "ModelNormMetric": (make_norms, feed_norms, ["dp2"], None, None),
+    "MTPMetric": (functools.partial(MTPMetric, depths=2, vocab_parallel=True), feed_mtp, ["tp2xdp2"], reject_mtp,
+                  None),
 }
 
 

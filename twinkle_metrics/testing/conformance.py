@@ -16,7 +16,8 @@ For a metric (yours or a shipped one) and the ``feed(metric, shard)`` that
 * the export round trip: a twin's ``export()``, as strict JSON, gives a driver's
   ``calculate_from`` the same results, leaves the driver's states alone and ends the twin's
   interval;
-* ``calculate()`` ends the interval: the states are back at their defaults;
+* ``calculate()`` ends the interval: the states are back at their defaults (those kept over
+  the run, ``State(keep=True)``, go on);
 
 then runs ``assert_layout_invariant`` on ``layouts`` (real gloo ranks). Each failure is an
 ``AssertionError`` naming the metric and the check (an undeclared key: the library's own
@@ -153,12 +154,14 @@ class _Checker:
 
     def at_defaults(self, metric, what: str) -> None:
         """Every state of ``metric`` (of each member, for a collection) at its declaration's
-        default: those created on the fly stay over a reset, at their defaults."""
+        default: those created on the fly stay over a reset, at their defaults; those kept over
+        the run (``State(keep=True)``) go on."""
         members = list(metric) if hasattr(metric, "members") else [metric]
         differ = []
         for member in members:
-            got = {k: v for k, v in member.states.items()}
-            want = {k: spec.new(member.device) for k, spec in member.declarations.items()}
+            kept = {k for k, spec in member.declarations.items() if spec.keep}
+            got = {k: v for k, v in member.states.items() if k not in kept}
+            want = {k: spec.new(member.device) for k, spec in member.declarations.items() if k not in kept}
             differ += [f"{type(member).__name__}.{k}" for k in state_dict_differences(got, want)]
         if differ:
             raise AssertionError(f"check_metric: {self.name}: {what}: states {differ[:8]} are not at their "

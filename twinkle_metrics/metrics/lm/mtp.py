@@ -79,7 +79,9 @@ class MTPMetric(Metric):
     reads = (Reads(outputs=("mtp_logits",), context=Reads(inputs=("labels", "completion_mask?"), keywords=("depth",))),
              Reads(outputs=("mtp_losses",), context=Reads(inputs=("completion_mask|labels",), keywords=("depth",))),
              Reads(outputs=("mtp_loss", "mtp_num_tokens"), context=_DEPTH))
-    result_keys = ("mtp/depth*", "mtp_* loss", "mtp_*_acceptance_rate", "mtp_*_cumulative_acceptance_rate")
+    result_keys = ("mtp/depth*/loss", "mtp/depth*/num_tokens", "mtp/depth*/acceptance_rate",
+                   "mtp/depth*/correct_tokens", "mtp/depth*/total_tokens", "mtp/depth*/cumulative_acceptance_rate",
+                   "mtp_* loss", "mtp_*_acceptance_rate", "mtp_*_cumulative_acceptance_rate")
     schema = Schema(sync_only=("megatron_keys",))
 
     label_reach = State("max", torch.int64)  # the largest label id counted (metrics.vocab)
@@ -215,7 +217,8 @@ class MTPMetric(Metric):
                     out[f"mtp_{k} loss"] = out[f"mtp/depth{k}/loss"]
             if total:
                 out[f"mtp/depth{k}/acceptance_rate"] = s[f"correct_{k}"] / total
-                out[f"mtp/depth{k}/correct_tokens"], out[f"mtp/depth{k}/total_tokens"] = s[f"correct_{k}"], total
+                out[f"mtp/depth{k}/correct_tokens"] = s[f"correct_{k}"]
+                out[f"mtp/depth{k}/total_tokens"] = total
                 if self.megatron_keys:  # megatron-core logs a percentage
                     out[f"mtp_{k}_acceptance_rate"] = 100.0 * s[f"correct_{k}"] / total
             if s[f"run_total_{k}"]:
