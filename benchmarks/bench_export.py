@@ -101,7 +101,7 @@ def measure(quantiles: bool, sizes, budget: float):
     source = fed(quantiles)
     export = source.export()
     text = json.dumps(export, allow_nan=False)
-    packed = 8 * (4 + sum(spec.numel for m in source for spec in m._specs.values()))
+    packed = 8 * (4 + sum(spec.numel for m in source for spec in m.declarations.values()))
     t_calc = _timed_after(lambda: fed(quantiles), lambda c: c.calculate(), budget)
     t_export = _timed_after(lambda: fed(quantiles), lambda c: c.export(), budget)
     t_dumps = _time(lambda: json.dumps(export, allow_nan=False), budget)

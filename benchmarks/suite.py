@@ -85,7 +85,7 @@ class OursSuite:
         """Bytes one rank contributes to the fused all_gather (header + states)."""
         from twinkle_metrics.comm.fused import _HEADER
 
-        return 8 * (_HEADER + sum(spec.numel for m in self.collection for spec in m._specs.values()))
+        return 8 * (_HEADER + sum(spec.numel for m in self.collection for spec in m.declarations.values()))
 
 
 def _accumulate_ours(name, m, b):

@@ -35,6 +35,19 @@ def losses(seed: int, layer: int, index: int) -> Dict[str, float]:
     return {"aux_loss": 1.0 + rng.random(), "z_loss": 3.0 + 2 * rng.random()}
 
 
+def feed_layers(m, shard, num_layers: int = 4, num_experts: int = 6, topk: int = 2, tokens: int = 40,
+                chunks: int = 4) -> None:
+    """A layout-harness feed of MoERoutingMetric: stage p routes layers p, p + pp, ...; the data
+    ranks (DP x CP) share out ``chunks`` fixed chunks of each layer's tokens; TP replicas route
+    the same tokens."""
+    me, n = shard.dp_rank * shard.cp_size + shard.cp_rank, shard.dp_size * shard.cp_size
+    for layer in range(shard.pp_rank, num_layers, shard.pp_size):
+        data = make_layer(100 * shard.interval + layer, tokens, num_experts, topk)
+        for c in range(me, chunks, n):
+            rows = torch.arange(tokens).tensor_split(chunks)[c].tolist()
+            m.observe(layer, **piece(data, rows, topk), **losses(shard.interval, layer, c))
+
+
 def reference(calls: List[tuple], num_layers: int, num_experts: int, per_layer: bool = True) -> dict:
     """Results from ``[(layer, fields)]`` by plain Python: lists, loops and ``math``."""
     E = num_experts

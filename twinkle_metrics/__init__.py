@@ -31,12 +31,14 @@ from twinkle_metrics.core.state import Origin, State
 from twinkle_metrics.inputs.data_format import InputFeature, ModelOutput
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import microbatches
+from twinkle_metrics.integrations.mtp_hooks import register_mtp_hooks
 from twinkle_metrics.integrations.router_hooks import register_router_hooks
 from twinkle_metrics.kernels.argmax import vocab_parallel_argmax
 from twinkle_metrics.metrics import from_export
 from twinkle_metrics.metrics.lm.accuracy import Accuracy
 from twinkle_metrics.metrics.lm.embedding import EmbeddingMetric
 from twinkle_metrics.metrics.lm.loss import LossMetric
+from twinkle_metrics.metrics.lm.mtp import MTPMetric
 from twinkle_metrics.metrics.rl.dpo import DPOMetric
 from twinkle_metrics.metrics.rl.pass_at_k import PassAtKMetric
 from twinkle_metrics.metrics.rl.policy import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
@@ -50,10 +52,10 @@ from twinkle_metrics.metrics.system.train import TrainMetric
 
 __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "Reads", "Schema", "InputFeature",
            "ModelOutput", "microbatches",
-           "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "EmbeddingMetric",
+           "MetricSyncError", "TrainMetric", "LossMetric", "Accuracy", "MTPMetric", "EmbeddingMetric",
            "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric",
            "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "ModelNormMetric", "MoERoutingMetric",
            "PassAtKMetric", "StalenessMetric",
            "register_router_hooks", "UnknownArgumentWarning", "vocab_parallel_argmax", "CalculateHandle", "fold",
-           "is_export", "from_export", "agreed_results"]
+           "register_mtp_hooks", "is_export", "from_export", "agreed_results"]
 __version__ = "0.2.0"

@@ -22,7 +22,7 @@ def _plain(labels, values):
 
 def test_states_declared_once_and_reset_restores_defaults():
     m = TokenStats()
-    assert list(m._specs) == ["total", "count", "peak", "low"]
+    assert list(m.declarations) == ["total", "count", "peak", "low"]
     assert m.count.dtype == torch.int64 and m.total.dtype == torch.float64
     labels, values = make_batch(0)
     m.accumulate({"labels": labels}, {"values": values})
@@ -143,7 +143,7 @@ def _fold_reference(calls):
     ref = _AllOps()
     for c in calls:
         for name, value in c.items():
-            _fold_one(ref._specs[name], ref._states[name], value)
+            _fold_one(ref.declarations[name], ref.states[name], value)
     return ref
 
 
@@ -427,20 +427,20 @@ def test_states_move_to_an_accelerator_in_one_copy_per_dtype():
     shape; the meta device stands in for the accelerator (no data, the same code path)."""
     from twinkle_metrics.core.state import move_states, new_states
     m = GRPOMetric(top_k_kl=3)
-    moved = move_states(m._states, "meta")
-    assert list(moved) == list(m._states)
+    moved = move_states(m.states, "meta")
+    assert list(moved) == list(m.states)
     for name, t in moved.items():
-        src = m._states[name]
+        src = m.states[name]
         assert t.device.type == "meta" and t.dtype == src.dtype and t.shape == src.shape, name
     bases = {}
     for t in moved.values():
         bases.setdefault(t.dtype, set()).add(id(t._base))
     assert all(len(b) == 1 and None not in b for b in bases.values()), bases  # one block per dtype
-    fresh = new_states(m._specs, "meta")
+    fresh = new_states(m.declarations, "meta")
     assert {k: (v.dtype, v.shape) for k, v in fresh.items()} == {k: (v.dtype, v.shape) for k, v in moved.items()}
-    assert new_states(m._specs, "cpu").keys() == m._states.keys()
-    for name, t in new_states(m._specs, "cpu").items():
-        assert torch.equal(t, m._specs[name].new("cpu")), name
+    assert new_states(m.declarations, "cpu").keys() == m.states.keys()
+    for name, t in new_states(m.declarations, "cpu").items():
+        assert torch.equal(t, m.declarations[name].new("cpu")), name
 
 
 class _CountsCalls(Metric):

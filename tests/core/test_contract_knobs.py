@@ -54,17 +54,18 @@ def test_every_knob_serves_two_shipped_metrics_or_is_a_tested_general_one():
     base = State()
     users = {}
     for m in metrics:
-        for spec in list(m._specs.values()) + list(m._families.values()):
+        for spec in list(m.declarations.values()) + list(m.families.values()):
             for f in state:
                 if getattr(spec, f) != getattr(base, f):
                     users.setdefault(f, set()).add(type(m).__name__)
         for a in attributes:
             if getattr(m, a) != getattr(Metric, a):
                 users.setdefault(a, set()).add(type(m).__name__)
-    thin = {k: sorted(users.get(k, ())) for k in state + attributes if len(users.get(k, ())) < 2}
+    general = {"keep"}  # general ideas: in docs/contract.md, with their direct tests below
+    thin = {k: sorted(users.get(k, ())) for k in state + attributes if len(users.get(k, ())) < 2 and k not in general}
     assert thin == {}
     doc = open(os.path.join(ROOT, "docs", "contract.md")).read()
-    assert "Origin(" in doc and all(f"`{a}`" in doc for a in attributes)
+    assert "Origin(" in doc and all(f"`{a}`" in doc for a in attributes) and "keep=True" in doc
 
 
 def test_collection_drives_metrics_through_public_or_package_functions():
@@ -175,6 +176,44 @@ def test_a_failed_interval_folds_back_from_the_earlier_origins(monkeypatch):
     assert m.calculate() == {"seconds": 6.0, "steps": 7}  # one interval from 10 s and step 0
 
 
+# ------------------------------------------------------------------ kept states
+class _Seen(Metric):
+    """Tokens of the interval, and of the run (a state kept over calculate())."""
+
+    tokens = State("sum", torch.int64)
+    run_tokens = State("sum", torch.int64, keep=True)
+
+    def update(self, inputs, outputs, *, n, **kwargs):
+        return {"tokens": n, "run_tokens": n}
+
+    def compute(self, s):
+        return {"tokens": s["tokens"], "run_tokens": s["run_tokens"]}
+
+
+def test_a_kept_state_outlives_calculate_a_resume_and_a_failed_interval(monkeypatch):
+    m = _Seen().accumulate(n=3)
+    assert m.calculate() == {"tokens": 3, "run_tokens": 3}
+    m.accumulate(n=4)
+    assert m.calculate() == {"tokens": 4, "run_tokens": 7}
+    ranks = [_Seen().accumulate(n=2), _Seen().accumulate(n=5)]  # DP2 saves; DP1 resumes with both
+    for r in ranks:
+        r.calculate()
+    resumed = _Seen().load_state_dict([r.accumulate(n=1).state_dict() for r in ranks])
+    assert resumed.calculate() == {"tokens": 2, "run_tokens": 9}
+
+    def fail(*a, **k):
+        raise MetricSyncError("ranks disagree (simulated)")
+
+    with monkeypatch.context() as p:
+        p.setattr(interval, "sync_handed", fail)
+        handle = resumed.calculate(async_op=True)  # handed off with run_tokens 9
+        resumed.accumulate(n=10)                   # the next interval goes on from 9
+        with pytest.raises(MetricSyncError):
+            handle.wait()
+    assert resumed.calculate() == {"tokens": 10, "run_tokens": 19}  # the failed interval under it, counted once
+    assert resumed.reset().calculate() == {"tokens": 0, "run_tokens": 0}  # reset() starts a new run
+
+
 # ------------------------------------------------------------------ callable reductions
 def _top2(rows):
     """The two largest values of every rank's pair, largest first."""
@@ -212,9 +251,9 @@ def test_grpo_records_are_one_state_with_its_own_reduction():
     """The top-k records and what places them (sequences counted, DP and CP rank) are one
     state: two ranks' records merge with the second rank's sequences after the first's."""
     m = GRPOMetric(top_k_kl=2)
-    spec = m._specs["topk"]
+    spec = m.declarations["topk"]
     assert callable(spec.reduce) and spec.shape == (3, 7)
-    assert not {"n_seq", "dp_index", "cp_index"} & set(m._specs)
+    assert not {"n_seq", "dp_index", "cp_index"} & set(m.declarations)
     inf = float("-inf")
     rank0 = torch.tensor([[0.5, 1, 0, 0, 1, 0, 0], [0.2, 0, 3, 0, 1, 0, 0], [4, 0, 0, inf, inf, inf, inf]],
                          dtype=torch.float64)

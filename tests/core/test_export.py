@@ -111,6 +111,16 @@ def _emb(m, seed=1):
     m.accumulate({"labels": torch.tensor([1, 0, 1, 0, 0, 1])}, {"embeddings": torch.randn(6, 5, generator=g)})
 
 
+def _mtp(m, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for k in (1, 2):
+        labels = torch.randint(0, 11, (4, 6), generator=g)
+        mask = (torch.rand(4, 6, generator=g) < 0.7).float()
+        m.accumulate({"labels": labels, "completion_mask": mask},
+                     {"mtp_logits": torch.randn(4, 6, 11, generator=g), "mtp_losses": torch.rand(4, 6, generator=g)},
+                     depth=k)
+
+
 def _train(m, seed=1):
     m.accumulate(None, None, lr=[1e-3, 2e-4], step=4, tokens=100, samples=3)
 
@@ -133,6 +143,7 @@ WORKERS = {
     "StalenessMetric": ({"max_staleness": 2}, _stale),
     "ModelNormMetric": ({}, _norms),
     "MoERoutingMetric": ({"num_layers": 2, "num_experts": 4, "percentiles": (50, 90)}, _moe),
+    "MTPMetric": ({"depths": 2, "megatron_keys": True}, _mtp),
 }
 
 
@@ -168,7 +179,7 @@ def test_every_shipped_metric_round_trips_through_json(name):
     driver = SHIPPED[name](**kwargs)
     got = driver.calculate_from([json.loads(text)])
     assert list(got) == list(want) and equal(got, want), (got, want)
-    assert worker.calculate() == {} or name in ("TrainMetric", "StalenessMetric", "PassAtKMetric")  # reset
+    assert worker.calculate() == {} or name in ("TrainMetric", "StalenessMetric", "PassAtKMetric", "MTPMetric")  # reset
     # built from the JSON arguments alone: no class named by the data, no worker code
     assert equal(from_export(json.loads(text)).calculate_from([json.loads(text)]), want)
 
@@ -354,6 +365,9 @@ def _bad_cases():
          ValueError, r"export 1: field \"metrics\[1\].states\['correct'\]\" holds 2.5"),
         ("int past int64", _edit(exports, 1, lambda e: e["metrics"][1]["states"]["correct"].__setitem__(1, 2 ** 63)),
          ValueError, "holds 9223372036854775808; an int64 state holds ints in int64 range"),
+        ("negative count", _edit(exports, 1, lambda e: e["metrics"][1]["states"]["total"].__setitem__(1, -4)),
+         ValueError, r"export 1: field \"metrics\[1\].states\['total'\]\" of 'acc' \(Accuracy\) holds -4: an int64 "
+         "'sum' state counts"),
         ("bool rank", _edit(exports, 0, lambda e: e["place"].__setitem__("tp_rank", True)), TypeError,
          "export 0: field 'place.tp_rank' is a bool"),
         ("rank past size", _edit(exports, 1, lambda e: e["place"].__setitem__("data_rank", 2)), ValueError,
@@ -383,6 +397,35 @@ def test_bad_exports_raise_naming_the_export_and_the_field_and_change_nothing(ca
         driver.calculate_from(exports)
     assert not state_dict_differences(before, driver.state_dict())
     assert equal(driver.calculate(), _driver_with_state().calculate())
+
+
+def test_counts_are_checked_at_the_driver_as_on_the_workers():
+    """A negative count in an export raises naming the export, the metric and the state (an
+    Accuracy whose total is negated would report 2.0 otherwise), in a histogram's bucket too;
+    the checks a metric's compute makes name the exports' interval, not the driver's."""
+    acc = Accuracy()
+    _lm(acc)
+    export = acc.export()
+    total = export["metrics"][0]["states"]["total"][1]
+    export["metrics"][0]["states"]["total"][1] = -total
+    with pytest.raises(ValueError, match=rf"export 0: field \"metrics\[0\].states\['total'\]\" of Accuracy holds "
+                                         rf"-{total}: an int64 'sum' state counts"):
+        Accuracy().calculate_from([export])
+    grpo = GRPOMetric(quantiles=Q)
+    _rl(grpo)
+    export = grpo.export()
+    export["metrics"][0]["states"]["hist_kl"][1][7] = -1
+    with pytest.raises(ValueError, match=r"states\['hist_kl'\]\" of GRPOMetric holds -1"):
+        GRPOMetric(quantiles=Q).calculate_from([export])
+
+    worker, driver = LossMetric(loss_reduction="sum"), LossMetric(loss_reduction="sum")
+    for _ in range(3):  # intervals 0, 1, 2; the driver's is 0
+        _lm(worker)
+        export = worker.export()
+    export["metrics"][0]["states"]["num_tokens"][1] = -3.0  # a float count: LossMetric's compute checks it
+    with pytest.raises(ValueError, match=r"LossMetric: calculate\(\) of interval 2: num_tokens totals -3.0"):
+        driver.calculate_from([export])
+    assert interval_of(driver).number == 0
 
 
 def test_a_driver_metric_takes_only_its_own_class_and_arguments():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from parallel import DeviceMesh
-from tests.moeref import losses, make_layer, piece
+from tests.moeref import feed_layers
 from tests.refmetric import dp_shards
 from tests.rlref import make_rl_batch, ragged
 from twinkle_metrics import (
@@ -185,14 +185,7 @@ def make_moe(mesh):
 
 
 def feed_moe(m, shard):
-    """Stage p routes layers p, p + pp, ...; the data ranks (DP x CP) share out 4 fixed
-    chunks of each layer's tokens; TP replicas route the same tokens."""
-    me, n = shard.dp_rank * shard.cp_size + shard.cp_rank, shard.dp_size * shard.cp_size
-    for layer in range(shard.pp_rank, MOE_L, shard.pp_size):
-        data = make_layer(100 * shard.interval + layer, MOE_T, MOE_E, MOE_K)
-        for c in range(me, MOE_CHUNKS, n):
-            rows = torch.arange(MOE_T).tensor_split(MOE_CHUNKS)[c].tolist()
-            m.observe(layer, **piece(data, rows, MOE_K), **losses(shard.interval, layer, c))
+    feed_layers(m, shard, MOE_L, MOE_E, MOE_K, MOE_T, MOE_CHUNKS)
 
 
 def test_stage_scoped_states_merge_from_every_stage(dist_pool):

@@ -159,7 +159,7 @@ class _Adds(Metric):
     n = State("sum", torch.int64)
 
     def update(self, inputs, outputs, extra_state=None, **kwargs):
-        if extra_state and "extra" not in self._specs:
+        if extra_state and "extra" not in self.declarations:
             self.add_state("extra", State("sum"))
         return {"n": 1}
 

@@ -4,8 +4,8 @@ Each framework's worker block runs on every rank, where that framework calls it 
 it trains on: TP2 x PP2 x DP2 under Megatron, pure DP under DeepSpeed); what the ranks
 return then goes to the driver as the framework collects it, each step written below from
 the framework's source; the driver block runs in this process (no process group), and its
-numbers must be those of one process holding the whole batch. The Ray block runs in
-``tests/integrations/test_ray.py``, on real Ray actors.
+numbers must be those of one process holding the whole batch. The Ray block, a complete
+program, runs in ``tests/integrations/test_ray.py``, on real Ray actors.
 """
 import types
 
@@ -36,7 +36,7 @@ def _run(code, where, **names):
 def test_every_block_of_the_doc_is_run_here_or_by_the_ray_test():
     names = [name for name, _, _ in blocks(DOC) if name != "exec"]
     recipes = [f"{f}-{side}" for f in ("verl", "nemo", "openrlhf", "twinkle") for side in ("worker", "driver")]
-    assert sorted(names) == sorted(["ray-driver"] + recipes)
+    assert sorted(names) == sorted(["ray"] + recipes)
 
 
 def test_the_format_and_rules_blocks_run_as_written():

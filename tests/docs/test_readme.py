@@ -12,8 +12,8 @@ recipe in megatron-core's schedule on 1 and 4 gloo ranks). A block without a mar
 with an unknown name, fails ``test_every_block_has_a_runner``.
 
 ``docs/contract.md``, ``docs/testing.md`` and ``docs/single-controller.md`` are left out: their
-examples run in their own tests (``tests/docs/test_contract_doc.py``, those of
-``twinkle_metrics.testing``, ``tests/core/test_single_controller_dist.py``).
+examples run in their own tests (``tests/docs/test_contract_doc.py``,
+``tests/docs/test_testing_doc_dist.py``, ``tests/core/test_single_controller_dist.py``).
 """
 import glob
 import json
@@ -223,7 +223,10 @@ IN_PROCESSES = {"deepspeed", "megatron-cpu"}  # real processes: the e2e tier, be
 ELSEWHERE = {
     "megatron-loop": ("tests/megatron_loop_case.py", "## Megatron"),
     "norms": ("tests/metrics/system/test_norms.py", "ModelNormMetric(mesh"),
+    "mtp-loop": ("tests/integrations/megatron_mtp_case.py", "## Multi-token prediction"),
 }
+#: blocks of ``ELSEWHERE`` that live outside the README (the test reads them from this file)
+ELSEWHERE_IN = {"mtp-loop": "docs/megatron.md"}
 
 
 def test_every_block_has_a_runner():
@@ -233,8 +236,9 @@ def test_every_block_has_a_runner():
     assert not bad, f"python blocks without a known '<!-- readme-test: NAME -->' marker: {bad}"
     for name, (test_file, needle) in ELSEWHERE.items():
         text = open(os.path.join(ROOT, test_file), encoding="utf-8").read()
-        assert "README" in text and needle in text, (name, test_file)
-        assert all(path == "README.md" for path, _, n, _, _ in found if n == name), name
+        home = ELSEWHERE_IN.get(name, "README.md")
+        assert ("README" in text or home in text) and needle in text, (name, test_file)
+        assert all(path == home for path, _, n, _, _ in found if n == name), name
     # megatron_loop_case.py runs the first two blocks of the README's "## Megatron" section.
     megatron = [(n, code) for path, _, n, section, code in found if path == "README.md" and section == "Megatron"]
     assert [n for n, _ in megatron[:2]] == ["megatron-loop", "megatron-loop"]

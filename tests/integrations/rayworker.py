@@ -5,7 +5,8 @@ returns its ``export()``, which travels back through ``ray.get``.
 Plain Python here (the test wraps it with ``ray.remote``), so this module imports without
 ray; the library never imports ray. ``drive`` is the driver: the test runs it in a process
 of its own, so Ray's threads never live in the test process, which forks the ranks of
-later tests (a process forked while gRPC's threads run can hang before it starts).
+later tests (a process forked while gRPC's threads run can hang before it starts). In the
+same Ray session it runs the documentation's Ray block, a complete program, as written.
 """
 from __future__ import annotations
 
@@ -95,26 +96,45 @@ def descendants(pid: int) -> set:
     return out
 
 
-def drive(seeds, doc_seed, doc_block):
-    """A local Ray of 2 CPUs (no dashboard, quiet, its files in a fresh temp folder) and a
-    worker group of TP x DP actors: ``{"steps": [the actors' exports of each seed],
-    "doc": the results of ``doc_block`` (the documentation's driver code) for
-    ``doc_seed``, "left": Ray's processes still here GONE_S after ray.shutdown()}``."""
+#: the session's settings on a busy 2-core machine: no dashboard, quiet, little object store
+RAY_SETTINGS = dict(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                    object_store_memory=100 * 1024 ** 2)
+
+
+def run_doc_block(ray, block: str) -> dict:
+    """``block`` (docs/single-controller.md's Ray program) as written, its ``ray.init()`` and
+    ``ray.shutdown()`` standing for the session ``drive`` holds; its names after the run.
+    Defined in ``__main__`` as a user's script is, so Ray ships its classes by value."""
+    init, shutdown = ray.init, ray.shutdown
+    ray.init = ray.shutdown = lambda *args, **kwargs: None
+    ns = {"__name__": "__main__"}
+    try:
+        exec(compile(block, "docs/single-controller.md (Ray)", "exec"), ns)
+    finally:
+        ray.init, ray.shutdown = init, shutdown
+        for w in ns.get("workers", ()):
+            ray.kill(w)
+    return {k: ns[k] for k in ("results", "labels", "logits", "world")}
+
+
+def drive(seeds, doc_block):
+    """A local Ray of 2 CPUs (``RAY_SETTINGS``, its files in a fresh temp folder): the
+    documentation's Ray block, then a worker group of TP x DP actors. ``{"doc": the block's
+    names, "steps": [the actors' exports of each seed], "left": Ray's processes still here
+    GONE_S after ray.shutdown()}``."""
     import ray
 
     os.environ.update(RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-             object_store_memory=100 * 1024 ** 2, _temp_dir=temp)
+    ray.init(**RAY_SETTINGS, _temp_dir=temp)
     try:
+        doc = run_doc_block(ray, doc_block)
         world = TP * DP
         remote = ray.remote(num_cpus=2 / world)(Worker)
         with Rendezvous() as rdzv:  # the driver hosts the store on a port of its own: no race
             workers = [remote.remote(r, world, rdzv.host, rdzv.port) for r in range(world)]
             try:
                 steps = [ray.get([w.step.remote(seed) for w in workers]) for seed in seeds]
-                ns = {"ray": ray, "workers": workers, "seed": doc_seed, "make_metrics": make_metrics}
-                exec(compile(doc_block, "docs/single-controller.md (Ray)", "exec"), ns)
             finally:
                 ray.get([w.close.remote() for w in workers])
     finally:
@@ -123,4 +143,4 @@ def drive(seeds, doc_seed, doc_block):
         while descendants(os.getpid()) and time.monotonic() < deadline:
             time.sleep(0.5)
         shutil.rmtree(temp, ignore_errors=True)
-    return {"steps": steps, "doc": ns["results"], "left": sorted(descendants(os.getpid()))}
+    return {"steps": steps, "doc": doc, "left": sorted(descendants(os.getpid()))}

@@ -52,11 +52,9 @@ class LastLR(Metric):
         return {"lr": s["lr"]} if s["lr"] != float("-inf") else {}
 
 
-@pytest.fixture(autouse=True)
-def _registered(monkeypatch):
-    monkeypatch.setattr(factory, "_REGISTRY", {})
-    register_metric("CountTokens", CountTokens)
-    register_metric("LastLR", LastLR)
+# for the whole process (a registration stays), under names no shipped metric has
+register_metric("CountTokens", CountTokens)
+register_metric("LastLR", LastLR)
 
 
 # ------------------------------------------------------------------ factory
@@ -127,8 +125,8 @@ def test_feeds_split_step_and_microbatch_metrics():
     class LossMetric(LastLR):  # the name decides the default feed
         pass
 
-    register_metric("LossMetric", LossMetric)
-    entries = [{"type": "LossMetric"}, {"type": "CountTokens"}, {"type": "LastLR", "feed": "step"}]
+    register_metric("StepLoss", LossMetric)
+    entries = [{"type": "StepLoss"}, {"type": "CountTokens"}, {"type": "LastLR", "feed": "step"}]
     coll = build_metrics(entries)
     step, micro = split_feeds(entries, coll)
     assert [type(m) for m in step] == [LossMetric, LastLR]
@@ -206,6 +204,33 @@ def test_jsonl_and_fan_out(tmp_path, capsys):
     assert rows[0]["loss"] == 2.5 and rows[0]["total_tokens"] == 12 and rows[0]["nan"] is None
     out = capsys.readouterr().out
     assert "step 4 | loss 2.5000 | accuracy 0.2500 | total_tokens 12" in out
+
+
+def test_sinks_write_numbers_and_records_go_to_their_own_file(tmp_path, capsys):
+    """GRPO's ``_high_kl_records`` (a list of dicts) reaches no sink that takes numbers:
+    ``records.jsonl`` holds it, beside ``metrics.jsonl``, made only when a record comes."""
+    from tests.rlref import make_rl_batch
+    from twinkle_metrics import GRPOMetric
+
+    b = make_rl_batch(1)
+    m = GRPOMetric(top_k_kl=2)
+    m.accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, old_logps=b["old"], advantages=b["adv"])
+    results = m.calculate()
+    assert len(results["_high_kl_records"]) == 2
+    run = tmp_path / "run"
+    logger = loggers.build_loggers(["console", "jsonl"], str(run))
+    logger.log({"loss": 2.0}, 1)
+    assert not (run / "records.jsonl").exists()
+    logger.log({**results, "inf": float("inf")}, 2)
+    logger.close()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(isinstance(v, (int, float)) or v is None for r in rows for v in r.values())
+    assert rows[1]["train/approx_kl"] == results["train/approx_kl"] and rows[1]["inf"] is None
+    assert "_high_kl_records" not in rows[1]
+    (records,) = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    assert records["step"] == 2 and records["_high_kl_records"] == results["_high_kl_records"]
+    out = capsys.readouterr().out
+    assert "train/approx_kl" in out and "_high_kl_records" not in out and "gsi" not in out
 
 
 def test_unknown_sink_is_an_error(tmp_path):
@@ -322,7 +347,8 @@ def test_config_types_are_the_exported_metrics():
     exported = {name: obj for name, obj in vars(twinkle_metrics).items()
                 if isinstance(obj, type) and issubclass(obj, Metric) and obj is not Metric}
     assert SHIPPED == exported
-    assert {n: c for n, c in factory.available_metrics().items() if n not in factory._REGISTRY} == exported
+    ours = {n: c for n, c in factory.available_metrics().items() if c.__module__ != __name__}  # not this file's
+    assert ours == exported
 
 
 def test_kwargs_forwarded_through_subclasses_are_listed():

@@ -165,10 +165,13 @@ def test_hook_disabled_removed_and_keeps_nothing():
     hook.enabled = True
     seen = []
     model.output_layer.register_forward_hook(lambda m, i, o: seen.append(weakref.ref(o[0])))
-    model(tokens, pos, None, labels=labels, loss_mask=mask)
+    own = labels.clone()
+    held = weakref.ref(own)
+    model(tokens, pos, None, labels=own, loss_mask=mask)
+    del own
     gc.collect()
     assert seen[-1]() is None, "the hook kept a reference to the logits"
-    assert hook._pending is None
+    assert held() is None, "the hook kept a reference to the labels"
     hook.remove()
     assert not model._forward_pre_hooks and len(model.output_layer._forward_hooks) == 1
     model(tokens, pos, None, labels=labels, loss_mask=mask)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests import verlref
-from twinkle_metrics import LossMetric, Metric, MetricCollection, State
+from tests.rlref import make_rl_batch
+from twinkle_metrics import GRPOMetric, LossMetric, Metric, MetricCollection, State
 from twinkle_metrics.integrations.verl import exports_in, reduce_metrics
 from twinkle_metrics.testing import assert_results_close
 
@@ -137,6 +138,48 @@ def test_a_metric_of_ones_own_takes_the_drivers_metric():
     assert reduce_metrics({"own": list(exported)}, drivers={"own": _Peak()}) == {"own/peak": 7.0}
     with pytest.raises(ValueError, match="hold no exports"):
         reduce_metrics({"own": exported, "x": [1.0]}, drivers={"own": _Peak(), "x": _Peak()})
+
+
+def test_exports_as_json_text_merge_alike_and_bad_text_names_the_key(verl):
+    """An export as ``json.dumps(export)`` (what a JSON transport carries), alone or in lists,
+    merges as the export does; text that does not parse, and a key verl's rule cannot reduce,
+    raise naming the key before anything changes."""
+    exports, whole = _worker_steps()
+    texts = [json.dumps(e) for e in exports]
+    as_text = reduce_metrics({"t": [[texts[0]], texts[1]]})
+    assert as_text == reduce_metrics({"t": exports})
+    assert_results_close({k[2:]: v for k, v in as_text.items()}, whole)
+    assert reduce_metrics({"t": json.dumps(exports)}) == as_text  # one text of the list
+    for bad, error, match in (([texts[0][:-9], texts[1]], ValueError, "does not parse"),
+                              (["not a number", "x"], TypeError, "holds list"),
+                              ([texts[0], "x"], ValueError, "1 other values")):
+        metrics = {"actor/t": bad, **_plain(verl)}
+        before = copy.deepcopy(metrics)
+        with pytest.raises(error, match=match) as info:
+            reduce_metrics(metrics)
+        assert "key 'actor/t'" in str(info.value)
+        assert metrics.keys() == before.keys() and metrics["actor/t"] == bad
+        assert metrics["actor/pg_loss"] == before["actor/pg_loss"]
+
+
+def test_results_that_are_not_numbers_go_to_records_not_to_the_logged_metrics():
+    """GRPO's ``_high_kl_records`` (a list of dicts) never enters what verl logs."""
+    b = make_rl_batch(1)
+    worker = MetricCollection({"grpo": GRPOMetric(top_k_kl=3)})
+    worker["grpo"].accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, old_logps=b["old"],
+                              advantages=b["adv"])
+    export = json.loads(json.dumps(worker.export()))
+    whole = GRPOMetric(top_k_kl=3)
+    whole.accumulate({"labels": b["labels"]}, {"logps": b["logps"]}, old_logps=b["old"], advantages=b["adv"])
+    want = whole.calculate()
+    got = reduce_metrics({"actor/twinkle": [export]})
+    assert all(isinstance(v, (int, float)) for v in got.values())
+    assert got["actor/twinkle/grpo/train/approx_kl"] == want["train/approx_kl"]
+    assert "actor/twinkle/grpo/_high_kl_records" not in got
+    records = {}
+    again = reduce_metrics({"actor/twinkle": [export]}, records=records)
+    assert again == got and records == {"actor/twinkle/grpo/_high_kl_records": want["_high_kl_records"]}
+    assert len(want["_high_kl_records"]) == 3
 
 
 def test_exports_in_reads_only_exports():

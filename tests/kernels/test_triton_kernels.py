@@ -395,6 +395,21 @@ def test_rl_kernel_k3_to_full_relative_precision():
 
 
 @kernel_test
+def test_rl_kernel_columns_carry_the_states_names():
+    """One name per column: the kernel's sums and extremes are the policy states it fills, its
+    record rows the records' fields."""
+    from twinkle_metrics.metrics.rl.policy import records
+    from twinkle_metrics.metrics.rl.policy.table import COLUMNS
+
+    assert [c.name for c in COLUMNS if c.fused] == [n for n, _, _ in KERNEL_COLUMNS]
+    assert sorted(n for n, _, _ in KERNEL_COLUMNS) == sorted(TR.SUMS + TR.EXTREMES)
+    assert TR.RECORD_ROWS == records.FIELDS
+    with pytest.raises(ValueError, match="'tokens'"):
+        TR.token_stats([dict(lp=torch.zeros(1, 1), m=torch.ones(1, 1, dtype=torch.bool))],
+                       columns=[("tokens", "sum", torch.int64)])
+
+
+@kernel_test
 def test_rl_kernel_blocks_rows_and_microbatches():
     """Two microbatches of other lengths, several blocks per row, into one buffer of partials."""
     g = torch.Generator().manual_seed(9)

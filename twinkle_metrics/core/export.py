@@ -22,9 +22,10 @@ own ``place`` where it differs from the export's (another ``process_group``). A 
 ``[index into decls, value]``; a shaped state's value is its flat (row-major) list. Floats
 are JSON numbers, non-finite ones the strings ``"nan"``, ``"inf"``, ``"-inf"`` (so the
 value is strict JSON: ``json.dumps(value, allow_nan=False)`` holds); int64 states are JSON
-integers, exact at any size. ``arguments``: the constructor arguments a driver can rebuild
-the metric from (``twinkle_metrics.from_export``); any that are not plain JSON are named in
-``unexported_arguments``. No tensor, no pickled object: reading an export runs no code.
+integers, exact at any size, and an int64 ``"sum"`` state is a count: a negative value is
+refused, as the workers refuse a negative count. ``arguments``: the constructor arguments a
+driver can rebuild the metric from (``twinkle_metrics.from_export``); any that are not plain
+JSON are named in ``unexported_arguments``. No tensor, no pickled object: reading an export runs no code.
 """
 from __future__ import annotations
 
@@ -272,6 +273,10 @@ def _entry(bad: _Bad, obj: Any, field: str, top: Place) -> Entry:
         decl, numel = checked[pair[0]]
         by_name[state] = decl
         values[state] = _values(bad, where, pair[1], decl, numel)
+        if decl["dtype"] == "int64" and decl["reduce"] == "sum" and values[state] and min(values[state]) < 0:
+            label = f"{name!r} ({cls})" if name else cls
+            raise bad.value(where, f"of {label} holds {min(values[state])}: an int64 'sum' state counts (tokens, "
+                            "sequences, histogram buckets) and is never negative; pass the value export() returned")
     touched = _field(bad, obj, "touched", list, f"{field}.touched", "a list")
     if not all(isinstance(t, str) and t in values for t in touched):
         raise bad.value(f"{field}.touched", "names a state the export does not hold")

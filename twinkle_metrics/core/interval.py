@@ -18,7 +18,9 @@ lower layer (``comm``) is handed intervals and plain data, and never reaches the
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+import functools
+import re
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -107,9 +109,12 @@ class Interval:
         and the interval keeps ``earlier``'s origins. Not bounded by ``max_slices``: both
         intervals were within it when handed off."""
         specs = {**earlier.specs, **self.specs}
-        base = move_states({k: earlier.states[k].clone() if k in earlier.states else spec.new("cpu")
+        # a kept state of this interval started from earlier's value (``end``): it holds both
+        first = {k: self.states[k] if spec.keep and k in self.states else earlier.states.get(k)
+                 for k, spec in specs.items()}
+        base = move_states({k: spec.new("cpu") if first[k] is None else first[k].clone()
                             for k, spec in specs.items()}, self.device)  # earlier may go under others too
-        later = {k: self.states[k] for k in self.touched if k in self.states}
+        later = {k: self.states[k] for k in self.touched if k in self.states and not specs[k].keep}
         saved = self.specs, self.states
         self.specs, self.states = specs, base
         try:
@@ -133,28 +138,60 @@ def end(metric) -> None:
         metric.reset()
     finally:
         ended.handoffs.keep = False
-    interval_of(metric).number = ended.number + 1
+    new = interval_of(metric)
+    new.number = ended.number + 1
+    for name, spec in ended.specs.items():  # states kept over the run go on from where they are
+        if spec.keep and name in new.states:
+            new.states[name] = ended.states[name].clone()
 
 
 def computing(interval: Interval):
     """The metric of ``interval`` as ``compute`` must see it: with ``interval`` as its own
-    (``compute`` may read its declarations, ``self._specs``), itself when it is."""
+    (``compute`` may read its declarations, ``self.declarations``), itself when it is."""
     metric = interval.owner
     return metric if interval_of(metric) is interval else metric._viewing(interval)
 
 
 def results(interval: Interval, states: Dict[str, Any]) -> Dict[str, Any]:
     """The metric's ``compute`` of ``interval``'s reduced states, with each slice's keys as
-    ``"{key}/{slice}"``."""
+    ``"{key}/{slice}"``: what ``calculate()``, its asynchronous handle and ``calculate_from``
+    return. A key its ``result_keys`` do not name raises ``ValueError`` (a slice's key is
+    checked as its base key)."""
     metric = computing(interval)
     if metric.slice_by is None:
-        return metric.compute(states)
+        out = metric.compute(states)
+        slices: List[str] = []
+    else:
+        def defaults():
+            specs = {k: spec for k, spec in interval.specs.items() if slicing.SEP not in k}
+            return plain_states({k: spec.new("cpu") for k, spec in specs.items()}, specs)
 
-    def defaults():
-        specs = {k: spec for k, spec in interval.specs.items() if slicing.SEP not in k}
-        return plain_states({k: spec.new("cpu") for k, spec in specs.items()}, specs)
+        out = slicing.results(metric, states, defaults)
+        slices = slicing.held(states)
+    declared = metric.keys_declared()
+    if declared:
+        _check_keys(metric, out, declared, slices)
+    return out
 
-    return slicing.results(metric, states, defaults)
+
+def _check_keys(metric, out: Dict[str, Any], declared: List[str], slices: List[str]) -> None:
+    """``ValueError`` naming the metric and the key when ``out`` holds a key ``declared`` does
+    not name (``"{key}/{slice}"`` of a held slice counts as ``key``)."""
+    named = _key_matcher(tuple(declared))
+    for key in out:
+        if not (named(key) or any(key.endswith("/" + s) and named(key[:-len(s) - 1]) for s in slices)):
+            raise ValueError(f"{type(metric).__name__}: compute() returned the key {key!r}, which its "
+                             f"result_keys {declared} do not name; declare it (a MetricCollection refuses "
+                             "two members that could return the same key by these declarations)")
+
+
+@functools.lru_cache(maxsize=256)
+def _key_matcher(declared: Tuple[str, ...]) -> Callable[[str], bool]:
+    """Whether a key is one of ``declared`` (``*`` matches any text)."""
+    exact = frozenset(k for k in declared if "*" not in k)
+    patterns = [".*".join(map(re.escape, k.split("*"))) for k in declared if "*" in k]
+    pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
+    return lambda key: key in exact or (pattern is not None and pattern.fullmatch(key) is not None)
 
 
 def sync_and_compute(metrics: Sequence) -> List[Dict[str, Any]]:

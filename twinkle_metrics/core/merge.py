@@ -13,13 +13,17 @@ and no mesh and hands ``calculate_from`` the workers' ``export()`` values. For e
   rank for ``"model"``; TP replicas count once (the lowest TP rank given) and must agree
   as the sync demands; an export given twice counts once, two different ones for one
   place raise;
-* several intervals fold per place as ``accumulate`` folds (``Metric._fold_under``: each
+* several intervals fold per place as ``accumulate`` folds (``Interval.fold_under``: each
   state's own local fold), so they merge as one long interval would;
 * the rows merge by the sync's own plan and merges (``comm.offline.Rows``) and the result
-  is ``Metric._results``: the keys and numbers ``calculate()`` returns on the workers.
+  is the metric's ``compute`` of them (``core.interval.results``, on a copy numbered as the
+  exports' interval, the last with ``merge_intervals=True``): the keys and numbers
+  ``calculate()`` returns on the workers, each checked against the metric's ``result_keys``
+  as there, and the errors its checks raise there.
 
 Every check comes before any result and the driver metric is never changed: it works on
-a copy. Errors are ``TypeError``/``ValueError`` naming the export's index and the field.
+a copy. Errors are ``TypeError``/``ValueError`` naming the export's index and the field
+(``core.export.decode``: a malformed field, a negative count in an int64 ``"sum"`` state).
 """
 from __future__ import annotations
 
@@ -122,6 +126,7 @@ def _merge_metric(metric, entries: List[Entry], merge_intervals: bool, what: str
                          f"{other.interval} but export {first.index}'s is {first.interval}; pass the exports of "
                          "one interval, or merge_intervals=True to merge several as one long interval")
     scratch = _scratch(metric)
+    scratch.number = intervals[-1]  # compute's messages name the exports' interval, not the driver's
     config = metric.sync_fingerprint()
     names = _state_names(scratch, entries, what)
     rows = Rows(scratch, names, config)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from types import MappingProxyType
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -164,7 +165,7 @@ class Metric:
     # ------------------------------------------------------------------ states
     def add_state(self, name: str, state: State) -> None:
         """Add a state at run time (for metrics whose states depend on arguments)."""
-        if name in self._specs:
+        if name in self.__interval.specs:
             raise ValueError(f"{type(self).__name__}: state {name!r} already exists")
         state.name = name
         iv = self.__interval
@@ -197,16 +198,33 @@ class Metric:
             return iv.states[name]
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
-    # the current interval's parts, as a metric reads them of itself (``self._specs[name]``)
-    _specs = property(lambda self: self.__interval.specs)
-    _states = property(lambda self: self.__interval.states)
-    _device = property(lambda self: self.__interval.device)
-    _touched = property(lambda self: self.__interval.touched)
-    _intervals = property(lambda self: self.__interval.number, doc="intervals ended (calculate, export)")
+    # ------------------------------------------------- read-only views (metrics, tests)
+    @property
+    def declarations(self) -> Mapping[str, State]:
+        """``{state name: State}`` of every state the metric holds now (declared, added, or
+        created on the fly: a family's members, a slice's copies). A read-only view; a
+        ``compute`` that reads it sees the interval it computes."""
+        return MappingProxyType(self.__interval.specs)
+
+    @property
+    def families(self) -> Mapping[str, State]:
+        """``{prefix: State}`` of the state families (``add_state_family``), read-only."""
+        return MappingProxyType(self._families)
+
+    @property
+    def intervals(self) -> int:
+        """Intervals this metric ended (each ``calculate()`` that resets, each ``export()``):
+        the number of the current one, as an export names it."""
+        return self.__interval.number
+
+    @property
+    def device(self) -> torch.device:
+        """The device the states live on."""
+        return self.__interval.device
 
     def _viewing(self, interval: Interval) -> "Metric":
         """A shallow copy of the metric whose current interval is ``interval`` (handed off, or a
-        driver's scratch): ``compute`` may read its own declarations (``self._specs``)."""
+        driver's scratch): ``compute`` may read its own declarations (``self.declarations``)."""
         view = copy.copy(self)
         view.__interval = interval
         return view
@@ -293,10 +311,6 @@ class Metric:
         if staged is not None:
             staged.apply()
         return self
-
-    def _results(self, states: Dict[str, Any]) -> Dict[str, Any]:
-        """``compute`` of the reduced states, with each slice's keys as ``"{key}/{slice}"``."""
-        return interval.results(self.__interval, states)
 
     def update(self, inputs, outputs, **kwargs) -> Optional[Mapping[str, Any]]:
         """Return ``{state name: contribution}`` for one call; must not read or change states."""

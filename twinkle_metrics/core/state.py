@@ -28,7 +28,8 @@ class State:
     Args:
         reduce: ``"sum"``, ``"max"``, ``"min"``, or a callable taking the rows of every
             rank stacked as ``[ranks, *shape]`` and returning ``[*shape]``.
-        dtype: ``torch.float64`` (default) or ``torch.int64``.
+        dtype: ``torch.float64`` (default) or ``torch.int64``. An int64 ``"sum"`` state is a
+            count, never negative (``calculate_from`` refuses an export that holds one).
         shape: fixed shape; state size never grows with the number of steps.
         default: the value after ``reset()``; the identity of ``reduce`` when omitted.
         local: how ``accumulate`` folds a new value in: the reduce op by default,
@@ -52,6 +53,9 @@ class State:
               agreement check, since TP ranks hold different parts.
 
             ``"stage"`` and ``"model"`` need a ``"sum"``, ``"max"`` or ``"min"`` reduction.
+        keep: the value outlives ``calculate()``: a total over the run (the end of an
+            interval leaves it, calls go on folding into it, every sync reduces it with the
+            other states, ``state_dict()`` carries it over a resume; ``reset()`` clears it).
 
     A callable ``reduce`` (with its own ``local``) is how a merge that the three operations
     cannot express is declared: Chan's merge of moments (``stats.moments``), GRPO's top-k
@@ -65,6 +69,7 @@ class State:
     local: Union[str, Callable, None] = None
     per_rank: bool = False
     scope: str = "data"
+    keep: bool = False
 
     def __post_init__(self):
         if not callable(self.reduce) and self.reduce not in _OPS:

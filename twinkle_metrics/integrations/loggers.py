@@ -7,6 +7,10 @@ without an ``if``: there it writes nothing, but still waits for the handles of
 asynchronous ``calculate()`` calls at ``close()`` and raises their errors, as on the
 logging rank (every rank then ends its syncs, and sees a failed one, alike).
 
+Every sink writes numbers only (TensorBoard, W&B and monitors take nothing else): a result
+that is not a number (GRPO's ``_high_kl_records``, a list of dicts) goes to
+``records.jsonl`` beside ``metrics.jsonl`` when the ``jsonl`` sink is on, and nowhere else.
+
 The logging rank (one rule, ``DeviceMesh.is_logging_rank``): global rank 0.
 ``calculate()`` leaves the same numbers on every rank, pipeline stages included,
 so rank 0 (first pipeline stage, where DeepSpeed's monitor writers live) has the
@@ -46,14 +50,25 @@ class Logger:
         self.close()
 
 
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a real number a logger takes (not a bool, a string or a list)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def numeric(results: Mapping[str, Any]) -> Dict[str, float]:
-    """The entries of ``results`` that are real numbers (bools and strings dropped)."""
-    out = {}
-    for key, value in results.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        out[key] = value
-    return out
+    """The entries of ``results`` that are real numbers (``is_number``)."""
+    return {key: value for key, value in results.items() if is_number(value)}
+
+
+def _plain_json(value: Any) -> Any:
+    """``value`` for strict JSON: non-finite floats as ``null``, in lists and dicts too."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_plain_json(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain_json(v) for k, v in value.items()}
+    return value
 
 
 def format_line(results: Mapping[str, Any], step: int, prefix: str = "") -> str:
@@ -79,6 +94,7 @@ class ConsoleLogger(Logger):
         self.keys = list(keys) if keys else None  # None: every key
 
     def log(self, results, step):
+        results = numeric(results)
         if self.keys is not None:
             results = {k: results[k] for k in self.keys if k in results}
         line = format_line(results, step, self.prefix)
@@ -89,28 +105,34 @@ class ConsoleLogger(Logger):
 
 
 class JsonlLogger(Logger):
-    """One JSON object per interval: ``{"step": 10, "time": ..., "loss": 2.3, ...}``.
+    """One JSON object per interval: ``{"step": 10, "time": ..., "loss": 2.3, ...}``, the
+    numbers of the results; the others (records: GRPO's ``_high_kl_records``) go, in a row
+    of the same form, to ``records_path`` (created at the first such row), or nowhere.
 
     Non-finite numbers are written as ``null`` (strict JSON has no NaN).
     """
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, records_path: Optional[str] = None):
+        self.path, self.records_path = path, records_path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(path, "a", encoding="utf-8")
+        self._records = None
 
     def log(self, results, step):
-        row = {"step": step, "time": time.time()}
-        for key, value in results.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                value = None
-            row[key] = value
-        self._file.write(json.dumps(row) + "\n")
+        head = {"step": step, "time": time.time()}
+        self._file.write(json.dumps(_plain_json({**head, **numeric(results)})) + "\n")
         self._file.flush()
+        others = {k: v for k, v in results.items() if not is_number(v)}
+        if others and self.records_path is not None:
+            if self._records is None:
+                self._records = open(self.records_path, "a", encoding="utf-8")
+            self._records.write(json.dumps(_plain_json({**head, **others})) + "\n")
+            self._records.flush()
 
     def close(self):
-        if not self._file.closed:
-            self._file.close()
+        for f in (self._file, self._records):
+            if f is not None and not f.closed:
+                f.close()
 
 
 class TensorBoardLogger(Logger):
@@ -230,7 +252,8 @@ def build_loggers(sinks: Sequence[str], run_dir: str, *, enabled: bool = True,
     """Loggers for ``sinks`` writing under ``run_dir``; a group without sinks when not
     ``enabled`` (it writes nothing, and handles asynchronous results as any group does).
 
-    Files: ``run_dir/metrics.jsonl``, ``run_dir/tb/`` (events), ``run_dir/wandb/``.
+    Files: ``run_dir/metrics.jsonl`` (and ``run_dir/records.jsonl`` for results that are not
+    numbers), ``run_dir/tb/`` (events), ``run_dir/wandb/``.
     ``"wandb"`` is skipped with a note when the package is not installed; a missing
     ``tensorboard`` package is an error (it is in the ``loggers`` extra).
     ``console_keys`` keeps the console line short; files always get every key.
@@ -246,7 +269,7 @@ def build_loggers(sinks: Sequence[str], run_dir: str, *, enabled: bool = True,
         if sink == "console":
             group.add(ConsoleLogger(progress=progress, keys=console_keys))
         elif sink == "jsonl":
-            group.add(JsonlLogger(os.path.join(run_dir, "metrics.jsonl")))
+            group.add(JsonlLogger(os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "records.jsonl")))
         elif sink == "tensorboard":
             group.add(TensorBoardLogger(os.path.join(run_dir, "tb")))
         elif sink == "wandb":

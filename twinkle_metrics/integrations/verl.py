@@ -22,17 +22,21 @@ metrics with states of every stage (``scope="stage"``) cannot come this way. On 
 
 It merges the exports under each key exactly (``calculate_from`` with
 ``merge_intervals=True``: the mini-batches of a step merge as one interval), putting each
-result under ``"{key}/{result key}"``, and reduces every other key as verl does. The library
-does not import verl.
+result under ``"{key}/{result key}"``, and reduces every other key as verl does. An export may
+also come as JSON text (``json.dumps(metrics.export())``). Only numbers enter the metrics
+verl logs: results that are not (GRPO's ``_high_kl_records``, a list of dicts) go to the
+``records`` dict the caller passes, or nowhere. The library does not import verl.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from twinkle_metrics.core.export import is_export
+from twinkle_metrics.core.export import FORMAT, is_export
+from twinkle_metrics.integrations.loggers import is_number
 from twinkle_metrics.metrics import from_export
 
 __all__ = ["reduce_metrics", "exports_in"]
@@ -40,16 +44,14 @@ __all__ = ["reduce_metrics", "exports_in"]
 
 def exports_in(value: Any) -> Optional[List[Mapping]]:
     """The exports ``value`` holds: itself when it is one, the leaves of a (nested) list
-    of them; ``None`` when it holds none. A list mixing exports with other values raises
-    ``ValueError`` (a merge of part of them would be a wrong number)."""
-    if is_export(value):
-        return [value]
-    if not isinstance(value, (list, tuple)):
-        return None
+    of them, each an export or its JSON text (``json.dumps(export)``, read back); ``None``
+    when it holds none. A list mixing exports with other values raises ``ValueError`` (a
+    merge of part of them would be a wrong number), as does JSON text of an export that
+    does not parse."""
     leaves: List[Any] = []
     stack = [value]
     while stack:
-        item = stack.pop()
+        item = _read_json(stack.pop())
         if isinstance(item, (list, tuple)):
             stack.extend(reversed(item))
         else:
@@ -62,6 +64,17 @@ def exports_in(value: Any) -> Optional[List[Mapping]]:
         raise ValueError(f"{len(found)} exports and {len(leaves) - len(found)} other values ({type(other).__name__} "
                          f"{other!r:.60}) under one key; put only metrics.export() values under a key")
     return found
+
+
+def _read_json(value: Any) -> Any:
+    """``value``, or the JSON it holds when it is JSON text naming the export format."""
+    if not isinstance(value, str) or FORMAT not in value or not value.lstrip().startswith(("{", "[")):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"JSON text naming {FORMAT!r} that does not parse ({exc}); pass json.dumps(export()) "
+                         "as it came, or the export itself") from None
 
 
 def _verl_reduce(key: str, value: Any) -> Any:
@@ -78,13 +91,13 @@ def _verl_reduce(key: str, value: Any) -> Any:
 
 
 def reduce_metrics(metrics: Dict[str, Any], *, drivers: Optional[Mapping[str, Any]] = None,
-                   merge_intervals: bool = True) -> Dict[str, Any]:
+                   merge_intervals: bool = True, records: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """verl's ``reduce_metrics``, with the exports of this library merged exactly.
 
     Every key that holds exports (one, or a nested list of them: what verl's gathers
-    make of ``[metrics.export()]``) is replaced by the merged results, each under
-    ``"{key}/{result key}"``; every other key is reduced as verl 0.9 reduces it. As verl's,
-    it changes ``metrics`` in place and returns it.
+    make of ``[metrics.export()]``; each export itself or its JSON text) is replaced by the
+    merged results that are numbers, each under ``"{key}/{result key}"``; every other key is
+    reduced as verl 0.9 reduces it. As verl's, it changes ``metrics`` in place and returns it.
 
     Args:
         metrics: the metrics dict a worker group's update returned to the driver.
@@ -94,10 +107,14 @@ def reduce_metrics(metrics: Dict[str, Any], *, drivers: Optional[Mapping[str, An
         merge_intervals: merge the exports of several intervals (the mini-batches and
             epochs of one update) as one long interval, as the default; ``False`` raises
             when a key holds more than one interval.
+        records: a dict that receives the merged results that are not numbers (GRPO's
+            ``_high_kl_records``), under the same ``"{key}/{result key}"``; None: they are
+            left out. verl's loggers take numbers only.
 
     Raises ``ValueError``/``TypeError`` naming the key, before ``metrics`` is changed, when
     the exports under a key cannot be merged (a data shard missing, replicas that
-    disagree, a malformed export; see ``calculate_from``).
+    disagree, a malformed export or JSON text; see ``calculate_from``) or another key
+    cannot be reduced as verl does (numpy's error, with the key).
 
     Example:
         >>> from twinkle_metrics import LossMetric
@@ -129,11 +146,23 @@ def reduce_metrics(metrics: Dict[str, Any], *, drivers: Optional[Mapping[str, An
         if taken:
             raise ValueError(f"reduce_metrics: key {key!r}: its results {taken[:4]} would overwrite keys of the same "
                              "name; put the exports under another key")
+    reduced = {}
+    for key, value in metrics.items():
+        if key not in merged:
+            try:
+                reduced[key] = _verl_reduce(key, value)
+            except Exception as exc:  # noqa: BLE001 - numpy's errors, named by the key
+                kind = ValueError if isinstance(exc, ValueError) else TypeError
+                raise kind(f"reduce_metrics: key {key!r} holds {type(value).__name__} {value!r:.60}, which verl's "
+                           f"rule (np.mean, np.max, np.min) cannot reduce: {exc}") from exc
     for key in list(metrics):
         if key in merged:
             del metrics[key]
             for name, result in merged[key].items():
-                metrics[f"{key}/{name}"] = result
+                if is_number(result):
+                    metrics[f"{key}/{name}"] = result
+                elif records is not None:
+                    records[f"{key}/{name}"] = result
         else:
-            metrics[key] = _verl_reduce(key, metrics[key])
+            metrics[key] = reduced[key]
     return metrics

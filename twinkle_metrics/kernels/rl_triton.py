@@ -42,35 +42,34 @@ import triton.language as tl
 
 from twinkle_metrics.kernels.triton_common import arg_strides, column_totals, counted, k3_ratio, store_sum
 
-#: one state a caller wants: (name, reduction, quantity, dtype)
-Column = Tuple[str, str, str, torch.dtype]
+#: one column a caller wants: (name, reduction, dtype)
+Column = Tuple[str, str, torch.dtype]
 
-#: the per-token quantities the kernel sums over a call's counted tokens (its partials'
-#: layout; a metric names its states after them: ``token_stats(columns=...)``): token counts
-#: (all, and those with each input), clip counts, non-finite tokens, then sums of values
-QUANTITIES = ("tokens", "tokens_ent", "tokens_adv", "tokens_ref", "tokens_old", "tokens_clip", "clip_low",
-              "clip_high", "nonfinite", "logp", "entropy", "advantage", "ref_k3", "old_logp", "log_ratio", "k3",
-              "ratio", "clip_nan")
-#: the extremes the kernel keeps, as ``quantity_max`` / ``quantity_min``, all as maxima (minima
-#: negated); each has a NaN flag sum column
-EXTREMES = ("advantage_max", "advantage_min", "log_ratio_max", "log_ratio_min")
-_N_SUM = len(QUANTITIES)
+#: the sums the kernel takes over a call's counted tokens (its partials' layout), named as the
+#: policy metrics' states (``metrics.rl.policy.table.COLUMNS`` says what each holds): token
+#: counts (all, and those with each input), clip counts, non-finite tokens, then sums of values
+SUMS = ("n_tok", "n_ent", "n_adv", "n_ref", "n_old", "clip_n", "clip_low", "clip_high", "n_bad", "sum_new",
+        "sum_ent", "sum_adv", "sum_ref_kl", "sum_old", "sum_diff", "sum_kl", "sum_ratio", "clip_nan")
+#: the extremes the kernel keeps (of the advantage and of d = logp - old logp), all as maxima
+#: (minima negated); each has a NaN flag sum column
+EXTREMES = ("adv_max", "adv_min", "logr_max", "logr_min")
+_N_SUM = len(SUMS)
 _N_COLS = _N_SUM + 2 * len(EXTREMES)  # sums, NaN flags of the extremes, extremes
 #: tokens of one sequence per program (at most)
 BLOCK = 512
 #: warps per program
 NUM_WARPS = 4
 
-# Column indices the kernel writes, named after the quantities (taken from the tuples above,
+# Column indices the kernel writes, named after the columns (taken from the tuples above,
 # so the kernel and ``token_stats`` cannot disagree on the layout).
-_N_TOK, _N_ENT, _N_ADV, _N_REF, _N_OLD = (tl.constexpr(QUANTITIES.index(c)) for c in
-                                          ("tokens", "tokens_ent", "tokens_adv", "tokens_ref", "tokens_old"))
-_CLIP_N, _CLIP_LOW, _CLIP_HIGH, _N_BAD = (tl.constexpr(QUANTITIES.index(c)) for c in
-                                          ("tokens_clip", "clip_low", "clip_high", "nonfinite"))
-_SUM_NEW, _SUM_ENT, _SUM_ADV, _SUM_REF_KL = (tl.constexpr(QUANTITIES.index(c)) for c in
-                                             ("logp", "entropy", "advantage", "ref_k3"))
-_SUM_OLD, _SUM_DIFF, _SUM_KL, _SUM_RATIO, _CLIP_NAN = (tl.constexpr(QUANTITIES.index(c)) for c in
-                                                       ("old_logp", "log_ratio", "k3", "ratio", "clip_nan"))
+_N_TOK, _N_ENT, _N_ADV, _N_REF, _N_OLD = (tl.constexpr(SUMS.index(c)) for c in
+                                          ("n_tok", "n_ent", "n_adv", "n_ref", "n_old"))
+_CLIP_N, _CLIP_LOW, _CLIP_HIGH, _N_BAD = (tl.constexpr(SUMS.index(c)) for c in
+                                          ("clip_n", "clip_low", "clip_high", "n_bad"))
+_SUM_NEW, _SUM_ENT, _SUM_ADV, _SUM_REF_KL = (tl.constexpr(SUMS.index(c)) for c in
+                                             ("sum_new", "sum_ent", "sum_adv", "sum_ref_kl"))
+_SUM_OLD, _SUM_DIFF, _SUM_KL, _SUM_RATIO, _CLIP_NAN = (tl.constexpr(SUMS.index(c)) for c in
+                                                       ("sum_old", "sum_diff", "sum_kl", "sum_ratio", "clip_nan"))
 # NaN flag columns (summed, then added to their extreme), then the extremes (as maxima)
 _NAN_ADV_MAX, _NAN_ADV_MIN, _NAN_LOGR_MAX, _NAN_LOGR_MIN = (tl.constexpr(_N_SUM + i) for i in range(4))
 _ADV_MAX, _NEG_ADV_MIN, _LOGR_MAX, _NEG_LOGR_MIN = (tl.constexpr(_N_SUM + len(EXTREMES) + EXTREMES.index(c))
@@ -78,9 +77,10 @@ _ADV_MAX, _NEG_ADV_MIN, _LOGR_MAX, _NEG_LOGR_MIN = (tl.constexpr(_N_SUM + len(EX
 
 
 #: rows of the top-k record buffer, one column per token of every microbatch with old log-probs,
-#: in the order of the policy metrics' record fields: the key (k3 where > 0 and counted, else -inf),
-#: the sequence within the call, the position, the token id, the ratio, log-prob, old log-prob
-RECORD_ROWS = ("key", "seq", "pos", "token_id", "ratio", "lp", "old")
+#: named and ordered as the policy metrics' record fields (``records.FIELDS``): k3 (where > 0 and
+#: counted, else -inf), the sequence (within the call), the position, the token id, the ratio,
+#: the log-prob and the old log-prob
+RECORD_ROWS = ("kl", "gsi", "pos", "token_id", "ratio", "logp_new", "logp_old")
 _REC_KEY, _REC_SEQ, _REC_POS, _REC_TOK, _REC_RATIO, _REC_LP, _REC_OLD = (tl.constexpr(i)
                                                                        for i in range(len(RECORD_ROWS)))
 
@@ -247,9 +247,9 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, colu
     (not CISPO); ``skip``: drop non-finite tokens. With ``want_key``, ``seq0`` (an int) is
     the index of the microbatch's first sequence in the call.
 
-    ``columns``: the caller's states as ``(name, reduction, quantity, dtype)`` rows (a
-    metric's column table), each a quantity of ``QUANTITIES`` (``'sum'``) or of ``EXTREMES``
-    (``'max'`` / ``'min'`` of it).
+    ``columns``: the caller's states as ``(name, reduction, dtype)`` rows (the fused columns of
+    ``metrics.rl.policy.table.COLUMNS``), each a column of ``SUMS`` (``'sum'``) or of
+    ``EXTREMES`` (``'max'`` / ``'min'``, as its name ends).
 
     Returns ``(totals, records, rows)``: ``{name: 0-d tensor}`` in the order of ``columns``
     (int64 for an int64 column, else float64; a column whose input no microbatch gave is 0,
@@ -302,23 +302,22 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, colu
             rows.append(None)
             continue
         per_row = part[off:off + b * n_blk, :_N_SUM].view(b, n_blk, _N_SUM).sum(1)
-        rows.append(torch.stack([per_row[:, QUANTITIES.index(c)] for c in ("log_ratio", "tokens_old", "advantage")],
-                                1))
+        rows.append(torch.stack([per_row[:, SUMS.index(c)] for c in ("sum_diff", "n_old", "sum_adv")], 1))
     return out, records, rows
 
 
 @functools.lru_cache(maxsize=8)
 def _layout(columns: Tuple[Column, ...]) -> Tuple[Tuple[str, int, torch.dtype], ...]:
     """``(name, index into the finished totals, dtype)`` of each column; raises ``ValueError``
-    naming a column whose quantity the kernel does not compute."""
+    naming a column the kernel does not compute."""
     out = []
-    for name, reduce, quantity, dtype in columns:
-        if reduce == "sum" and quantity in QUANTITIES:
-            at = QUANTITIES.index(quantity)
-        elif f"{quantity}_{reduce}" in EXTREMES:
-            at = _N_SUM + len(EXTREMES) + EXTREMES.index(f"{quantity}_{reduce}")
+    for name, reduce, dtype in columns:
+        if reduce == "sum" and name in SUMS:
+            at = SUMS.index(name)
+        elif name in EXTREMES and name.endswith(f"_{reduce}"):
+            at = _N_SUM + len(EXTREMES) + EXTREMES.index(name)
         else:
-            raise ValueError(f"rl_triton.token_stats: column {name!r} ({reduce} of {quantity!r}) is not one the "
-                             f"kernel computes: sums of {QUANTITIES}, extremes {EXTREMES}")
+            raise ValueError(f"rl_triton.token_stats: column {name!r} ({reduce}) is not one the kernel computes: "
+                             f"sums {SUMS}, extremes {EXTREMES}")
         out.append((name, at, dtype))
     return tuple(out)

@@ -1,6 +1,6 @@
 """The shipped metrics, by family.
 
-* ``lm``: ``LossMetric``, ``Accuracy``, ``EmbeddingMetric``;
+* ``lm``: ``LossMetric``, ``Accuracy``, ``MTPMetric``, ``EmbeddingMetric``;
 * ``rl``: the GRPO family (``GRPOMetric``, ``GSPOMetric``, ``CISPOMetric``,
   ``PPOMetric``), ``DPOMetric``, ``CompletionRewardMetric``, ``PPOValueMetric``,
   ``RolloutMismatchMetric``, ``PassAtKMetric``, ``StalenessMetric``;
@@ -21,6 +21,7 @@ from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.metrics.lm.accuracy import Accuracy
 from twinkle_metrics.metrics.lm.embedding import EmbeddingMetric
 from twinkle_metrics.metrics.lm.loss import LossMetric
+from twinkle_metrics.metrics.lm.mtp import MTPMetric
 from twinkle_metrics.metrics.rl.dpo import DPOMetric
 from twinkle_metrics.metrics.rl.pass_at_k import PassAtKMetric
 from twinkle_metrics.metrics.rl.policy import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
@@ -35,7 +36,7 @@ from twinkle_metrics.metrics.system.train import TrainMetric
 #: every shipped metric class by name, sorted
 SHIPPED: Dict[str, Type[Metric]] = {cls.__name__: cls for cls in sorted((
     Accuracy, CISPOMetric, CompletionRewardMetric, DPOMetric, EmbeddingMetric, GRPOMetric, GSPOMetric, LossMetric,
-    ModelNormMetric, MoERoutingMetric, PassAtKMetric, PPOMetric, PPOValueMetric, RolloutMismatchMetric,
+    ModelNormMetric, MoERoutingMetric, MTPMetric, PassAtKMetric, PPOMetric, PPOValueMetric, RolloutMismatchMetric,
     StalenessMetric, TrainMetric), key=lambda cls: cls.__name__)}
 
 

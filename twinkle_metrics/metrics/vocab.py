@@ -14,9 +14,12 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
+from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.microbatch import join
+from twinkle_metrics.kernels.argmax import INDEX_LIMIT
 
 
 def vocab_states() -> Dict[str, State]:
@@ -53,3 +56,28 @@ def check_reach(metric: str, s, vocab_parallel: bool, tp_size: int, what: str) -
                "vocab shard, pass vocab_parallel=True with the mesh's TP group")
     raise ValueError(f"{metric}: labels reach id {top} but the logits' last dimension is {width}, so "
                      f"{what} cannot be right; {fix}. The interval is kept")
+
+
+def agree_shards(metric, group, logits: Sequence[torch.Tensor]) -> None:
+    """Agree over the TP ``group`` before a vocab-parallel argmax: TP peers must hold the same
+    tokens, vocab shard width and precision, or every one of them raises (the collective
+    would mismatch). ``logits``: this call's shards (none: 0 tokens of width 0)."""
+    name = type(metric).__name__
+    widths = {int(x.shape[-1]) for x in logits}
+    if len(widths) > 1:
+        raise ValueError(f"{name}: vocab-parallel logits shards have different widths {sorted(widths)}; "
+                         "every microbatch must hold the same vocab shard")
+    n = sum(x[..., 0].numel() for x in logits)
+    width = widths.pop() if widths else 0
+    wide = int(any(x.dtype == torch.float64 for x in logits))
+    if n >= 1 << 31 or width * dist.get_world_size(group) > INDEX_LIMIT:
+        raise ValueError(f"{name}: {n} tokens of vocab shard {width} exceed the packed 32-bit sizes "
+                         "(2**31 tokens per call, 2**32 vocab entries)")
+    key = (n << 32) | (width << 1) | wide  # one key: equal on every rank iff max == min
+    low, high = exchange.agree_same(metric, group, key)
+    if low != high:
+        def shape(k):
+            return f"{k >> 32} tokens x vocab shard {(k & INDEX_LIMIT) >> 1}" + (" (fp64)" if k & 1 else "")
+        raise ValueError(f"{name}: TP ranks hold different vocab-parallel logits ({shape(low)} "
+                         f"to {shape(high)}; this rank {shape(key)}); every rank of a TP group must "
+                         "pass the same tokens with its own equal vocab shard; nothing was accumulated")

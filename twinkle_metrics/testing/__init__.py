@@ -1,5 +1,10 @@
 """Test helpers that ship with the package: use them on your own metrics too.
 
+* ``check_metric(make_metric, feed, layouts)``: the conformance check of a metric in one
+  call: declared keys, idempotent ``calculate(reset=False)``, the ``state_dict`` round trip,
+  pickling, a rejected call that changes nothing, the export / ``calculate_from`` round trip,
+  then ``assert_layout_invariant`` on ``layouts`` (see ``twinkle_metrics.testing.conformance``
+  and docs/testing.md).
 * ``assert_layout_invariant(make_metric, feed, layouts)``: runs the metric on real gloo
   ranks for each layout (``"dp2"``, ``"tp2xdp2"``, ``"cp2xdp2"``, ``"pp2xdp2"``,
   ``"tp2xpp2xdp2"``, ``"ep2xdp2"``, ...) and on one process, and raises
@@ -31,6 +36,7 @@
   a data group; compare with one metric that accumulated everything.
 """
 from twinkle_metrics.testing.compare import assert_results_close, merged_results, state_dict_differences
+from twinkle_metrics.testing.conformance import check_metric
 from twinkle_metrics.testing.counter import CollectiveCounter
 from twinkle_metrics.testing.guard import DeviceWaitError, forbid_device_waits, intercept_device_waits
 from twinkle_metrics.testing.layout import (
@@ -45,5 +51,6 @@ from twinkle_metrics.testing.pool import DistPool
 from twinkle_metrics.testing.rendezvous import Rendezvous
 
 __all__ = ["CollectiveCounter", "DEFAULT_LAYOUTS", "DeviceWaitError", "DistPool", "LayoutReport", "Shard",
-           "assert_layout_invariant", "assert_results_close", "collective_budget", "forbid_device_waits",
-           "intercept_device_waits", "merged_results", "parse_layout", "Rendezvous", "state_dict_differences"]
+           "assert_layout_invariant", "assert_results_close", "check_metric", "collective_budget",
+           "forbid_device_waits", "intercept_device_waits", "merged_results", "parse_layout", "Rendezvous",
+           "state_dict_differences"]

@@ -71,7 +71,7 @@ def merged_results(shards: Sequence) -> Dict[str, Any]:
     """
     from twinkle_metrics.comm.fused import plain_states
     from twinkle_metrics.core.checkpoint import stage_load
-    from twinkle_metrics.core.interval import computing
+    from twinkle_metrics.core.interval import results
     from twinkle_metrics.core.state import interval_of
 
     lead = shards[0]
@@ -85,4 +85,4 @@ def merged_results(shards: Sequence) -> Dict[str, Any]:
     specs = {name: held.spec_of(name) for name in merged}
     merged_interval = held.copy(states=merged, touched=set(merged))
     merged_interval.specs = specs
-    return computing(merged_interval).compute(plain_states(merged, specs))
+    return results(merged_interval, plain_states(merged, specs))

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_metrics import Accuracy, EmbeddingMetric, LossMetric, MetricCollection, TrainMetric
-from twinkle_metrics.kernels.argmax import _ordered_f32, _ordered_f64, argmax_keys, argmax_of_keys
+from twinkle_metrics.comm.order import ordered_f32, ordered_f64
+from twinkle_metrics.kernels.argmax import argmax_keys, argmax_of_keys
 from twinkle_metrics.testing import assert_results_close, forbid_device_waits
 
 
@@ -115,7 +116,7 @@ def test_packed_argmax_keys_follow_torch_argmax_ties_nan_and_signed_zero():
 
 def test_ordered_ints_preserve_float_order():
     vals = torch.tensor([-math.inf, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, math.inf, math.nan])
-    o32, o64 = _ordered_f32(vals), _ordered_f64(vals.double())
+    o32, o64 = ordered_f32(vals), ordered_f64(vals.double())
     for o in (o32, o64):
         assert (o[1:-1] >= o[:-2]).all() and o[3] == o[4] and o[-1] > o[-2]
 

@@ -13,7 +13,7 @@ import torch
 from tests.rlref import make_ppo_batch, make_rl_batch, ragged
 from twinkle_metrics import CISPOMetric, GRPOMetric, GSPOMetric, MetricCollection, PPOMetric, RolloutMismatchMetric
 from twinkle_metrics.core.metric import FINGERPRINT_KEY
-from twinkle_metrics.kernels import dispatch
+from twinkle_metrics.kernels import dispatch, rollout_triton
 from twinkle_metrics.testing import assert_results_close, forbid_device_waits
 
 MODES = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -254,7 +254,7 @@ def test_mode_enters_the_fingerprint_states_are_wide_and_checkpoints_round_trip(
     m, out = _full_results(cls, loss_agg_mode="seq-mean-token-sum")
     assert "loss_agg_mode='seq-mean-token-sum'" in m.fingerprint()
     assert m.fingerprint() != cls(loss_agg_mode="seq-mean-token-mean").fingerprint()
-    assert m._specs["seq_sums"].dtype == torch.float64 and m._specs["seq_counts"].dtype == torch.int64
+    assert m.declarations["seq_sums"].dtype == torch.float64 and m.declarations["seq_counts"].dtype == torch.int64
     a, _ = _full_results(cls, loss_agg_mode="seq-mean-token-sum")
     a.reset()
     b = _batch()
@@ -297,9 +297,22 @@ def test_sequence_modes_take_the_torch_path_where_the_kernels_would_run(monkeypa
                 ref=None, has_ref=None, old=None, has_old=None)
     assert fuses(GRPOMetric().config, Microbatch(item, None))
     assert not fuses(GRPOMetric(loss_agg_mode="seq-mean-token-mean").config, Microbatch(item, None))
-    roll = {"x": b["logps"], "m": item["m"], "rollout_logps": (b["old"], item["m"])}
-    assert RolloutMismatchMetric()._fuses(roll)
-    assert not RolloutMismatchMetric(loss_agg_mode="seq-mean-token-sum")._fuses(roll)
+
+    class Fused(Exception):
+        """RolloutMismatchMetric took the one-kernel path."""
+
+    def token_stats(*args, **kwargs):
+        raise Fused
+
+    monkeypatch.setattr(rollout_triton, "token_stats", token_stats)
+    call = ({"labels": b["labels"]}, {"logps": b["logps"]})
+    with pytest.raises(Fused):
+        RolloutMismatchMetric().accumulate(*call, rollout_logps=b["old"])
+    got = RolloutMismatchMetric(loss_agg_mode="seq-mean-token-sum").accumulate(*call, rollout_logps=b["old"])
+    got = got.calculate()
+    monkeypatch.undo()  # the real device_ok: CPU tensors take the torch path
+    want = RolloutMismatchMetric(loss_agg_mode="seq-mean-token-sum").accumulate(*call, rollout_logps=b["old"])
+    assert got and got == want.calculate()
 
 
 def test_nan_propagates_into_its_sequence_and_the_key():

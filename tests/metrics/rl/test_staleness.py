@@ -180,9 +180,14 @@ def test_states_are_int64_and_float64_and_results_plain_numbers():
 
 
 def test_bucket_lookup_is_the_histograms_own_index():
-    """The table lookup of integer staleness puts every value where Histogram.index does
-    (above 65536: where 65536 goes; negatives: in the zero bucket)."""
+    """The table lookup of integer staleness counts every value where Histogram.index puts it
+    (above 65536: where 65536 goes; negatives: in the zero bucket): every integer up to 70000,
+    one token each, lands in the histogram state as Histogram.index's buckets count them."""
     hist = staleness_module.STALENESS_HISTOGRAM
     st = torch.cat([torch.arange(-3, 70000), torch.tensor([10 ** 9])])
-    want = hist.index(st.clamp(max=2 ** 16).double())
-    assert torch.equal(staleness_module._buckets(st), want)
+    policy = 2 * 10 ** 9
+    m = StalenessMetric()
+    m.accumulate({"labels": torch.ones(1, len(st), dtype=torch.long)}, None, policy_version=policy,
+                 rollout_versions=(policy - st)[None])  # per token
+    want = torch.bincount(hist.index(st.clamp(max=2 ** 16).double()), minlength=hist.n_buckets)
+    assert torch.equal(m.states["hist"], want)

@@ -139,8 +139,8 @@ def test_nan_policy(policy):
 def test_scope_follows_sequence_parallel():
     plain = MoERoutingMetric(num_layers=2, num_experts=3)
     sp = MoERoutingMetric(num_layers=2, num_experts=3, sequence_parallel=True)
-    assert {s.scope for s in plain._specs.values()} == {"stage"}
-    assert {s.scope for s in sp._specs.values()} == {"model"}
+    assert {s.scope for s in plain.declarations.values()} == {"stage"}
+    assert {s.scope for s in sp.declarations.values()} == {"model"}
     assert plain.fingerprint() != sp.fingerprint()
     assert plain.counts.shape == (2, 3) and plain.counts.dtype == torch.int64
 

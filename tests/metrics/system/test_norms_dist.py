@@ -88,9 +88,10 @@ def _load_shard(chunk, full, ps):
 
 
 def case_gpt_norms():
-    cpu_compat, tm, ps = _megatron()
+    _, tm, ps = _megatron()
     from megatron.core.optimizer import clip_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import layers as tp_layers
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
@@ -124,7 +125,8 @@ def case_gpt_norms():
 
         # megatron-core's own numbers on the same grads: the grads its optimizer passes
         # (not shared, not a TP duplicate), reduced over its grad-stats group (TP x PP)
-        clip_grads.torch = cpu_compat._CpuTorch()  # its 'cuda' literals, on CPU
+        # its 'cuda' literals, on CPU: the proxy megatron_cpu.enable() put in the modules it patches
+        clip_grads.torch = tp_layers.torch
         params = [p for c in chunks for p in c.parameters()]
         grads = [p.grad for p in params
                  if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]

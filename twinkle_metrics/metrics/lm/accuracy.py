@@ -1,10 +1,9 @@
 """``Accuracy``: token accuracy, exact under data, context and tensor (vocab) parallelism."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
@@ -12,8 +11,8 @@ from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import floating_tensor, int_tensor, right_align
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import has_field, host_array, join, microbatches
-from twinkle_metrics.kernels.argmax import INDEX_LIMIT, joined_hits, vocab_parallel_argmax
-from twinkle_metrics.metrics.vocab import check_reach, reach
+from twinkle_metrics.kernels.argmax import joined_hits, vocab_parallel_argmax
+from twinkle_metrics.metrics.vocab import agree_shards, check_reach, reach
 
 _NAME = "Accuracy"
 
@@ -97,7 +96,7 @@ class Accuracy(Metric):
         with exchange.guard(self):
             work = self._validate(inputs, outputs)
             for group in self.exchange_groups():
-                self._agree_shapes(group, [w[0] for w in work])
+                agree_shards(self, group, [w[0] for w in work])
         hits = self._hits(work)
         if not work:
             return None
@@ -107,28 +106,6 @@ class Accuracy(Metric):
         out.update(reach([lab for _, lab, _ in work], [m for _, _, m in work],
                          [int(x.shape[-1]) for x, _, _ in work], self.vocab_parallel) or {})
         return out
-
-    def _agree_shapes(self, group, logits: List[torch.Tensor]) -> None:
-        """Agree over TP; TP peers must hold the same tokens, vocab shard width and
-        precision, or every one of them raises (the collective would mismatch)."""
-        widths = {int(x.shape[-1]) for x in logits}
-        if len(widths) > 1:
-            raise ValueError(f"{_NAME}: vocab-parallel logits shards have different widths {sorted(widths)}; "
-                             "every microbatch must hold the same vocab shard")
-        n = sum(x[..., 0].numel() for x in logits)
-        width = widths.pop() if widths else 0
-        wide = int(any(x.dtype == torch.float64 for x in logits))
-        if n >= 1 << 31 or width * dist.get_world_size(group) > INDEX_LIMIT:
-            raise ValueError(f"{_NAME}: {n} tokens of vocab shard {width} exceed the packed 32-bit sizes "
-                             "(2**31 tokens per call, 2**32 vocab entries)")
-        key = (n << 32) | (width << 1) | wide  # one key: equal on every rank iff max == min
-        low, high = exchange.agree_same(self, group, key)
-        if low != high:
-            def shape(k):
-                return f"{k >> 32} tokens x vocab shard {(k & INDEX_LIMIT) >> 1}" + (" (fp64)" if k & 1 else "")
-            raise ValueError(f"{_NAME}: TP ranks hold different vocab-parallel logits ({shape(low)} "
-                             f"to {shape(high)}; this rank {shape(key)}); every rank of a TP group must "
-                             "pass the same tokens with its own equal vocab shard; nothing was accumulated")
 
     def _validate(self, inputs, outputs):
         """[(logits, labels, mask)] of this call; raises on bad input, communicates nothing."""

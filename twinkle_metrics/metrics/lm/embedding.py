@@ -294,8 +294,9 @@ class EmbeddingMetric(Metric):
         if s["pos_count"]:
             # 0, or NaN when a NaN row fed the comparisons ('propagate'; NaN > x is False)
             poison = (s["pos_sum"] + s["neg_sum"] + s["margin_sum"]) * 0.0
-            out.update(pos_sim=s["pos_sum"] / s["pos_count"], pos_sim_min=s["pos_min"],
-                       pos_sim_max=s["pos_max"])
+            out["pos_sim"] = s["pos_sum"] / s["pos_count"]
+            out["pos_sim_min"] = s["pos_min"]
+            out["pos_sim_max"] = s["pos_max"]
             if s["margin_count"]:  # anchors with negatives: the ones top-1 retrieval ranks
                 out["in_batch_accuracy"] = s["top1_correct"] / s["margin_count"] + poison
         if s["neg_count"]:

@@ -293,7 +293,7 @@ class LossMetric(Metric):
     def compute(self, s):
         out = {}
         tokens = s["num_tokens"]
-        negative_count(_NAME, "num_tokens", tokens, self._intervals)
+        negative_count(_NAME, "num_tokens", tokens, self.intervals)
         total, means = s["loss_total"], s["entries"] - s["sum_entries"]
         if means > 0 and s["sum_entries"] > 0:
             raise ValueError(f"{_NAME}: this interval mixes {int(s['sum_entries'])} loss_reduction='sum' entries "

@@ -93,7 +93,9 @@ class DPOMetric(Metric):
     reads = (Reads(outputs=("logps",), keywords=("ref_outputs?",), context=Reads(inputs=("labels|completion_mask",))),
              Reads(outputs=("chosen_logps", "rejected_logps", "ref_chosen_logps?", "ref_rejected_logps?")),
              Reads(keywords=("chosen", "rejected", "ref_chosen?", "ref_rejected?")))
-    result_keys = ('logps/*', 'rewards/*',)
+    result_keys = ('logps/nonfinite_pairs', 'logps/chosen', 'logps/rejected', 'logps/ref_chosen', 'logps/ref_rejected',
+                   'rewards/chosen', 'rewards/rejected', 'rewards/margins', 'rewards/margins_p*',
+                   'rewards/accuracies')
 
     agree_over = ("cp",)  # sequence sums are completed over CP, agreed on in every update
 

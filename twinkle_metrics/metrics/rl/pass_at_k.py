@@ -108,7 +108,9 @@ class PassAtKMetric(Metric):
     """
 
     reads = Reads(keywords=("prompt_ids", "correct", "answers?", "rewards?"))
-    result_keys = ('pass@*', 'pass^*', 'maj@*', 'best@*', 'worst@*', 'num_prompts', 'num_samples',)
+    #: ``{key}_ci_low`` / ``_ci_high``: the bootstrap interval of each pass@k, pass^k, maj@k, best@k, worst@k
+    result_keys = ('pass@*', 'pass^*', 'maj@*', 'best@*', 'worst@*', '*_ci_low', '*_ci_high', 'num_prompts',
+                   'num_samples',)
 
     def __init__(self, device_mesh=None, process_group=None, *, k=(1,), max_prompts: int = 1024,
                  max_samples: int = 16384, with_answers: bool = False, with_rewards: bool = False,

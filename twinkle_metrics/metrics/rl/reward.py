@@ -112,7 +112,7 @@ class CompletionRewardMetric(Metric):
     result_keys = ('train/*_reward', 'train/*_reward_std', 'train/*_reward_p*', 'train/completion_length',
                   'train/completion_length_min', 'train/completion_length_max', 'train/completion_length_p*',
                   'train/completion_clipped_ratio', 'train/frac_reward_zero_std', 'train/nonfinite_rewards',
-                  'profiling/*',)
+                  'profiling/Time taken: move_model_to_sampler', 'profiling/Time taken: generate',)
 
     # fixed names or names as they come decide which states are created on the fly: ranks
     # must agree on it, while a checkpoint loads across the two (its states are checked)
@@ -159,14 +159,14 @@ class CompletionRewardMetric(Metric):
     def _ensure_names(self, names) -> None:
         for name in names:
             _check_name(name)
-            if _PREFIX + name not in self._specs:
+            if _PREFIX + name not in self.declarations:
                 self.add_state(_PREFIX + name, moments_state())
-            if self.quantiles and _HIST + name not in self._specs:
+            if self.quantiles and _HIST + name not in self.declarations:
                 self.add_state(_HIST + name, REWARD_HISTOGRAM.state())
 
     @property
     def reward_names(self):
-        return sorted(k[len(_PREFIX):] for k in self._specs if k.startswith(_PREFIX) and SEP not in k)
+        return sorted(k[len(_PREFIX):] for k in self.declarations if k.startswith(_PREFIX) and SEP not in k)
 
     # ----------------------------------------------------------------- update
     def update(self, inputs=None, outputs=None, *, rewards=None, completion_lengths=None,
@@ -309,7 +309,7 @@ class CompletionRewardMetric(Metric):
     def compute(self, s):
         out: Dict[str, Any] = {}
         if s["len_count"]:
-            negative_count(_NAME, "completion_lengths (the smallest)", float(s["len_min"]), self._intervals)
+            negative_count(_NAME, "completion_lengths (the smallest)", float(s["len_min"]), self.intervals)
         if s["sync_time_n"]:
             out["profiling/Time taken: move_model_to_sampler"] = s["sync_time_sum"] / s["sync_time_n"]
         if s["gen_time_n"]:

@@ -22,14 +22,14 @@ from twinkle_metrics.metrics.rl.loss_agg import (
     sequence_table,
 )
 
-_P = "rollout/"
-#: the per-sequence columns a sequence-aggregated loss_agg_mode adds after (sum of d, tokens):
-#: token sums, then the sequence's token capacity
-_EXTRA = ("abs", "w_m1", "high", "low", "k3", "lp_train", "lp_rollout", "width")
-#: the token sums those modes aggregate (``"d"`` is column 0, ``"w_one"`` the token count,
-#: column 1: with ``"w_m1"`` it makes the sum of w), all counted by column 1
-_SEQ_SUMS = ("d", "abs", "w_m1", "w_one", "high", "low", "k3", "lp_train", "lp_rollout")
-_SEQ_COLUMNS = (0, 2, 3, 1, 4, 5, 6, 7, 8)
+#: the per-sequence columns (named as the states they sum), and under a sequence-aggregated
+#: loss_agg_mode the token sums after them, then the sequence's token capacity
+_PARTS = ("sum_d", "n_tok", "sum_abs", "sum_em", "n_high", "n_low", "sum_k3", "sum_lp_train", "sum_lp_rollout",
+          "width")
+#: the token sums those modes aggregate (the ``seq_sums`` state), all counted by ``n_tok``; the
+#: token count as a value too: with ``sum_em`` (of w - 1) it makes the sum of w
+_SEQ_SUMS = ("sum_d", "sum_abs", "sum_em", "n_tok", "n_high", "n_low", "sum_k3", "sum_lp_train", "sum_lp_rollout")
+_SEQ_COLUMNS = tuple(_PARTS.index(c) for c in _SEQ_SUMS)
 
 
 def _ess_merge(rows: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,11 @@ class RolloutMismatchMetric(Metric):
     """
 
     reads = Reads(keywords=("rollout_logps",), context=Reads(inputs=("labels|completion_mask",), outputs=("logps",)))
-    result_keys = ('rollout/*',)
+    result_keys = ('rollout/nonfinite_tokens', 'rollout/logp_abs_diff_mean', 'rollout/logp_abs_diff_max',
+                   'rollout/is_ratio_mean', 'rollout/is_ratio_std', 'rollout/is_ratio_min', 'rollout/is_ratio_max',
+                   'rollout/is_fraction_high', 'rollout/is_fraction_low', 'rollout/token_ess', 'rollout/mismatch_kl',
+                   'rollout/mismatch_k3_kl', 'rollout/training_ppl', 'rollout/rollout_ppl', 'rollout/ppl_ratio',
+                   'rollout/seq_ess', 'rollout/log_ppl_abs_diff')
 
     agree_over = ("cp",)  # sequence sums are completed over CP
 
@@ -261,12 +265,12 @@ class RolloutMismatchMetric(Metric):
             return {}
         totals, rows = result
         for name, value in totals.items():  # every token state, by its declared reduction
-            fold.by(acc, name, value, self._specs[name].reduce)
+            fold.by(acc, name, value, self.declarations[name].reduce)
         return dict(zip(which, rows))
 
     def _token_sums(self, acc, item) -> torch.Tensor:
         """Add one microbatch's token sums to ``acc``; return its ``[b, 2]`` per-sequence
-        (sum of d, tokens), and under a sequence-aggregated loss_agg_mode the ``_EXTRA``
+        (sum of d, tokens), and under a sequence-aggregated loss_agg_mode the other ``_PARTS``
         columns after them."""
         lp, (roll, has) = item["x"], item["rollout_logps"]
         bad = nonfinite_tokens(lp, has, [(roll, has)])
@@ -330,43 +334,40 @@ class RolloutMismatchMetric(Metric):
         return out
 
     def compute(self, s):
-        out: Dict[str, Any] = {_P + "nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
+        out: Dict[str, Any] = {"rollout/nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
         n = s["n_tok"]
         if n:
             s1, s2 = s["sum_em"], s["sum_em2"]
             spread = n * s2 - s1 * s1  # n^2 Var(w), from w - 1: no cancellation of the 1s
-            if self._per_sequence:
-                sums, seqs = s["seq_sums"], s["seq_counts"][0]
+            # mean(total): the token mean s[total] / n_tok, or under a sequence loss_agg_mode the
+            # mean over sequences of each one's value (``loss_agg``)
+            per_seq = self._per_sequence
+            sums = dict(zip(_SEQ_SUMS, s["seq_sums"])) if per_seq else s
+            seqs = s["seq_counts"][0] if per_seq else n
 
-                def agg(*columns):
-                    return sequence_mean(sum(sums[_SEQ_SUMS.index(c)] for c in columns), seqs)
+            def mean(total):
+                return sequence_mean(sums[total], seqs) if per_seq else s[total] / n
 
-                means = (agg("abs"), agg("w_m1", "w_one"), agg("high"), agg("low"), -agg("d"), agg("k3"),
-                         agg("lp_train"), agg("lp_rollout"))
-            else:
-                means = (s["sum_abs"] / n, 1.0 + s1 / n, s["n_high"] / n, s["n_low"] / n, -s["sum_d"] / n,
-                         s["sum_k3"] / n, s["sum_lp_train"] / n, s["sum_lp_rollout"] / n)
-            mean_train, mean_rollout = means[6], means[7]
-            out.update({
-                _P + "logp_abs_diff_mean": means[0],
-                _P + "logp_abs_diff_max": s["abs_max"],
-                _P + "is_ratio_mean": means[1],
-                _P + "is_ratio_std": (max(spread, 0.0) ** 0.5) / n,  # max(NaN, 0) is NaN
-                _P + "is_ratio_min": _exp(s["d_min"]),
-                _P + "is_ratio_max": _exp(s["d_max"]),
-                _P + "is_fraction_high": means[2],
-                _P + "is_fraction_low": means[3],
-                _P + "token_ess": 1.0 - spread / (n * (n + 2 * s1 + s2)),
-                _P + "mismatch_kl": means[4],
-                _P + "mismatch_k3_kl": means[5],
-                _P + "training_ppl": _exp(-mean_train),
-                _P + "rollout_ppl": _exp(-mean_rollout),
-                _P + "ppl_ratio": _exp(mean_rollout - mean_train),
-            })
+            mean_train, mean_rollout = mean("sum_lp_train"), mean("sum_lp_rollout")
+            out["rollout/logp_abs_diff_mean"] = mean("sum_abs")
+            out["rollout/logp_abs_diff_max"] = s["abs_max"]
+            out["rollout/is_ratio_mean"] = (  # w = (w - 1) + 1
+                sequence_mean(sums["sum_em"] + sums["n_tok"], seqs) if per_seq else 1.0 + s1 / n)
+            out["rollout/is_ratio_std"] = (max(spread, 0.0) ** 0.5) / n  # max(NaN, 0) is NaN
+            out["rollout/is_ratio_min"] = _exp(s["d_min"])
+            out["rollout/is_ratio_max"] = _exp(s["d_max"])
+            out["rollout/is_fraction_high"] = mean("n_high")
+            out["rollout/is_fraction_low"] = mean("n_low")
+            out["rollout/token_ess"] = 1.0 - spread / (n * (n + 2 * s1 + s2))
+            out["rollout/mismatch_kl"] = -mean("sum_d")
+            out["rollout/mismatch_k3_kl"] = mean("sum_k3")
+            out["rollout/training_ppl"] = _exp(-mean_train)
+            out["rollout/rollout_ppl"] = _exp(-mean_rollout)
+            out["rollout/ppl_ratio"] = _exp(mean_rollout - mean_train)
         if s["n_seq"]:
             _, a, b = s["seq_ess"]
-            out[_P + "seq_ess"] = a * a / (s["n_seq"] * b)
-            out[_P + "log_ppl_abs_diff"] = s["sum_seq_abs"] / s["n_seq"]
+            out["rollout/seq_ess"] = a * a / (s["n_seq"] * b)
+            out["rollout/log_ppl_abs_diff"] = s["sum_seq_abs"] / s["n_seq"]
         return out
 
 

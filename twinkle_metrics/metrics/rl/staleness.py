@@ -20,7 +20,6 @@ from twinkle_metrics.inputs.rl import token_mask
 from twinkle_metrics.stats.histogram import Histogram, check_quantiles, quantile_suffix
 
 _NAME = "StalenessMetric"
-_P = "staleness/"
 _FIELD = "rollout_versions"
 #: staleness in versions: 0 has its own bucket, [1, 65536) within 1% (exact below 50 once rounded)
 STALENESS_HISTOGRAM = Histogram(1.0, 2.0 ** 16, rel_error=0.01, signed=False)
@@ -105,7 +104,9 @@ class StalenessMetric(Metric):
 
     reads = Reads(keywords=("rollout_versions",),
                   context=Reads(inputs=("labels|completion_mask",), keywords=("policy_version",)))
-    result_keys = ('staleness/*',)
+    result_keys = ('staleness/mean', 'staleness/seq_mean', 'staleness/min', 'staleness/max', 'staleness/p*',
+                   'staleness/frac_over_{max_staleness}', 'staleness/span_max', 'staleness/in_flight_max',
+                   'staleness/queued_max')
 
     agree_over = ("cp",)  # per-sequence totals are completed over CP
     # the generic split hands per-call numbers (policy_version) to the whole call only
@@ -279,23 +280,28 @@ class StalenessMetric(Metric):
         out: Dict[str, Any] = {}
         n = s["n_tok"]
         if n:
-            out[_P + "mean"] = s["sum_st"] / n
+            out["staleness/mean"] = s["sum_st"] / n
             if s["n_seq"]:
-                out[_P + "seq_mean"] = s["sum_seq"] / s["n_seq"]
-            out[_P + "min"] = int(s["st_min"])
-            out[_P + "max"] = int(s["st_max"])
+                out["staleness/seq_mean"] = s["sum_seq"] / s["n_seq"]
+            out["staleness/min"] = int(s["st_min"])
+            out["staleness/max"] = int(s["st_max"])
             if self.quantiles:
                 values = STALENESS_HISTOGRAM.quantiles(s[_HIST], self.quantiles)
-                out.update({_P + quantile_suffix(q): int(round(v)) for q, v in zip(self.quantiles, values)})
+                out.update({f"staleness/{quantile_suffix(q)}": int(round(v)) for q, v in zip(self.quantiles, values)})
             if self.max_staleness is not None:
-                out[f"{_P}frac_over_{self.max_staleness}"] = s["n_over"] / n
+                out[f"staleness/frac_over_{self.max_staleness}"] = s["n_over"] / n
         if s["span_max"] >= 0:
-            out[_P + "span_max"] = int(s["span_max"])
-        for key, name in (("in_flight", "in_flight_max"), ("queued", "queued_max")):
-            if s[key] != -math.inf:
-                v = s[key]
-                out[_P + name] = int(v) if math.isfinite(v) and float(v).is_integer() else v
+            out["staleness/span_max"] = int(s["span_max"])
+        if s["in_flight"] != -math.inf:
+            out["staleness/in_flight_max"] = _whole(s["in_flight"])
+        if s["queued"] != -math.inf:
+            out["staleness/queued_max"] = _whole(s["queued"])
         return out
+
+
+def _whole(v: float):
+    """A reported count as an int where it is one (NaN and inf stay floats)."""
+    return int(v) if math.isfinite(v) and float(v).is_integer() else v
 
 
 def _buckets(st: torch.Tensor) -> torch.Tensor:

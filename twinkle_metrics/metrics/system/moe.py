@@ -124,7 +124,9 @@ class MoERoutingMetric(Metric):
 
     reads = Reads(outputs=("routing_map?", "router_logits?", "router_probs?", "token_mask?", "aux_loss?",
                            "z_loss?", "tokens_dropped?"))
-    result_keys = ('moe/*',)
+    result_keys = ('moe/load_imbalance', 'moe/cv', 'moe/dead_expert_fraction', 'moe/router_entropy', 'moe/aux_loss',
+                   'moe/z_loss', 'moe/tokens_per_expert_p*', 'moe/*_p*', 'moe/load_imbalance_max',
+                   'moe/tokens_dropped', 'moe/drop_fraction', 'moe/nonfinite', 'moe/layer*/*')
 
     unsliceable = "router statistics are per token of a layer, not per sequence"
 
@@ -216,7 +218,7 @@ class MoERoutingMetric(Metric):
                 raise ValueError(f"{_NAME}: {where}[{per_layer[0]!r}] belongs to one layer but no layer "
                                  "was given; pass accumulate(..., layer=i) or observe(i, ...)")
         L, E = self.num_layers, self.num_experts
-        fields["device"] = next((v.device for v in fields.values() if isinstance(v, torch.Tensor)), self._device)
+        fields["device"] = next((v.device for v in fields.values() if isinstance(v, torch.Tensor)), self.device)
         lead = None  # leading (token) dims shared by routing_map, logits, probs, mask
         for key in ("routing_map", "router_logits", "router_probs"):
             if key in fields:

@@ -9,46 +9,53 @@ from typing import Any, Dict, List, Optional, Tuple
 
 def summarize(s: Dict[str, Any], num_layers: int, num_experts: int, percentiles: Optional[Tuple[float, ...]],
               per_layer: bool) -> Dict[str, Any]:
-    """The keys ``MoERoutingMetric`` reports from its merged states ``s`` (see its docstring)."""
-    per: List[Tuple[int, Dict[str, float]]] = []
-    for i in range(num_layers):
-        r = _layer_stats(s, i, num_experts)
-        if r:
-            per.append((i, r))
-    qs = percentiles or ()
+    """The keys ``MoERoutingMetric`` reports from its merged states ``s`` (see its docstring):
+    each ``moe/{name}`` over layers is written once below, from the per-layer ``name`` of
+    ``_layer_stats``."""
+    per = [(i, r) for i, r in ((i, _layer_stats(s, i, num_experts)) for i in range(num_layers)) if r]
     if not per:
         return {}
-    out: Dict[str, Any] = {}
-    names = ("load_imbalance", "cv", "dead_expert_fraction", "router_entropy", "aux_loss", "z_loss")
-    spread = [f"tokens_per_expert_{_suffix(q)}" for q in qs]  # per-layer percentiles: their mean
-    if qs:
-        for i, r in per:
-            if "load_imbalance" in r:  # the layer routed tokens
-                counts = sorted(s["counts"][i])
-                r.update({key: _percentile(counts, q) for key, q in zip(spread, qs)})
-    for name in names + tuple(spread):
+    qs = percentiles or ()
+    for i, r in per:  # each routed layer's percentiles of its experts' token counts
+        if qs and "load_imbalance" in r:
+            counts = sorted(s["counts"][i])
+            r.update({f"tokens_per_expert_{_suffix(q)}": _percentile(counts, q) for q in qs})
+
+    def mean(name: str) -> Optional[float]:
+        """The mean over the layers that report ``name`` (None: no layer does)."""
         vals = [r[name] for _, r in per if name in r]
-        if vals:
-            out[f"moe/{name}"] = sum(vals) / len(vals)
-    for name in (names + ("drop_fraction",)) if qs else ():
+        return sum(vals) / len(vals) if vals else None
+
+    def across(name: str, q: float) -> Optional[float]:
+        """The ``q``-th percentile across the layers that report ``name``."""
         vals = sorted(r[name] for _, r in per if name in r)
-        if vals:
-            out.update({f"moe/{name}_{_suffix(q)}": _percentile(vals, q) for q in qs})
-    imb = [r["load_imbalance"] for _, r in per if "load_imbalance" in r]
-    if imb:
-        out["moe/load_imbalance_max"] = max(imb)
+        return _percentile(vals, q) if vals else None
+
+    out: Dict[str, Any] = {}
+    out["moe/load_imbalance"] = mean("load_imbalance")
+    out["moe/cv"] = mean("cv")
+    out["moe/dead_expert_fraction"] = mean("dead_expert_fraction")
+    out["moe/router_entropy"] = mean("router_entropy")
+    out["moe/aux_loss"] = mean("aux_loss")
+    out["moe/z_loss"] = mean("z_loss")
+    for q in qs:
+        out[f"moe/tokens_per_expert_{_suffix(q)}"] = mean(f"tokens_per_expert_{_suffix(q)}")
+    for name in ("load_imbalance", "cv", "dead_expert_fraction", "router_entropy", "aux_loss", "z_loss",
+                 "drop_fraction") if qs else ():
+        for q in qs:
+            out[f"moe/{name}_{_suffix(q)}"] = across(name, q)
+    imbalance = [r["load_imbalance"] for _, r in per if "load_imbalance" in r]
+    out["moe/load_imbalance_max"] = max(imbalance) if imbalance else None
     routed = sum(sum(s["counts"][i]) for i, _ in per)
     dropped = sum(s["dropped"][i] for i, _ in per)
     if s["drop_reports"] and (routed or dropped):
         out["moe/tokens_dropped"] = dropped
         out["moe/drop_fraction"] = dropped / (routed + dropped)
-    bad = sum(s["nonfinite"])
-    if bad:
-        out["moe/nonfinite"] = bad
+    out["moe/nonfinite"] = sum(s["nonfinite"]) or None
     if per_layer:
         for i, r in per:
             out.update({f"moe/layer{i}/{k}": v for k, v in r.items()})
-    return out
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _layer_stats(s: Dict[str, Any], i: int, E: int) -> Dict[str, float]:

@@ -111,7 +111,8 @@ class ModelNormMetric(Metric):
          'norm/grad/weight': 2.0, 'norm/param/weight': 5.0}
     """
 
-    result_keys = ('norm/*',)
+    result_keys = ('norm/param', 'norm/grad', 'norm/grad_zeros', 'norm/zero_grad_fraction', 'norm/param/*',
+                   'norm/grad/*')
 
     unsliceable = "it reads the model, not the batch"
     schema = Schema(exclude=("model",))  # what it reads, not what a state means
@@ -194,10 +195,10 @@ class ModelNormMetric(Metric):
                 out["norm/grad_zeros"] = s["grad_zeros"]
                 out["norm/zero_grad_fraction"] = s["grad_zeros"] / s["grad_numel"]
         for name in sorted(s):
-            if name.startswith(_PARAM):
-                out["norm/param/" + name[len(_PARAM):]] = math.sqrt(s[name])
+            if name.startswith(_PARAM):  # a group's
+                out[f"norm/param/{name[len(_PARAM):]}"] = math.sqrt(s[name])
             elif name.startswith(_GRAD) and has_grads:
-                out["norm/grad/" + name[len(_GRAD):]] = math.sqrt(s[name])
+                out[f"norm/grad/{name[len(_GRAD):]}"] = math.sqrt(s[name])
         return out
 
     # ------------------------------------------------------------------- plan

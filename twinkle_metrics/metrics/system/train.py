@@ -145,7 +145,7 @@ class TrainMetric(Metric):
                "interval": torch.tensor([self.interval_start, now], dtype=torch.float64)}
         lrs = [] if lr is None else list(lr) if isinstance(lr, (list, tuple)) else [lr]
         if lrs:  # [] (no optimizer, e.g. during evaluation) reports no lr, as in Twinkle
-            cap = self._specs["lr"].shape[0]
+            cap = self.declarations["lr"].shape[0]
             if len(lrs) > cap:
                 raise ValueError(f"{_NAME}: lr has {len(lrs)} param groups, more than {cap}; pass "
                                  f"TrainMetric(max_param_groups={len(lrs)})")
@@ -204,7 +204,7 @@ class TrainMetric(Metric):
                 out["train/step_time_min"] = s["rank_step_time_min"] * ga
                 out["train/step_time_slowest_rank"] = s["slowest_rank"] & ((1 << _RANK_BITS) - 1)
         for name in ("tokens", "samples"):
-            negative_count(_NAME, name, s[name], self._intervals)
+            negative_count(_NAME, name, s[name], self.intervals)
         if interval > 0 and interval != -math.inf:
             if s["tokens"] > 0:
                 out["tokens/s"] = s["tokens"] / interval

@@ -71,7 +71,8 @@ class Microbatch:
         absent) and the token capacity of each row (the mask's length)."""
         b, s = self.m.shape
         zero = torch.zeros(b, dtype=torch.float64, device=self.m.device)
-        cols = [self.rows.get(k, zero).to(torch.float64) for k in SEQ_SUMS + SEQ_COUNTS]
+        names = [c for c, _ in SEQ_SUMS] + list(SEQ_COUNTS)
+        cols = [self.rows.get(k, zero).to(torch.float64) for k in names]
         return torch.stack(cols + [torch.full_like(zero, float(s))], 1)
 
     def keep(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

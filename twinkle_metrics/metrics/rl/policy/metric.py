@@ -1,8 +1,8 @@
 """``GRPOMetric``, ``PPOMetric``, ``GSPOMetric``, ``CISPOMetric``: policy-optimisation statistics.
 
 The states come from the columns of ``table.COLUMNS``; ``update`` prepares the call and hands
-it to the pure functions of ``sums`` with the metric's ``Config``; ``compute`` reads the same
-table back into keys.
+it to the pure functions of ``sums`` with the metric's ``Config``; ``compute`` writes each
+result key once, on the line that divides its states.
 """
 from __future__ import annotations
 
@@ -19,22 +19,20 @@ from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.kernels import entropy
-from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg, sequence_mean
+from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg
 from twinkle_metrics.metrics.rl.policy import batch as batch_mod
 from twinkle_metrics.metrics.rl.policy import records, sums
 from twinkle_metrics.metrics.rl.policy.table import (
-    BY_NAME,
-    CLIP_COUNTS,
     ENTROPY_HISTOGRAM,
     KL_HISTOGRAM,
-    MEANS,
     RATIO_HISTOGRAM,
-    SEQ_COUNT_OF,
     SEQ_COUNTS,
     SEQ_SUMS,
     Config,
     check_clip,
+    sequence_means,
     states,
+    token_means,
 )
 from twinkle_metrics.metrics.vocab import check_reach, vocab_states
 from twinkle_metrics.stats.histogram import check_quantiles, quantile_keys
@@ -79,7 +77,9 @@ class GRPOMetric(Metric):
       ``position_ids`` value when the input has them (the global position under CP),
       else its index in the local row. Equal k3 values keep the earlier token (sequence,
       then position), so the records are the same on any layout and either compute path.
-      Twinkle keeps per-rank records with local indices.
+      Twinkle keeps per-rank records with local indices. A list of dicts, not a number:
+      the loggers write it to ``records.jsonl`` (``integrations.loggers``) and the verl
+      drop-in to its ``records=`` dict, never to a sink that takes numbers.
 
     ``inputs`` are required whenever ``outputs`` hold log-probs (labels or
     ``completion_mask`` give the token mask); ``outputs=None`` or an empty
@@ -364,47 +364,56 @@ class GRPOMetric(Metric):
         out: Dict[str, Any] = {"train/nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
         if not s["n_tok"]:
             return out
-        out.update(_means(cfg, s))
-        out["train/policy_confidence"] = _exp(out["train/mean_new_logp"])
-        nan = cfg.nan_policy == "propagate"
+        # mean(total, count): s[total] / s[count], or under a sequence loss_agg_mode the mean over
+        # sequences of each one's (``table``); GSPO's clip counts are sequences already, and verl's
+        # extra clip keys token-weighted whatever the mode. Every clip key carries clip_nan (0, or
+        # NaN when a gated token was non-finite under 'propagate').
+        mean = sequence_means(s) if cfg.per_sequence else token_means(s)
+        clip = token_means(s) if cfg.sequence_level_clip else mean
+        nan = s["clip_nan"]
+        out["train/mean_new_logp"] = mean("sum_new", "n_tok")
         if s["n_old"]:
-            out.update({"train/token_kl_max": max(_k3(s["logr_max"]), _k3(s["logr_min"]), key=_nan_first),
-                        "train/token_ratio_max": _exp(s["logr_max"]), "train/ratio_min": _exp(s["logr_min"]),
-                        "train/ratio_max": _exp(s["logr_max"])})
-            if cfg.quantiles:
-                out.update(quantile_keys("train/ratio", RATIO_HISTOGRAM, s["hist_ratio"], cfg.quantiles, nan))
-                out.update(quantile_keys("train/token_kl", KL_HISTOGRAM, s["hist_kl"], cfg.quantiles, nan))
-        if s["n_ent"] and cfg.quantiles:
-            out.update(quantile_keys("train/entropy", ENTROPY_HISTOGRAM, s["hist_entropy"], cfg.quantiles, nan))
+            out["train/mean_old_logp"] = mean("sum_old", "n_old")
+            out["train/logp_diff_mean"] = mean("sum_diff", "n_old")
+            out["train/approx_kl"] = mean("sum_kl", "n_old")
+            out["train/ratio_mean"] = mean("sum_ratio", "n_old")
+        if s["n_ent"]:
+            out["train/entropy"] = mean("sum_ent", "n_ent")
+        if s["clip_n"]:
+            out["train/clip_ratio_low"] = clip("clip_low", "clip_n") + nan
+            out["train/clip_ratio"] = clip(("clip_low", "clip_high"), "clip_n") + nan
+            out["train/clip_ratio_high"] = clip("clip_high", "clip_n") + nan
         if s["n_adv"]:
-            out["train/advantage_min"], out["train/advantage_max"] = s["adv_min"], s["adv_max"]
+            out["train/advantage_mean"] = mean("sum_adv", "n_adv")
+        if s["n_ref"]:
+            out["train/ref_kl"] = mean("sum_ref_kl", "n_ref")
+        if s["clip_n"] and "clip_dual" in s:  # verl's pg_clipfrac_lower (clip_ratio_c)
+            out["train/clip_ratio_dual"] = s["clip_dual"] / s["clip_n"] + nan
+        if s["clip_n"] and cfg.token_clip_ratio:  # verl's pg_clipfrac
+            if not cfg.sequence_level_clip:
+                out["train/token_clip_ratio"] = (s["clip_low"] + s["clip_high"]) / s["clip_n"] + nan
+            elif "clip_tok" in s and s["clip_tok_n"]:  # GSPO: tokens of clipped sequences, by their own A
+                out["train/token_clip_ratio"] = s["clip_tok"] / s["clip_tok_n"] + nan
+        out["train/policy_confidence"] = _exp(out["train/mean_new_logp"])
+        nan_flows = cfg.nan_policy == "propagate"
+        if s["n_old"]:
+            out["train/token_kl_max"] = max(_k3(s["logr_max"]), _k3(s["logr_min"]), key=_nan_first)
+            out["train/token_ratio_max"] = _exp(s["logr_max"])
+            out["train/ratio_min"] = _exp(s["logr_min"])
+            out["train/ratio_max"] = _exp(s["logr_max"])
+            if cfg.quantiles:
+                out.update(quantile_keys("train/ratio", RATIO_HISTOGRAM, s["hist_ratio"], cfg.quantiles, nan_flows))
+                out.update(quantile_keys("train/token_kl", KL_HISTOGRAM, s["hist_kl"], cfg.quantiles, nan_flows))
+        if s["n_ent"] and cfg.quantiles:
+            out.update(quantile_keys("train/entropy", ENTROPY_HISTOGRAM, s["hist_entropy"], cfg.quantiles,
+                                     nan_flows))
+        if s["n_adv"]:
+            out["train/advantage_min"] = s["adv_min"]
+            out["train/advantage_max"] = s["adv_max"]
         found = records.as_records(s["topk"], cfg.top_k_kl) if cfg.top_k_kl else None
         if found:
             out["_high_kl_records"] = found
         return out
-
-
-def _means(cfg: Config, s) -> Dict[str, float]:
-    """Every token-mean key of ``table.MEANS`` whose count is > 0: sum of its columns over
-    the count, or under a sequence ``loss_agg_mode`` the mean over sequences of the same
-    columns' per-sequence values (GSPO's clip keys, already over sequences, and verl's
-    token-weighted extra clip keys excepted). Clip keys carry ``clip_nan`` (0, or NaN when a
-    gated token was non-finite under 'propagate')."""
-    out = {}
-    for key, (columns, count) in MEANS.items():
-        if any(c not in s for c in columns) or not s[count] or (count == "clip_tok_n" and not s["clip_n"]):
-            continue
-        token_weighted = count == "clip_tok_n" or "clip_dual" in columns or (
-            cfg.sequence_level_clip and count == "clip_n")
-        if not cfg.per_sequence or token_weighted:
-            value = sum(s[c] for c in columns) / s[count]
-        else:
-            idx = [SEQ_SUMS.index(f) for c in columns for f in BY_NAME[c].seq]
-            value = sequence_mean(sum(s["seq_sums"][i] for i in idx), s["seq_counts"][SEQ_COUNT_OF[idx[0]]])
-        out[key] = value + s["clip_nan"] if count in CLIP_COUNTS else value
-    if cfg.token_clip_ratio and not cfg.sequence_level_clip and s["clip_n"]:  # verl's pg_clipfrac: token-weighted
-        out["train/token_clip_ratio"] = (s["clip_low"] + s["clip_high"]) / s["clip_n"] + s["clip_nan"]
-    return out
 
 
 def _exp(d: float) -> float:

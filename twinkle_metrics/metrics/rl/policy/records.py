@@ -109,8 +109,8 @@ def candidates(mb, key: torch.Tensor, k: int) -> torch.Tensor:
 
 def fused_candidates(records: torch.Tensor, k: int) -> torch.Tensor:
     """The top-``k`` rows of every fused microbatch at once, from the kernel's record buffer
-    (``rl_triton.RECORD_ROWS``, in ``FIELDS`` order with the sequence within the call in place
-    of the global one): one sort and one gather however many microbatches."""
+    (``rl_triton.RECORD_ROWS``: the ``FIELDS``, ``gsi`` counted from the call's start as in
+    ``candidates``): one sort and one gather however many microbatches."""
     return records[:, _top(records[0], k)[1]].t()
 
 

@@ -122,14 +122,14 @@ def token_sums(acc, mb: Microbatch) -> None:
     mb.n_tok = mb.total("n_tok", m)
     mb.lpm = mb.keep(mb.lp, m)
     fold.add(acc, "n_tok", mb.n_tok)
-    fold.add(acc, "sum_new", mb.total("new", mb.lpm, torch.float64))
+    fold.add(acc, "sum_new", mb.total("sum_new", mb.lpm, torch.float64))
     if mb.ent is not None:
         if mb.em is m:
             fold.add(acc, "n_ent", mb.same("n_ent", "n_tok", mb.n_tok))
-            fold.add(acc, "sum_ent", mb.total("ent", mb.keep(mb.ent, m), torch.float64))
+            fold.add(acc, "sum_ent", mb.total("sum_ent", mb.keep(mb.ent, m), torch.float64))
         else:
             fold.add(acc, "n_ent", mb.total("n_ent", mb.em))
-            fold.add(acc, "sum_ent", mb.total("ent", torch.where(mb.em, mb.ent, 0.0), torch.float64))
+            fold.add(acc, "sum_ent", mb.total("sum_ent", torch.where(mb.em, mb.ent, 0.0), torch.float64))
 
 
 def advantage_sums(acc, mb: Microbatch) -> None:
@@ -143,11 +143,11 @@ def advantage_sums(acc, mb: Microbatch) -> None:
         per_row = torch.where(rows > 0, adv[:, 0].to(torch.float64) * rows, 0.0)
         fold.add(acc, "sum_adv", per_row.sum())
         if mb.rows is not None:
-            mb.rows["adv"] = per_row
+            mb.rows["sum_adv"] = per_row
         lo, hi = _extremes(adv[:, 0], rows > 0)
     else:
         mb.adv = adv = mb.keep(adv, has_adv)  # aligned values may be NaN where masked
-        fold.add(acc, "sum_adv", mb.total("adv", adv, torch.float64))
+        fold.add(acc, "sum_adv", mb.total("sum_adv", adv, torch.float64))
         lo, hi = _extremes(adv, has_adv)
     fold.minimum(acc, "adv_min", lo)
     fold.maximum(acc, "adv_max", hi)
@@ -167,7 +167,7 @@ def ref_sums(acc, mb: Microbatch) -> None:
     fold.add(acc, "n_ref", n_ref)
     fold.add(acc, "sum_ref_kl", mb.total("ref_e", dr.expm1_()) - sum_dr)
     if mb.rows is not None:
-        mb.rows["ref_kl"] = mb.rows["ref_e"] - mb.rows["ref_d"]
+        mb.rows["sum_ref_kl"] = mb.rows["ref_e"] - mb.rows["ref_d"]
 
 
 def ratio_sums(cfg: Config, acc, mb: Microbatch, seq_parts: List[torch.Tensor]) -> None:
@@ -183,10 +183,10 @@ def ratio_sums(cfg: Config, acc, mb: Microbatch, seq_parts: List[torch.Tensor]) 
     oldm = mb.keep(mb.old, has_old)
     d = lpo.clone() if lpo is mb.lp64 else lpo
     d.sub_(oldm)  # exact in float64; 0 outside has_old
-    sum_d = mb.total("diff", d)
+    sum_d = mb.total("sum_diff", d)
     rows = mb.rows
     fold.add(acc, "n_old", n_old)
-    fold.add(acc, "sum_old", mb.total("old", oldm, torch.float64))
+    fold.add(acc, "sum_old", mb.total("sum_old", oldm, torch.float64))
     fold.add(acc, "sum_diff", sum_d)
     # exp is monotone and k3 convex with its minimum at d = 0: the extremes of
     # d give ratio_min/max and kl_max (in compute), with no [b, s] r or k3.
@@ -220,20 +220,19 @@ def ratio_sums(cfg: Config, acc, mb: Microbatch, seq_parts: List[torch.Tensor]) 
                 low, high = clip_counts(cfg, d, adv, extra, per_row=True)
                 rows["clip_low"], rows["clip_high"] = low, high
                 low, high = low.sum(), high.sum()
-            fold.add(acc, "clip_n", mb.same("n_clip", "n_old", n_old) if gate is has_old else
-                     mb.total("n_clip", gate))
+            fold.add(acc, "clip_n", mb.same("clip_n", "n_old", n_old) if gate is has_old else
+                     mb.total("clip_n", gate))
             fold.add(acc, "clip_low", low)
             fold.add(acc, "clip_high", high)
             if cfg.clip_ratio_c is not None:
                 fold.add(acc, "clip_dual", dual_count(cfg, d, adv, extra))
     # r - 1, in place unless the top-k records or the histograms still need d
     em = torch.expm1(d) if cfg.top_k_kl or cfg.quantiles else d.expm1_()
-    sum_em = mb.total("ratio_m1", em)
+    sum_em = mb.total("sum_ratio_m1", em)
     fold.add(acc, "sum_kl", sum_em - sum_d)  # sum of k3 = (r - 1) - d
     fold.add(acc, "sum_ratio", sum_em + n_old)
     if rows is not None:
-        rows["kl"] = rows["ratio_m1"] - rows["diff"]
-        rows["ratio_one"] = rows["n_old"]
+        rows["sum_kl"] = rows["sum_ratio_m1"] - rows["sum_diff"]
     mb.d, mb.ratio_m1 = d, em
 
 
@@ -365,7 +364,7 @@ def fused_sums(cfg: Config, acc, mbs: List[Microbatch]) -> Tuple[Dict[Microbatch
         return {}, None  # every microbatch takes the torch path
     totals, found, rows = result
     # a column whose input no microbatch gave holds the reduction's identity: changes nothing
-    for name, reduce, _, _ in KERNEL_COLUMNS:
+    for name, reduce, _ in KERNEL_COLUMNS:
         fold.by(acc, name, totals[name], reduce)
     return {mb: (r if ok else None) for mb, r, ok in zip(mbs, rows, both)}, found
 

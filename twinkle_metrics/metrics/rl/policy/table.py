@@ -1,87 +1,100 @@
 """The policy family's columns, declared once, and the configuration of one metric.
 
-``COLUMNS`` is the one table: each row a state (its reduction and dtype), the per-token
-quantity it reduces (``kernels.rl_triton`` computes the same quantities and returns them
-under the names and order of this table), the count it is a mean over, its per-sequence
-columns under a sequence ``loss_agg_mode`` and the result keys it feeds. The metric's
-states, the torch path (``sums``), the fused kernel and ``compute`` all read it.
+``COLUMNS`` is the one table of states: each row a state's name, reduction and dtype, whether
+the fused kernel fills it (``kernels.rl_triton`` names its columns after these states, in this
+order) and the setting that creates it. A column has one name everywhere: the state, the
+kernel's column, the per-sequence column of a sequence ``loss_agg_mode`` (``SEQ_SUMS``,
+``SEQ_COUNTS``) and the row the torch path sums into. What each result key divides is written
+in ``GRPOMetric.compute``, one line per key.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from twinkle_metrics.core.state import State
-from twinkle_metrics.metrics.rl.loss_agg import LOSS_AGG_MODES
+from twinkle_metrics.metrics.rl.loss_agg import LOSS_AGG_MODES, sequence_mean
 from twinkle_metrics.stats.histogram import Histogram
 
 I64, F64 = torch.int64, torch.float64
 
 
 class Column(NamedTuple):
-    """One state of the family and what it means."""
+    """One state of the family."""
 
     name: str
     reduce: str                # "sum", "max" or "min"
     dtype: torch.dtype
-    quantity: Optional[str]    # the per-token quantity reduced (the fused kernel's name); None: torch only
-    count: Optional[str] = None  # the column it is a token mean over
-    seq: Tuple[str, ...] = ()  # its ``SEQ_SUMS`` / ``SEQ_COUNTS`` columns (a sequence mode)
-    keys: Tuple[str, ...] = ()  # the result keys it feeds
+    fused: bool = True         # the fused kernel fills it (False: the torch path only)
     when: Optional[str] = None  # the setting that creates it (None: always there)
 
 
 COLUMNS = (
-    Column("n_tok", "sum", I64, "tokens", seq=("n_tok",)),
-    Column("sum_new", "sum", F64, "logp", "n_tok", ("new",), ("train/mean_new_logp",)),
-    Column("n_old", "sum", I64, "tokens_old", seq=("n_old",)),
-    Column("sum_old", "sum", F64, "old_logp", "n_old", ("old",), ("train/mean_old_logp",)),
-    Column("sum_diff", "sum", F64, "log_ratio", "n_old", ("diff",), ("train/logp_diff_mean",)),
-    Column("sum_kl", "sum", F64, "k3", "n_old", ("kl",), ("train/approx_kl",)),
-    Column("sum_ratio", "sum", F64, "ratio", "n_old", ("ratio_m1", "ratio_one"), ("train/ratio_mean",)),
-    # log-ratio extremes: ratio_min/max and kl_max follow in compute (exp is monotone, k3 convex)
-    Column("logr_max", "max", F64, "log_ratio", keys=("train/ratio_max", "train/token_ratio_max")),
-    Column("logr_min", "min", F64, "log_ratio", keys=("train/ratio_min", "train/token_kl_max")),
-    Column("n_ent", "sum", I64, "tokens_ent", seq=("n_ent",)),
-    Column("sum_ent", "sum", F64, "entropy", "n_ent", ("ent",), ("train/entropy",)),
-    Column("clip_n", "sum", I64, "tokens_clip", seq=("n_clip",)),
-    Column("clip_low", "sum", I64, "clip_low", "clip_n", ("clip_low",), ("train/clip_ratio_low", "train/clip_ratio")),
-    Column("clip_high", "sum", I64, "clip_high", "clip_n", ("clip_high",),
-           ("train/clip_ratio_high", "train/clip_ratio")),
-    Column("n_adv", "sum", I64, "tokens_adv", seq=("n_adv",)),
-    Column("sum_adv", "sum", F64, "advantage", "n_adv", ("adv",), ("train/advantage_mean",)),
-    Column("adv_min", "min", F64, "advantage", keys=("train/advantage_min",)),
-    Column("adv_max", "max", F64, "advantage", keys=("train/advantage_max",)),
-    Column("n_ref", "sum", I64, "tokens_ref", seq=("n_ref",)),
-    Column("sum_ref_kl", "sum", F64, "ref_k3", "n_ref", ("ref_kl",), ("train/ref_kl",)),
-    Column("n_bad", "sum", I64, "nonfinite", keys=("train/nonfinite_tokens",)),
+    Column("n_tok", "sum", I64),         # counted tokens
+    Column("sum_new", "sum", F64),       # logp
+    Column("n_old", "sum", I64),         # tokens with an old log-prob
+    Column("sum_old", "sum", F64),       # old logp
+    Column("sum_diff", "sum", F64),      # d = logp - old logp
+    Column("sum_kl", "sum", F64),        # k3 = r - 1 - d, r = e^d
+    Column("sum_ratio", "sum", F64),     # r
+    # extremes of d: the ratio's and k3's follow in compute (exp is monotone, k3 convex)
+    Column("logr_max", "max", F64),
+    Column("logr_min", "min", F64),
+    Column("n_ent", "sum", I64),         # tokens with an entropy
+    Column("sum_ent", "sum", F64),       # entropy
+    Column("clip_n", "sum", I64),        # tokens (GSPO: sequences) with an old log-prob and an advantage
+    Column("clip_low", "sum", I64),      # of those, clipped low
+    Column("clip_high", "sum", I64),     # clipped high
+    Column("n_adv", "sum", I64),         # tokens with an advantage
+    Column("sum_adv", "sum", F64),       # advantage
+    Column("adv_min", "min", F64),
+    Column("adv_max", "max", F64),
+    Column("n_ref", "sum", I64),         # tokens with a reference log-prob
+    Column("sum_ref_kl", "sum", F64),    # k3 of KL(pi || ref)
+    Column("n_bad", "sum", I64),         # non-finite tokens
     # 0, or NaN when a clip-gated token held NaN/inf ('propagate'): added to every clip key
-    Column("clip_nan", "sum", F64, "clip_nan"),
+    Column("clip_nan", "sum", F64),
     # verl's extra clip keys (token-weighted whatever the mode): the torch path only
-    Column("clip_dual", "sum", I64, None, "clip_n", keys=("train/clip_ratio_dual",), when="clip_ratio_c"),
-    Column("clip_tok", "sum", I64, None, "clip_tok_n", keys=("train/token_clip_ratio",), when="token_counts"),
-    Column("clip_tok_n", "sum", I64, None, when="token_counts"),
+    Column("clip_dual", "sum", I64, False, when="clip_ratio_c"),   # dual-clipped tokens, of clip_n
+    Column("clip_tok", "sum", I64, False, when="token_counts"),    # GSPO: tokens of clipped sequences
+    Column("clip_tok_n", "sum", I64, False, when="token_counts"),  # GSPO: tokens with a clip gate
 )
-BY_NAME: Dict[str, Column] = {c.name: c for c in COLUMNS}
-#: what the fused kernel fills: (state, reduction, quantity, dtype) in table order
-KERNEL_COLUMNS = tuple((c.name, c.reduce, c.quantity, c.dtype) for c in COLUMNS if c.quantity is not None)
-#: the token means: result key -> (the columns summed, the count); keys of the clip counts get ``clip_nan``
-MEANS: Dict[str, Tuple[Tuple[str, ...], str]] = {}
-for _c in COLUMNS:
-    for _key in _c.keys if _c.count else ():
-        MEANS[_key] = (MEANS.get(_key, ((), ""))[0] + (_c.name,), _c.count)
-CLIP_COUNTS = ("clip_n", "clip_tok_n")
+#: what the fused kernel fills: (state, reduction, dtype) in table order
+KERNEL_COLUMNS = tuple((c.name, c.reduce, c.dtype) for c in COLUMNS if c.fused)
 
-#: the per-sequence columns of a sequence ``loss_agg_mode`` (the order of the ``seq_sums`` and
-#: ``seq_counts`` states): token sums, then token counts (then each sequence's token capacity)
-SEQ_SUMS = ("new", "ent", "adv", "ref_kl", "old", "diff", "kl", "ratio_m1", "ratio_one", "clip_low", "clip_high")
-SEQ_COUNTS = ("n_tok", "n_ent", "n_adv", "n_ref", "n_old", "n_clip")
-#: ``SEQ_COUNT_OF[f]``: the count column of sum column ``f``, from the table
-SEQ_COUNT_OF = tuple(next(SEQ_COUNTS.index(BY_NAME[c.count].seq[0]) for c in COLUMNS if f in c.seq and c.count)
-                     for f in SEQ_SUMS)
+#: the per-sequence columns of a sequence ``loss_agg_mode``, in the order of the ``seq_sums``
+#: state: each a token sum and the count it is a mean over. ``sum_ratio`` is kept as its two
+#: parts, the sums of r - 1 and of 1 (``n_old`` as a value), added in compute.
+SEQ_SUMS = (("sum_new", "n_tok"), ("sum_ent", "n_ent"), ("sum_adv", "n_adv"), ("sum_ref_kl", "n_ref"),
+            ("sum_old", "n_old"), ("sum_diff", "n_old"), ("sum_kl", "n_old"), ("sum_ratio_m1", "n_old"),
+            ("n_old", "n_old"), ("clip_low", "clip_n"), ("clip_high", "clip_n"))
+#: the counts of the ``seq_counts`` state (numbers of sequences with a counted token), in order
+SEQ_COUNTS = ("n_tok", "n_ent", "n_adv", "n_ref", "n_old", "clip_n")
+#: ``SEQ_COUNT_OF[f]``: the index in ``SEQ_COUNTS`` of the count of ``SEQ_SUMS[f]``
+SEQ_COUNT_OF = tuple(SEQ_COUNTS.index(count) for _, count in SEQ_SUMS)
+
+
+def token_means(s) -> Callable:
+    """``mean(total, count)``: ``s[total] / s[count]``, ``total`` a column or a tuple of them
+    (summed), from the reduced states ``s``."""
+    return lambda total, count: _total(s, total) / s[count]
+
+
+def sequence_means(s) -> Callable:
+    """``mean(total, count)`` under a sequence ``loss_agg_mode``: the mean over the sequences
+    with a counted token of each one's value of ``total`` (columns of ``SEQ_SUMS``, reduced by
+    ``loss_agg.sequence_table``; ``sum_ratio`` is its two parts)."""
+    sums = dict(zip((c for c, _ in SEQ_SUMS), s["seq_sums"]))
+    sums["sum_ratio"] = sums["sum_ratio_m1"] + sums["n_old"]  # r = (r - 1) + 1
+    seqs = dict(zip(SEQ_COUNTS, s["seq_counts"]))
+    return lambda total, count: sequence_mean(_total(sums, total), seqs[count])
+
+
+def _total(values, total):
+    return values[total] if isinstance(total, str) else sum(values[c] for c in total)
 
 #: per-token ratio exp(d), k3 KL (often ~1e-9 on policy) and entropy (<= log vocab)
 RATIO_HISTOGRAM = Histogram(1e-6, 1e6, signed=False)
