@@ -2,18 +2,14 @@
 
     .venv/bin/python -m benchmarks.bench_waits [--world 8] [--iters 60] [--layout dp|tp2]
 
-On ``--world`` gloo ranks (one process each, one intra-op thread), one collection
+On ``--world`` ranks (one process each, one intra-op thread), one collection
 (LossMetric, Accuracy, GRPOMetric, CompletionRewardMetric with quantiles) is
-calculated in alternating iterations with the bounded waits (``comm.waits``) and
-without them (in this process only: ``waits.wait`` replaced by a plain ``work.wait()``
-and ``fused.sync_groups`` by the mesh's own groups: the sync of before), on the same
-metrics and tensors, after a barrier. The mesh's groups wait 120 s (the pool's
-``init_process_group`` timeout). ``--bound`` (seconds, ``TWINKLE_METRICS_TIMEOUT_S``)
-at or above that takes the inline path: the collectives run on the mesh's own CPU groups,
-their waits bounded by ``Work.wait``; below it (as with Megatron's and DeepSpeed's
-30-minute gloo groups, and device groups) they run on the gloo groups the mesh made with
-the bound when it was built ("twins"). ``--partial`` builds the mesh over half of the
-world (4 + 4 ranks), where no twins can be made. An iteration's latency is the slowest
+calculated in alternating iterations with the bounded waits (``comm.waits``: the host
+waits for a work's completion within the bound) and without them (in this process only:
+``waits.wait`` replaced by a plain, unbounded ``work.wait()``), on the same metrics and
+tensors, after a barrier. Both run on the mesh's own groups (``--backend gloo``, or the
+device-backend stand-in ``standin``). ``--bound`` sets ``TWINKLE_METRICS_TIMEOUT_S``;
+``--partial`` builds the mesh over half of the world (4 + 4 ranks). An iteration's latency is the slowest
 rank's; the ratio is taken per pair of neighbouring iterations and summarised by its
 median (p10, p90). Collectives are counted in one steady-state call
 (``testing.CollectiveCounter``). Writes ``benchmarks/results/waits_<layout>_<path>.json``.
@@ -33,7 +29,7 @@ def _rank(layout: str, iters: int, bound: float, partial: bool = False):
 
     from parallel import DeviceMesh
     from twinkle_metrics import Accuracy, CompletionRewardMetric, GRPOMetric, LossMetric, MetricCollection
-    from twinkle_metrics.comm import fused, waits
+    from twinkle_metrics.comm import waits
     from twinkle_metrics.testing import CollectiveCounter
 
     world = dist.get_world_size()
@@ -55,10 +51,10 @@ def _rank(layout: str, iters: int, bound: float, partial: bool = False):
         coll.accumulate({"labels": labels}, {"logits": logits, "logps": lp, "lm loss": torch.tensor([3.0, 4.0])},
                         old_logps=lp + 0.01, advantages=torch.ones(4), rewards=[0.1, 0.2, 0.3, 0.4])
 
-    real = (waits.wait, fused.sync_groups)
-    plain = (lambda work, *a, **k: work.wait(), lambda mesh, data, share: (data, share))
-    for mode in (plain, real):  # the negotiation on either path's groups
-        waits.wait, fused.sync_groups = mode
+    real = waits.wait
+    plain = lambda work, *a, **k: work.wait()  # noqa: E731
+    for mode in (plain, real):
+        waits.wait = mode
         for _ in range(2):
             step()
             coll.calculate()
@@ -69,13 +65,13 @@ def _rank(layout: str, iters: int, bound: float, partial: bool = False):
     times = {"on": [], "off": []}
     for it in range(2 * iters):
         mode = "on" if it % 2 == 0 else "off"
-        waits.wait, fused.sync_groups = real if mode == "on" else plain
+        waits.wait = real if mode == "on" else plain
         step()
         dist.barrier()
         t0 = time.perf_counter()
         coll.calculate()
         times[mode].append(time.perf_counter() - t0)
-    waits.wait, fused.sync_groups = real
+    waits.wait = real
     everyone = [None] * world
     dist.all_gather_object(everyone, times)
     return counts, everyone
@@ -86,23 +82,23 @@ def main(argv=None):
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--layout", choices=("dp", "tp2"), default="dp")
-    ap.add_argument("--bound", type=float, default=120,
-                    help="TWINKLE_METRICS_TIMEOUT_S; below the groups' 120 s: bounded twins")
-    ap.add_argument("--partial", action="store_true", help="a mesh over half of the world: no twins")
+    ap.add_argument("--bound", type=float, default=120, help="TWINKLE_METRICS_TIMEOUT_S")
+    ap.add_argument("--backend", choices=("gloo", "standin"), default="gloo")
+    ap.add_argument("--partial", action="store_true", help="a mesh over half of the world")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from twinkle_metrics.testing.pool import DistPool
 
     pool = DistPool(args.world, timeout_s=120)
     try:
-        out = pool.run(_rank, args.layout, args.iters, args.bound, args.partial, timeout=900)
+        out = pool.run(_rank, args.layout, args.iters, args.bound, args.partial, timeout=900, backend=args.backend)
     finally:
         pool.close()
     (total, _), everyone = out[0]
     slow = {m: [max(r[m][i] for r in everyone) for i in range(args.iters)] for m in ("on", "off")}
     ratios = sorted(a / b for a, b in zip(slow["on"], slow["off"]))
     q = statistics.quantiles(ratios, n=10)
-    path_name = "partial" if args.partial else ("inline" if args.bound >= 120 else "twins")
+    path_name = "partial" if args.partial else args.backend
     report = {"world": args.world, "layout": args.layout, "iters": args.iters, "path": path_name,
               "median_ms_bounded": 1e3 * statistics.median(slow["on"]),
               "median_ms_without": 1e3 * statistics.median(slow["off"]),
