@@ -153,6 +153,7 @@ class TrainMetric(Metric):
             raise ValueError(f"{_NAME}: counts must be one of {_COUNTS}, got {counts!r}")
         self._start = time.perf_counter()
         # tells this metric's clock readings from those of a checkpoint another one saved
+        # (the OS's randomness: a run that seeds `random` alike would draw the same token)
         self._clock = float(1 + secrets.randbits(52))
         super().__init__(device_mesh, process_group, **kwargs)
         if int(max_param_groups) < 1:
