@@ -261,3 +261,23 @@ def test_grpo_records_are_one_state_with_its_own_reduction():
     merged = spec.merge(torch.stack([rank1, rank0]))  # rows in any order: the DP rank places them
     assert merged[:2, :2].tolist() == [[0.5, 1.0], [0.3, 4.0]]  # rank 1's sequence 0 is sequence 4
     assert merged[2, :3].tolist() == [6.0, 1.0, 0.0]
+
+
+def test_a_load_starts_the_interval_with_origins_taken_at_the_load():
+    """The clock is read at the load, and a state's origin is the newest number the saving
+    metric had folded into it (kept over its resets, saved with the states)."""
+    NOW[0] = 0.0
+    saved = _Clocked()
+    NOW[0] = 3.0
+    saved.accumulate(step=9)
+    saved.calculate()
+    state = saved.state_dict()  # after a calculate: the step state is back at its default
+    NOW[0] = 50.0
+    m = _Clocked()
+    NOW[0] = 60.0
+    m.load_state_dict(state)
+    assert (m.start, m.before) == (60.0, 9)
+    NOW[0] = 62.0
+    m.accumulate(step=12)
+    assert m.calculate() == {"seconds": 2.0, "steps": 3}
+    assert LossMetric().state_dict().keys() == LossMetric().states.keys() | {"__fingerprint__"}  # none followed

@@ -6,6 +6,11 @@ resuming at a smaller data-parallel size). States created on the fly come back t
 the metric's declarations (families, slices). ``Metric.load_state_dict`` and
 ``MetricCollection.load_state_dict`` both ``stage_load`` (validate, change nothing) and
 then ``commit_load`` (cannot fail), so a collection loads all or nothing.
+
+A load starts the interval anew: its origins (``core.state.Origin``) are taken at the
+load, a clock read there and a state's origin from the newest host number the saving run
+had folded into that state (saved under ``FOLLOWED_KEY`` by metrics with such an origin),
+so a step counter goes on from the saved run's last step.
 """
 from __future__ import annotations
 
@@ -14,17 +19,18 @@ from typing import Dict
 
 import torch
 
-from twinkle_metrics.comm import pending
 from twinkle_metrics.core import config, slicing
 from twinkle_metrics.core.state import interval_of
 
 #: key of the schema fingerprint in a metric's ``state_dict()``
 FINGERPRINT_KEY = "__fingerprint__"
+#: key of ``{state: newest host number folded into it}`` for the states an Origin follows
+FOLLOWED_KEY = "__followed__"
 
 
 def stage_load(self, state_dict) -> tuple:
     """Validate and convert ``state_dict``; change nothing. Returns (new dynamic
-    names, {name: tensor})."""
+    names, {name: tensor}, {followed state: newest host number})."""
     name = type(self).__name__
     dicts = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
     if not dicts or not all(isinstance(d, Mapping) for d in dicts):
@@ -39,7 +45,7 @@ def stage_load(self, state_dict) -> tuple:
             raise ValueError(f"{name}.load_state_dict: {where} was saved by {theirs} but this "
                              f"metric is {mine}: {why}; build the metric with the same class and "
                              "arguments as the run that saved it")
-    names = set().union(*(set(d) - {FINGERPRINT_KEY} for d in dicts))
+    names = set().union(*(set(d) - {FINGERPRINT_KEY, FOLLOWED_KEY} for d in dicts))
     held = interval_of(self)
     specs = dict(held.specs)
     new = []
@@ -75,14 +81,33 @@ def stage_load(self, state_dict) -> tuple:
     else:
         merged = {k: specs[k].merge(r) for k, r in rows.items()}
     loaded = {k: merged[k].to(device=held.device, dtype=specs[k].dtype).clone() for k in specs}
-    return new, loaded
+    return new, loaded, _followed(self, dicts, specs)
+
+
+def _followed(metric, dicts, specs) -> Dict[str, float]:
+    """The saved newest host numbers of the states an Origin follows, merged over the dicts
+    with each state's reduction."""
+    name, held = type(metric).__name__, interval_of(metric)
+    values: Dict[str, list] = {}
+    for i, d in enumerate(dicts):
+        saved = d.get(FOLLOWED_KEY, {})
+        if not isinstance(saved, Mapping) or not all(
+                k in held.followed and isinstance(v, (int, float)) and not isinstance(v, bool)
+                for k, v in saved.items()):
+            raise ValueError(f"{name}.load_state_dict: {FOLLOWED_KEY!r} of state dict {i} is {saved!r}; "
+                             f"expected numbers for states among {sorted(held.followed)}; load a state "
+                             "dict saved by the same metric")
+        for k, v in saved.items():
+            values.setdefault(k, []).append(v)
+    return {k: specs[k].merge(torch.tensor(v, dtype=specs[k].dtype)).item() for k, v in values.items()}
 
 
 def commit_load(metric, staged: tuple) -> None:
-    """Install what ``stage_load`` returned; cannot fail."""
-    new, loaded = staged
+    """Install what ``stage_load`` returned, and start the interval at the load; cannot fail."""
+    new, loaded, followed = staged
+    interval_of(metric).last_host.update(followed)
+    metric.reset()  # a new interval: its origins are read now, intervals given back are dropped
     iv = interval_of(metric)
     iv.adopt(new)
     iv.states = {k: loaded[k] for k in iv.specs}
     iv.touched = set(iv.specs)  # loaded values stand for calls of their own
-    pending.drop_returned(iv.handoffs)

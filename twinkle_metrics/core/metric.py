@@ -427,10 +427,12 @@ class Metric:
         self._settle()
         out: Dict[str, Any] = {name: t.detach().clone() for name, t in self.__interval.states.items()}
         out[FINGERPRINT_KEY] = self.fingerprint()
+        if self.__interval.followed:  # what the next interval's Origins start from (core.checkpoint)
+            out[checkpoint.FOLLOWED_KEY] = dict(self.__interval.last_host)
         return out
 
     def load_state_dict(self, state_dict: Union[Mapping[str, Any], Sequence[Mapping[str, Any]]]) -> "Metric":
-        """Restore saved states; all or nothing.
+        """Restore saved states; all or nothing. The interval's origins are taken at the load.
 
         Given a list of state dicts (those of several ranks of an earlier run), their
         states are merged with each state's own reduction, exactly as ``calculate()``

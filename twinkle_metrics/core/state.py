@@ -36,10 +36,11 @@ class State:
             ``"last"`` to overwrite, or a callable ``(old, new) -> merged``. A callable
             marked ``batched`` (see ``batched``) also merges ``[k, *shape]`` stacks of
             ``k`` states at once, so a metric's states that share it fold in one call.
-        per_rank: the value is a reading of this rank (a wall clock, a memory
-            counter) that TP replicas need not agree on. Every other state must be
-            the same on the TP ranks of a pipeline stage (they see the same tokens);
-            ``calculate()`` checks that and raises on every rank if not.
+        per_rank: the value is a reading of this rank (a wall clock) that TP
+            replicas need not agree on; its result is still one data group's (a reading
+            every rank must count in, such as a memory peak, is ``scope="model"``). Every
+            other state must be the same on the TP ranks of a pipeline stage (they see
+            the same tokens); ``calculate()`` checks that and raises on every rank if not.
         scope: which ranks contribute parts of the value, merged with ``reduce``:
 
             - ``"data"`` (default): the ranks of the data group (DP x CP) hold disjoint

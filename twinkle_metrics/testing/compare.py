@@ -80,7 +80,7 @@ def merged_results(shards: Sequence) -> Dict[str, Any]:
         raise ValueError(f"merged_results: shards must be the same metric, got "
                          f"{sorted(t.__name__ for t in types)}")
     # the merge a load of every shard would install, staged only: the shards stay as they are
-    _, merged = stage_load(lead, [m.state_dict() for m in shards])
+    _, merged, _ = stage_load(lead, [m.state_dict() for m in shards])
     held = interval_of(lead)
     specs = {name: held.spec_of(name) for name in merged}
     merged_interval = held.copy(states=merged, touched=set(merged))

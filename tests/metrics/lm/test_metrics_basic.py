@@ -228,7 +228,9 @@ def test_train_metric_keys_numbers_and_rates():
         m.accumulate(None, None, lr=1e-4, step=8, gradient_accumulation_steps=4, tokens=1000, samples=8)
         m.accumulate(None, None, lr=2e-4, step=16, gradient_accumulation_steps=4, tokens=3000, samples=8)
     got = m.calculate()
-    cuda = {"peak memory GiB"} if torch.cuda.is_available() else set()  # reported where CUDA is
+    memory = {"peak memory GiB", "train/peak_memory_rank", "train/peak_memory_reserved_gib",
+              "train/peak_memory_reserved_rank"}
+    cuda = memory if torch.accelerator.is_available() and torch.accelerator.memory_stats() else set()
     assert set(got) == {"learning rate", "iters", "total time elapse", "speed", "step time", "tokens/s",
                         "samples/s", "mfu", "train/step_time_max", "train/step_time_min",
                         "train/step_time_slowest_rank"} | cuda

@@ -32,8 +32,13 @@ class ModelNormMetric(Metric):
     them), so ``norm/grad`` equals the grad norm Megatron clips with:
 
     - a parameter not marked ``tensor_model_parallel`` (layer norms, row-parallel
-      biases, position embeddings) is a replica on every TP rank and counts on TP rank
-      0 only; TP shards count on every TP rank;
+      biases, position embeddings) is a replica on every rank of the TP group it is
+      replicated over and counts on rank 0 of that group only; TP shards count on every
+      TP rank. For an expert parameter that group is the expert TP group, which need not
+      be the dense one (TP4 with expert TP 1): the ``tp_group`` of the innermost module
+      holding one (megatron-core's expert layers hold ``pg_collection.expt_tp`` there),
+      else the mesh's TP group (experts outside megatron-core's layers, as DeepSpeed's);
+      as megatron-core 0.19's ``param_is_not_tensor_parallel_duplicate(expert_tp_group=)``;
     - a parameter marked ``shared`` (the copy of the word embedding on the last
       pipeline stage, tied to the first stage's) does not count;
     - pipeline stages (and the chunks of a virtual pipeline) hold different layers:
@@ -239,14 +244,19 @@ class ModelNormMetric(Metric):
         index = {n: i for i, n in enumerate(group_names)}
         entries: List[Tuple[torch.nn.Parameter, int, Optional[Tuple[int, int]]]] = []
         experts = False
+        layer_groups = _layer_tp_groups(chunks)
         for chunk in chunks:
             for _, param in chunk.named_parameters():
                 if getattr(param, "shared", False):
                     continue  # the tied copy of a parameter another stage counts
-                if not getattr(param, "tensor_model_parallel", False) and tp_rank != 0:
-                    continue  # a TP replica: TP rank 0 counts it
                 expert = not getattr(param, "allreduce", True)
                 experts = experts or expert
+                if not getattr(param, "tensor_model_parallel", False):
+                    # a TP replica: rank 0 of the group it is replicated over counts it; for an
+                    # expert that is its layer's expert TP group, not the dense TP group
+                    rank = group_rank(layer_groups.get(param, mesh.tp_group)) if expert else tp_rank
+                    if rank != 0:
+                        continue
                 span = owned.get(param) if dist_opt else None
                 first_peer, gtp_rank = gtp[expert]
                 if getattr(param, "is_gtp_weight_remat", False):  # a GTP shard: each GTP peer its own
@@ -341,6 +351,21 @@ def _group_names(chunks, rules: Optional[Mapping[str, GroupRule]]) -> Dict[Any, 
             if param not in out:
                 path = name.split(".")[:-1] or name.split(".")
                 out[param] = ".".join(path[:2])
+    return out
+
+
+def _layer_tp_groups(chunks) -> Dict[Any, Any]:
+    """``{param: the tp_group of the innermost module holding one}``: the group a
+    megatron-core layer splits its parameters over (the expert TP group in expert layers)."""
+    out: Dict[Any, Any] = {}
+    if not torch.distributed.is_available():
+        return out
+    for chunk in chunks:
+        for module in chunk.modules():  # parents first: an inner module's group wins
+            group = getattr(module, "tp_group", None)
+            if isinstance(group, torch.distributed.ProcessGroup):
+                for param in module.parameters():
+                    out[param] = group
     return out
 
 
