@@ -15,29 +15,19 @@ connected (``parallel.groups.gloo_group``).
 from __future__ import annotations
 
 import os
-import threading
-import weakref
 from datetime import timedelta
 from typing import Optional, Tuple
 
-import torch.distributed as dist
-
 from . import groups as G
-
-#: per default group (a new ``init_process_group`` starts afresh): the meshes of each kind
-#: built so far, for ``BoundedWaits.wait_key``
-_BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_BUILT_LOCK = threading.Lock()
 
 
 def _built(kind: str) -> int:
     """How many meshes of ``kind`` this rank has built in this world, this one included."""
-    world = dist.group.WORLD if G.dist_ready() else None
-    if world is None:
+    if not G.dist_ready():
         return 0
-    with _BUILT_LOCK:
-        counts = _BUILT.setdefault(world, {})
-        counts[kind] = n = counts.get(kind, 0) + 1
+    with G.WORLD_LOCK:
+        meshes = G.world_state().meshes
+        meshes[kind] = n = meshes.get(kind, 0) + 1
     return n
 
 
@@ -149,23 +139,16 @@ class BoundedWaits:
         return _made_host_group(ranks, self.wait_timeout() if create else None)
 
 
-#: per default group (a new ``init_process_group`` starts afresh): the gloo groups the
-#: library made for host exchanges, by ranks; held weakly, as torch's registry holds them
-_HOST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_HOST_LOCK = threading.Lock()
-
-
 def _made_host_group(ranks: Tuple[int, ...], timeout: Optional[timedelta]) -> G.ProcessGroup:
-    """The gloo group over ``ranks`` made for host exchanges (made now unless ``timeout`` is
-    None); ``None`` when there is none."""
-    with _HOST_LOCK:
-        table = _HOST.setdefault(dist.group.WORLD, G.GroupTable())
+    """The gloo group over ``ranks`` made for host exchanges in this world (made now unless
+    ``timeout`` is None); ``None`` when there is none."""
+    table = G.world_state().host_groups
+    with G.WORLD_LOCK:
         group = table.get(ranks)
-    if group is G.DESTROYED:
-        group = None
-    if group is None and timeout is not None:
-        group = G.gloo_group(ranks, timeout)
-        with _HOST_LOCK:
+        if group is G.DESTROYED:
+            group = None
+        if group is None and timeout is not None:
+            group = G.gloo_group(ranks, timeout)
             table[ranks] = group
     return group
 

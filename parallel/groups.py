@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -168,18 +168,51 @@ def group_alive(group: ProcessGroup) -> bool:
     return True
 
 
-#: torch reads it at every gloo group it builds (since 2.8, pytorch/pytorch #150801): the
-#: group then connects a pair of ranks when a collective first needs it, not all pairs at once
-LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
-_LAZY_LOCK = threading.Lock()
-#: the groups the library made itself (``gloo_group``): weakly, as torch's registry holds them
-_MADE: "weakref.WeakSet" = weakref.WeakSet()
+# ------------------------------------------------------------------ the world's record
+class WorldState:
+    """What the library keeps about one world (one ``init_process_group``, up to its
+    ``destroy_process_group()``), alike on every rank: a new world starts afresh.
+
+    ``meshes``: the meshes of each kind built so far (``DeviceMesh.wait_key``);
+    ``serials``: the groups of each name met so far, and ``calls``: the calls of each kind
+    on each mesh (the keys of ``twinkle_metrics.comm.waits``); ``host_groups``: the gloo
+    groups made for host exchanges, by ranks (``DeviceMesh.host_group``); ``made``: every
+    group the library made itself (held weakly, as torch's registry holds them)."""
+
+    def __init__(self):
+        self.meshes: Dict[str, int] = {}
+        self.serials: Dict[str, int] = {}
+        self.calls: Dict[str, int] = {}
+        self.host_groups = GroupTable()
+        self.made: "weakref.WeakSet" = weakref.WeakSet()
+
+
+_WORLDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # WORLD -> WorldState
+#: guards every ``WorldState`` (the asynchronous calculate's thread reads them too)
+WORLD_LOCK = threading.RLock()
+
+
+def world_state() -> WorldState:
+    """This world's ``WorldState`` (a throwaway one without torch.distributed)."""
+    world = dist.group.WORLD if dist_ready() else None
+    if world is None:
+        return WorldState()
+    with WORLD_LOCK:
+        state = _WORLDS.get(world)
+        if state is None:
+            state = _WORLDS[world] = WorldState()
+        return state
 
 
 def made_here(group: ProcessGroup) -> bool:
     """Whether the library made ``group`` (every other group is the user's: the library never
     waits on one with a timeout, aborts, barriers or destroys it)."""
-    return group is not None and group in _MADE
+    return group is not None and group in world_state().made
+
+
+#: torch reads it at every gloo group it builds (since 2.8, pytorch/pytorch #150801): the
+#: group then connects a pair of ranks when a collective first needs it, not all pairs at once
+LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
 
 
 def gloo_group(ranks, timeout) -> ProcessGroup:
@@ -191,7 +224,7 @@ def gloo_group(ranks, timeout) -> ProcessGroup:
     group can be made (torch without gloo; torchcomms, which refuses local synchronisation)."""
     lazy = _LAZY_TORCH and LAZY_GLOO not in os.environ
     try:
-        with _LAZY_LOCK:  # the variable is the process's: set only around this call
+        with WORLD_LOCK:  # the variable is the process's: set only around this call
             if lazy:
                 os.environ[LAZY_GLOO] = "1"
             try:
@@ -202,7 +235,7 @@ def gloo_group(ranks, timeout) -> ProcessGroup:
                     del os.environ[LAZY_GLOO]
     except (RuntimeError, ValueError, NotImplementedError):
         return None
-    _MADE.add(group)
+    world_state().made.add(group)
     return group
 
 

@@ -47,9 +47,10 @@ def case_async_equals_sync(sizes):
     return got, expected, asyn.calculate()
 
 
-@pytest.mark.parametrize("sizes", [dict(tp=2, pp=2, dp=2), dict(tp=2, cp=2, dp=2)])
-def test_async_equals_sync_on_every_rank(dist_pool, sizes):
-    out = dist_pool.run(case_async_equals_sync, sizes)
+@pytest.mark.parametrize("sizes,backend", [(dict(tp=2, pp=2, dp=2), "gloo"), (dict(tp=2, cp=2, dp=2), "gloo"),
+                                           (dict(tp=2, pp=2, dp=2), "standin")])
+def test_async_equals_sync_on_every_rank(dist_pool, sizes, backend):
+    out = dist_pool.run(case_async_equals_sync, sizes, backend=backend)
     for got, expected, after in out:
         assert got == expected  # exactly: same buffer, same merge, same compute
         assert after == {}
@@ -65,8 +66,9 @@ def case_sync_error_from_wait():
     return sync_error(lambda: handle.wait(timeout=120))
 
 
-def test_sync_error_surfaces_from_wait_on_every_rank(dist_pool):
-    for err in dist_pool.run(case_sync_error_from_wait):
+@pytest.mark.parametrize("backend", ["gloo", "standin"])
+def test_sync_error_surfaces_from_wait_on_every_rank(dist_pool, backend):
+    for err in dist_pool.run(case_sync_error_from_wait, backend=backend):
         assert err is not None and "ranks hold different metrics or arguments" in err, err
 
 

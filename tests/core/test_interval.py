@@ -1,12 +1,9 @@
 """A metric's interval: the one object staging, the sync, hand-offs and checkpoints work on."""
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from twinkle_metrics import LossMetric, Metric, MetricCollection, State
-from twinkle_metrics.comm import fused
 from twinkle_metrics.core import interval
 from twinkle_metrics.core.interval import Interval
 from twinkle_metrics.core.state import interval_of
@@ -91,22 +88,3 @@ def test_copy_and_adopt_leave_the_original_alone():
     scratch = iv.copy(states={}, device=torch.device("cpu"), touched=set())
     scratch.adopt(["seen/z"])
     assert "seen/z" in scratch.specs and "seen/z" not in iv.specs and scratch.states["seen/z"].item() == 0
-
-
-class _Group:
-    """Stands in for a process group: the channel cache only needs it weakly referenceable."""
-
-
-def test_the_sync_cache_holds_its_groups_weakly_and_never_meets_a_freed_groups_entry():
-    a = _Group()
-    ch = fused._channel(a, None)
-    ch.width = 99
-    assert fused._channel(a, None) is ch
-    assert fused._channel(a, _Group()) is not ch  # another TP x PP group: another channel
-    del a
-    gc.collect()
-    for _ in range(50):  # new groups, some at a freed group's address: each starts empty
-        b = _Group()
-        assert fused._channel(b, None).width == 0
-        del b
-        gc.collect()

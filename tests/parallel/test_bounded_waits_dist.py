@@ -101,9 +101,8 @@ def case_async_with_a_rank_missing():
 
 def case_every_rank_calls(kind):
     """The healthy path: results as before, the collective budget unchanged, nothing
-    added. Groups within the bound are used as they are; CPU groups that wait longer run
-    the sync on the gloo groups the mesh made with the bound; a mesh over part of the
-    world (no twins) bounds its waits by ``Work.wait`` only."""
+    added, whatever the groups' own timeouts (the sync runs on them, its bound kept from
+    the host), on a mesh over part of the world too."""
     def run():
         if kind == "within":  # timeout= sets the groups' timeout and the bound
             mesh = DeviceMesh.from_sizes(tp_size=2, dp_size=4, timeout=BOUND_S)
@@ -134,8 +133,9 @@ def test_deepspeed_engine_groups_only_rank0_calculates_raises_in_seconds(dist_po
     _check_only_rank0(out)
 
 
-def test_agreement_inside_accumulate_names_the_missing_peer(dist_pool):
-    out = dist_pool.run(case_agreement_in_accumulate_with_a_rank_missing, timeout=120)
+@pytest.mark.parametrize("backend", ["gloo", "standin"])  # standin: on a gloo group made at the first call
+def test_agreement_inside_accumulate_names_the_missing_peer(dist_pool, backend):
+    out = dist_pool.run(case_agreement_in_accumulate_with_a_rank_missing, timeout=120, backend=backend)
     kind, text, seconds = out[0]
     assert kind == "MetricSyncError" and "rank 1 " in text and "Accuracy.accumulate()" in text, text
     assert "TP group [0, 1]" in text, text
@@ -144,8 +144,9 @@ def test_agreement_inside_accumulate_names_the_missing_peer(dist_pool):
     assert all(o == (None, "", o[2]) for o in out[2:]), out[2:]  # the other TP pairs went on
 
 
-def test_async_calculate_with_a_rank_missing_raises_and_keeps_the_interval(dist_pool):
-    out = dist_pool.run(case_async_with_a_rank_missing, timeout=120)
+@pytest.mark.parametrize("backend", ["gloo", "standin"])
+def test_async_calculate_with_a_rank_missing_raises_and_keeps_the_interval(dist_pool, backend):
+    out = dist_pool.run(case_async_with_a_rank_missing, timeout=120, backend=backend)
     for rank, (first, result, kept) in enumerate(out):
         assert first == {"loss": 72.0 / 32, "num_tokens": 32}
         if rank == 5:
@@ -241,9 +242,10 @@ def case_only_rank0_calculates(source):
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("source", SOURCES)
-def test_every_group_source_bounds_and_names_a_missing_rank(dist_pool, source):
-    out = dist_pool.run(case_only_rank0_calculates, source, timeout=240)
+@pytest.mark.parametrize("source,backend", [(s, "gloo") for s in SOURCES]
+                         + [("megatron", "standin"), ("current", "standin")])
+def test_every_group_source_bounds_and_names_a_missing_rank(dist_pool, source, backend):
+    out = dist_pool.run(case_only_rank0_calculates, source, timeout=240, backend=backend)
     held, (kind, text, seconds) = out[0]
     assert held is None or held.total_seconds() >= 600, held  # Megatron's long default stays
     assert kind == "MetricSyncError" and "did not arrive" in text and "calculate()" in text, text
@@ -298,9 +300,10 @@ def case_absent_ranks(scenario):
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("scenario", list(ABSENT))
-def test_every_rank_that_came_names_exactly_the_absent_ones(dist_pool, scenario):
-    out = dist_pool.run(case_absent_ranks, scenario, timeout=180)
+@pytest.mark.parametrize("scenario,backend", [(s, "gloo") for s in ABSENT]
+                         + [("megatron_last_stage_only", "standin"), ("torch_dp_rank", "standin")])
+def test_every_rank_that_came_names_exactly_the_absent_ones(dist_pool, scenario, backend):
+    out = dist_pool.run(case_absent_ranks, scenario, timeout=180, backend=backend)
     callers, absent = ABSENT[scenario]
     for rank, result in enumerate(out):
         if rank not in callers:
@@ -331,8 +334,9 @@ def case_a_late_rank():
     return None
 
 
-def test_a_rank_that_comes_after_the_others_gave_up_says_so_and_never_names_itself(dist_pool):
-    out = dist_pool.run(case_a_late_rank, timeout=180)
+@pytest.mark.parametrize("backend", ["gloo", "standin"])
+def test_a_rank_that_comes_after_the_others_gave_up_says_so_and_never_names_itself(dist_pool, backend):
+    out = dist_pool.run(case_a_late_rank, timeout=180, backend=backend)
     for rank in (1, 2):
         kind, text, _ = out[rank]
         assert kind == "MetricSyncError" and _named(text) == {0, 3, 4, 5, 6, 7}, text

@@ -60,12 +60,12 @@ both dtypes, 4 with self-merged states), plus the one over TP x PP.
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from parallel.groups import group_ranks, group_size
+from twinkle_metrics.comm import links
 from twinkle_metrics.comm.plan import (  # noqa: F401 - the plan's names, used here and by tests
     _H_NEED,
     _H_PLAN,
@@ -117,29 +117,16 @@ class _Channel:
         self.reduce_sizes = (0, 0, 0, 0)  # the reduce path's, elementwise max over the plans
 
 
-class _NoGroup:
-    """The key of "no group" in ``_CHANNELS`` (a weak-referenceable stand-in for None)."""
-
-
-_NO_GROUP = _NoGroup()
-#: data group -> {TP x PP group -> channel}, weak on both groups: a group that is gone takes
-#: its channels with it (a test session creates hundreds of groups), and a new group, even
-#: at a freed group's address, never meets another's plans
-_CHANNELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_LOCAL_PLANS: Dict[Tuple, _Plan] = {}
-
-
 def _channel(data_group, mp_group) -> _Channel:
-    """The channel of a pair of groups, made the first time they sync together."""
-    data_key = _NO_GROUP if data_group is None else data_group
-    mp_key = _NO_GROUP if mp_group is None else mp_group
-    by_mp = _CHANNELS.get(data_key)
-    if by_mp is None:
-        by_mp = _CHANNELS[data_key] = weakref.WeakKeyDictionary()
-    ch = by_mp.get(mp_key)
-    if ch is None:
-        ch = by_mp[mp_key] = _Channel()
-    return ch
+    """The channel of a pair of groups (``links.Link.channels`` of the data group), made the
+    first time they sync together."""
+    with links.LOCK:
+        channels = links.link(data_group).channels
+        key = links.NO_GROUP if mp_group is None else mp_group
+        ch = channels.get(key)
+        if ch is None:
+            ch = channels[key] = _Channel()
+        return ch
 
 
 # ---------------------------------------------------------------------- entry point
@@ -179,11 +166,12 @@ def sync_states(intervals: Sequence, transport: Transport, configs: Sequence[str
 
 def _local_plan(metrics, configs) -> _Plan:
     key = (configs,) + tuple(tuple(m.specs) for m in metrics)
-    plan = _LOCAL_PLANS.get(key)
+    plans = links.link(None).plans
+    plan = plans.get(key)
     if plan is None:
-        if len(_LOCAL_PLANS) > 64:  # a process builds few metric sets; bound it anyway
-            _LOCAL_PLANS.clear()
-        plan = _LOCAL_PLANS[key] = _Plan(metrics, [sorted(m.specs) for m in metrics], configs)
+        if len(plans) > 64:  # a process builds few metric sets; bound it anyway
+            plans.clear()
+        plan = plans[key] = _Plan(metrics, [sorted(m.specs) for m in metrics], configs)
     return plan
 
 

@@ -20,8 +20,6 @@ from parallel.groups import group_ranks, is_cpu_group
 from twinkle_metrics.comm import waits
 from twinkle_metrics.inputs.checks import host_reads, host_reads_active  # noqa: F401 - also this module's
 
-_warned = set()
-
 
 def host_max(metric: str, values: Sequence[int], group, cpu_group=None, label: str = "",
              timeout: Optional[timedelta] = None) -> List[int]:
@@ -35,13 +33,12 @@ def host_max(metric: str, values: Sequence[int], group, cpu_group=None, label: s
     """
     via = cpu_group if cpu_group is not None else (group if is_cpu_group(group) else None)
     if via is None:
-        if metric not in _warned:
-            _warned.add(metric)
-            warnings.warn(f"{metric}: the group is not a CPU group and no gloo group over its ranks "
-                          "could be made, so host-known sizes are exchanged on the device and read back "
-                          "(one device wait per accumulate); make gloo available, or pass a gloo group "
-                          "(EmbeddingMetric: size_group=, e.g. megatron's "
-                          "get_data_parallel_group_gloo(with_context_parallel=True))", stacklevel=2)
+        # once per metric: Python's warning filter shows a message once per place
+        warnings.warn(f"{metric}: the group is not a CPU group and no gloo group over its ranks "
+                      "could be made, so host-known sizes are exchanged on the device and read back "
+                      "(one device wait per accumulate); make gloo available, or pass a gloo group "
+                      "(EmbeddingMetric: size_group=, e.g. megatron's "
+                      "get_data_parallel_group_gloo(with_context_parallel=True))", stacklevel=2)
         via = group
     device = comm_device(via)
     t = torch.tensor(list(values), dtype=torch.int64, device=device)

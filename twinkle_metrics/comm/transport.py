@@ -21,7 +21,6 @@ Example (what ``calculate()`` does on one rank)::
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Callable, List, Tuple
 
@@ -30,7 +29,7 @@ import torch.distributed as dist
 
 from parallel import comm_device
 from parallel import groups as G
-from twinkle_metrics.comm import waits
+from twinkle_metrics.comm import links, waits
 
 #: ``Transport``'s default TP x PP group: the mesh's
 MESH = object()
@@ -106,12 +105,6 @@ class Transport:
 
 
 # ---------------------------------------------------------------- asynchronous twins
-#: group -> its twin for the background thread of an asynchronous calculate (weakly on
-#: both sides, as torch's registry holds them: they end with ``destroy_process_group()``)
-_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_TWINS_LOCK = threading.Lock()
-
-
 def twins(mesh, data) -> Tuple[object, object]:
     """Twins of the data group ``data`` and of the mesh's TP x PP group: groups over the
     same ranks, with the same backend, that only the background thread of an asynchronous
@@ -126,8 +119,8 @@ def twins(mesh, data) -> Tuple[object, object]:
 def _twin(group, mesh):
     if group is None:
         return None
-    with _TWINS_LOCK:
-        held = _TWINS.get(group)
+    with links.LOCK:  # the twin is held weakly, as torch's registry holds it
+        held = links.link(group).twin
     twin = held() if held is not None else None
     if twin is not None:
         return twin
@@ -145,8 +138,9 @@ def _twin(group, mesh):
         raise RuntimeError(f"calculate(async_op=True): torch could not make a private {backend} group over "
                            f"ranks {waits.ranges(ranks)} for the background sync; call calculate() "
                            "without async_op")
-    with _TWINS_LOCK:
-        _TWINS[group] = weakref.ref(twin)
+    with links.LOCK:
+        links.link(group).twin = weakref.ref(twin)
+    G.world_state().made.add(twin)
     return twin
 
 

@@ -49,13 +49,13 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from datetime import timedelta
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from parallel import groups as G
+from twinkle_metrics.comm import links
 from twinkle_metrics.comm.plan import MetricSyncError
 
 #: seconds a wait runs before the rank writes its arrival (a healthy step ends sooner)
@@ -89,8 +89,8 @@ def completion(work, on_host: bool) -> Callable[[float], bool]:
 
 
 class _Group:
-    """The library's record of one group: its store, its calls so far, and why it was
-    closed."""
+    """The library's record of one group (``links.Link.waits``): its store, its calls so
+    far, and why it was closed."""
 
     def __init__(self, group):
         self.ranks = tuple(G.group_ranks(group))
@@ -98,39 +98,25 @@ class _Group:
         name = G.group_name(group)
         # a group torch makes again under the same name (after one was destroyed) must not
         # read the keys of the one before: every rank counts the incarnations alike
-        serials = _counts("serials")
+        serials = G.world_state().serials
         serials[name] = serials.get(name, 0) + 1
         self.prefix = f"twinkle_metrics/waits/{serials[name]}"
         self.calls = 0
         self.closed: Optional[str] = None
 
 
-_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> _Group
-#: per default group (a new ``init_process_group`` starts afresh, on every rank alike): the
-#: groups of each name met so far ("serials"), and the calls of each kind on each mesh, for
-#: their rolls ("calls")
-_COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _counts(kind: str) -> Dict[str, int]:
-    world = dist.group.WORLD
-    if world is None:
-        return {}
-    return _COUNTS.setdefault(world, {"serials": {}, "calls": {}})[kind]
-_LOCK = threading.Lock()
-
-
 def _record(group) -> _Group:
-    with _LOCK:
-        record = _GROUPS.get(group)
-        if record is None:
-            record = _GROUPS[group] = _Group(group)
-        return record
+    with links.LOCK:
+        found = links.link(group)
+        if found.waits is None:
+            found.waits = _Group(group)
+        return found.waits
 
 
 def check_open(group) -> None:
     """Raise ``MetricSyncError`` when an earlier wait on ``group`` failed."""
-    record = None if group is None else _GROUPS.get(group)
+    found = None if group is None else links.find(group)
+    record = None if found is None else found.waits
     if record is not None and record.closed is not None:
         raise MetricSyncError(f"{record.closed} (an earlier wait on these ranks failed, so their "
                               "collectives are out of step; restart the job)")
@@ -178,8 +164,8 @@ def mesh_roll(what: str, mesh) -> Optional["Roll"]:
     if ranks is None or len(ranks) <= 1:
         return None
     ident = f"{what}:{mesh.wait_key}"
-    with _LOCK:
-        calls = _counts("calls")
+    with G.WORLD_LOCK:
+        calls = G.world_state().calls
         calls[ident] = n = calls.get(ident, 0) + 1
     return Roll(G.group_store(dist.group.WORLD), f"twinkle_metrics/calls/{ident}/{n}", ranks,
                 f"mesh from {mesh.source} (ranks {ranges(ranks)})")

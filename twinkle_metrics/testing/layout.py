@@ -228,7 +228,8 @@ def assert_layout_invariant(make_metric: Callable, feed: Callable,
                             ignore: Union[None, Collection[str], Callable[[str], bool]] = None,
                             max_collectives: Optional[int] = None, exports: bool = True,
                             pool: Optional[DistPool] = None, start_method: Optional[str] = None,
-                            timeout_s: float = 60, job_timeout_s: float = 300) -> LayoutReport:
+                            timeout_s: float = 60, job_timeout_s: float = 300,
+                            backend: str = "gloo") -> LayoutReport:
     """Raise ``AssertionError`` unless every rank of every layout gets the single process's results.
 
     For each interval (``intervals`` >= 2: feed, then ``calculate()``, which resets), each
@@ -260,6 +261,10 @@ def assert_layout_invariant(make_metric: Callable, feed: Callable,
         start_method: for fresh ranks: ``"fork"`` (default where available and this process
             holds no process group) or ``"spawn"``.
         timeout_s: every collective's timeout; ``job_timeout_s``: a layout's whole run.
+        backend: the ranks' backend: ``"gloo"``, or ``"standin"`` (``testing.standin``: gloo
+            that the library takes for a device backend, so the sync takes its device path;
+            a rank that makes a bounded wait, abort, barrier or destroy on one of its groups
+            fails).
 
     Returns a ``LayoutReport`` of everything seen, for further checks.
     """
@@ -287,7 +292,7 @@ def assert_layout_invariant(make_metric: Callable, feed: Callable,
     report = LayoutReport(reference, {}, {})
     for name, layout in parsed.items():
         out = _run(name, layout, make_metric, feed, intervals, pool, start_method, timeout_s, job_timeout_s,
-                   exports)
+                   exports, backend)
         per_rank = [r[:intervals] for r in out[:layout.world_size]]
         report.results[name] = [[res for res, _, _ in r] for r in per_rank]
         report.collectives[name] = [[n for _, n, _ in r] for r in per_rank]
@@ -325,14 +330,15 @@ def check_exports(name: str, make_metric: Callable, sent: List[List[Dict[str, An
                   driver.calculate_from(every, merge_intervals=True), whole, rel, abs_tol, ignore)
 
 
-def _run(name, layout, make_metric, feed, intervals, pool, start_method, timeout_s, job_timeout_s, exports):
+def _run(name, layout, make_metric, feed, intervals, pool, start_method, timeout_s, job_timeout_s, exports,
+         backend):
     own = pool is None
     if own:
         pool = DistPool(layout.world_size, timeout_s, start_method=start_method or _default_start_method(),
                         restart_on_failure=False)
     try:
         return pool.run(run_layout_rank, name, make_metric, feed, intervals, timeout_s, exports,
-                        timeout=job_timeout_s)
+                        timeout=job_timeout_s, backend=backend)
     except AssertionError as e:
         raise AssertionError(f"layout {name!r}: {e}") from None
     except TimeoutError as e:
