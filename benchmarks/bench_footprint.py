@@ -56,6 +56,19 @@ def _cell(stat: Dict[str, int]) -> str:
     return str(stat["max"]) if stat["min"] == stat["max"] else f"{stat['min']}-{stat['max']}"
 
 
+def _standin_line(by_world: Dict[str, Any]) -> str:
+    """What the stand-in recorded the library doing on groups it did not make, in one line."""
+    per_rank = [r.get("standin_calls", []) for res in by_world.values() for r in res["per_rank"]]
+    sizes: Dict[tuple, set] = {}
+    for recorded in per_rank:
+        for c in recorded:
+            sizes.setdefault((c["what"], c["where"]), set()).add(len(c["ranks"]))
+    found = "; ".join(f"{what} at {where}, on groups of {', '.join(map(str, sorted(n)))} ranks"
+                      for (what, where), n in sorted(sizes.items()))
+    return (f"Calls the stand-in recorded on groups the library did not make: up to {max(map(len, per_rank))} "
+            f"per rank{': ' + found if found else ''}.")
+
+
 def tables(results: Dict[str, Dict[str, Any]], calls: int) -> str:
     """The markdown: per configuration, one summary row per world size (sockets / store
     requests / groups per rank, max over ranks), then the details."""
@@ -75,11 +88,8 @@ def tables(results: Dict[str, Dict[str, Any]], calls: int) -> str:
                      for f in ("sockets", "store_requests", "groups")]
             tot = " / ".join(_cell({"min": min(total[i::3]), "max": max(total[i::3])}) for i in range(3))
             lines.append(f"| {world} | " + " | ".join(cells) + f" | {tot} |")
-        recorded = sorted({c for res in by_world.values() for r in res["per_rank"] for c in r.get("standin_calls", [])})
         if backend == "standin":
-            per_rank = max(len(r.get("standin_calls", [])) for res in by_world.values() for r in res["per_rank"])
-            lines += ["", f"Calls the stand-in recorded on groups the library did not make: up to {per_rank} per "
-                      f"rank{': ' + '; '.join(recorded) if recorded else ''}."]
+            lines += ["", _standin_line(by_world)]
         lines += ["", "Details (max over ranks; store requests by kind; all ranks: what the one store served):", "",
                   "| ranks | phase | sockets | threads | groups | new_group over WORLD | store requests (by kind) | "
                   "value bytes | library's own keys | requests, all ranks |", "|---" * 10 + "|"]

@@ -214,7 +214,7 @@ def rank_phases(tp: int, calls: int, bound_s: Optional[float]) -> Dict[str, Any]
         if out["backend"] == "standin":  # what the library did on groups it did not make (must be none)
             from twinkle_metrics.testing import standin
 
-            out["standin_calls"] = [str(c) for c in standin.calls()]
+            out["standin_calls"] = [c._asdict() for c in standin.calls()]
         return out
     finally:
         ps.destroy_model_parallel()
