@@ -16,7 +16,8 @@ Extrapolates from what was measured here and from published figures, and labels 
 * NCCL's own latency model, ``src/graph/tuning.cc`` of NCCL 2.30 (``ncclTunerConstantsDefaults``,
   ``ncclTopoTuneModel``): what NCCL itself predicts when it picks an algorithm, LL protocol
   (PAT: Simple), a topology latency of 0 and an x86 Intel host (1 us net overhead per step);
-* the host's work of ``calculate()`` for the 7 core metrics: ``results/sync_scaling.json``.
+* the host's work of ``calculate()`` for the 7 core metrics: ``results/sync_scaling.json``
+  (written on the library of a5c23d4, 824 packed bytes then).
 
 Layouts (8 GPUs per node, TP inside the node, megatron-core's order tp-cp-ep-dp-pp, CP 1):
 ``TP8 x PP8`` (DP = ranks / 64: every data group has one GPU per node) and ``TP8 x PP1``
@@ -37,7 +38,8 @@ GPUS_PER_NODE = 8
 NET_GBPS = 25.0
 REDUCE_ABOVE_TODAY = 512
 #: the 7 core metrics: packed buffer and the reduce path's self-merged columns, bytes per rank
-PACKED_B, OWN_B = 824, 48
+#: (``bench_sync_scaling``'s first line on the library of e33c75a: 111 float64, 8 self-merged)
+PACKED_B, OWN_B = 888, 64
 
 # ---------------------------------------------------------------------------------- NCCL
 # NCCL 2.30 src/graph/tuning.cc, ncclTunerConstantsDefaults (us): baseLatencies and the
@@ -179,8 +181,8 @@ def path_table(worlds, hop_here_us: float, sync: Dict) -> List[str]:
 
 
 def threshold_table(sizes=(16, 32, 64, 128, 256, 512, 2048, 8192, 16384)) -> List[str]:
-    lines = ["| data group | ppn | gather path: 1 all_gather of 824 B | reduce path: 3 all_reduce | "
-             "reduce path with self-merged states (+ all_gather of 48 B) |", "|---|---|---|---|---|"]
+    lines = [f"| data group | ppn | gather path: 1 all_gather of {PACKED_B} B | reduce path: 3 all_reduce | "
+             f"reduce path with self-merged states (+ all_gather of {OWN_B} B) |", "|---|---|---|---|---|"]
     for ppn in (1, 8):
         for n in sizes:
             if n < ppn:
