@@ -17,7 +17,8 @@ registry), threads. Two configurations of the job:
 * ``gloo``: plain gloo, init timeout 600 s, megatron-core's groups 30 min, the library's
   bound 30 s (``TWINKLE_METRICS_TIMEOUT_S``): the groups' timeouts are longer than the bound.
 
-Writes ``results/<out>.json`` (every rank's deltas) and ``results/<out>.md`` (the tables).
+Writes ``results/<out>.json`` (every rank's deltas, each different result once with its ranks)
+and ``results/<out>.md`` (the tables).
 """
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ def summarise(per_rank: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def _cell(stat: Dict[str, int]) -> str:
     return str(stat["max"]) if stat["min"] == stat["max"] else f"{stat['min']}-{stat['max']}"
+
+
+def distinct(per_rank: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The ranks' results, each different one once, with the ranks that gave it."""
+    out: List[Dict[str, Any]] = []
+    for rank, res in enumerate(per_rank):
+        same = next((d for d in out if d["result"] == res), None)
+        if same is None:
+            out.append({"ranks": [rank], "result": res})
+        else:
+            same["ranks"].append(rank)
+    return out
 
 
 def _standin_line(by_world: Dict[str, Any]) -> str:
@@ -134,6 +147,9 @@ def main(argv=None):
             sys.stdout.flush()
     md = tables(results, args.calls)
     print(md)
+    for by_world in results.values():  # the file keeps each different rank's result once
+        for res in by_world.values():
+            res["per_rank"] = distinct(res["per_rank"])
     command = "PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_footprint " + " ".join(argv or sys.argv[1:])
     path = common.save(args.out, {"tp": args.tp, "calls": args.calls, "configs": {c: CONFIGS[c] for c in args.configs},
                                   "results": results, "wall_s": round(time.time() - t_start, 1)}, command.strip())
