@@ -7,9 +7,9 @@ group over a counting store (``footprint.CountingStore`` around the parent's TCP
 measures four phases, each as a delta after a barrier: megatron-core's
 ``initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)``,
 the library's ``DeviceMesh.from_megatron()``, a dozen accumulate + ``calculate()`` of the 7
-core metrics (Accuracy vocab-parallel), and a dozen more. Per phase: sockets
-(``/proc/self/fd``), store requests by kind and their value bytes, process groups (torch's
-registry), threads. Two configurations of the job:
+core metrics (Accuracy vocab-parallel), and a dozen more. Per phase: sockets opened and still
+open, and those of earlier phases closed (``/proc/self/fd``), store requests by kind and their
+value bytes, process groups (torch's registry), threads. Two configurations of the job:
 
 * ``standin``: the default group on ``twinkle_metrics.testing.standin`` (gloo inside,
   another name outside), so megatron-core's groups are device groups to the library, as
@@ -35,7 +35,8 @@ CONFIGS = {"standin": ("standin", None), "gloo": ("gloo", 30.0)}
 #: modules the fork server imports once, for every rank (see ``common.run_ranks``)
 PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state", "twinkle_metrics", "parallel",
            "benchmarks.suite", "benchmarks.footprint")
-FIELDS = ("sockets", "store_requests", "groups", "new_groups_over_world", "threads", "store_bytes", "store_marks")
+FIELDS = ("sockets", "sockets_closed", "store_requests", "groups", "new_groups_over_world", "threads", "store_bytes",
+          "store_marks")
 LABELS = {"megatron": "megatron-core initialize_model_parallel", "mesh": "library: DeviceMesh.from_megatron()",
           "calculate": "library: collection + {n} x (accumulate + calculate())",
           "calculate_more": "library: {n} more"}
@@ -90,7 +91,7 @@ def tables(results: Dict[str, Dict[str, Any]], calls: int) -> str:
         backend, bound = CONFIGS[config]
         lines += [f"**{config}** (default group `{backend}`, library bound "
                   f"{f'{bound:g} s' if bound else 'the default group timeout, 600 s'}, TP2): per rank, "
-                  "sockets / store requests / groups (a range where ranks differ)", "",
+                  "sockets opened / store requests / groups (a range where ranks differ)", "",
                   f"| ranks | megatron init | library: mesh build | library: {calls} calculate() | "
                   f"library: {calls} more | library total |", "|---|---|---|---|---|---|"]
         for world, res in by_world.items():
@@ -104,13 +105,15 @@ def tables(results: Dict[str, Dict[str, Any]], calls: int) -> str:
         if backend == "standin":
             lines += ["", _standin_line(by_world)]
         lines += ["", "Details (max over ranks; store requests by kind; all ranks: what the one store served):", "",
-                  "| ranks | phase | sockets | threads | groups | new_group over WORLD | store requests (by kind) | "
-                  "value bytes | library's own keys | requests, all ranks |", "|---" * 10 + "|"]
+                  "| ranks | phase | sockets opened (closed) | threads | groups | new_group over WORLD | "
+                  "store requests (by kind) | value bytes | library's own keys | requests, all ranks |",
+                  "|---" * 10 + "|"]
         for world, res in by_world.items():
             for phase in footprint.PHASES:
                 s = res["summary"][phase]
                 kinds = ", ".join(f"{k} {v}" for k, v in s["store_by_kind_max"].items())
-                lines.append(f"| {world} | {LABELS[phase].format(n=calls)} | {_cell(s['sockets'])} | "
+                closed = f" ({_cell(s['sockets_closed'])})" if s["sockets_closed"]["max"] else ""
+                lines.append(f"| {world} | {LABELS[phase].format(n=calls)} | {_cell(s['sockets'])}{closed} | "
                              f"{_cell(s['threads'])} | {_cell(s['groups'])} | {_cell(s['new_groups_over_world'])} | "
                              f"{_cell(s['store_requests'])}"
                              f"{f' ({kinds})' if kinds else ''} | {_cell(s['store_bytes'])} | "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import datetime
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch.distributed as dist
 
@@ -121,15 +121,17 @@ def torch_groups() -> Dict[str, int]:
     return {"member": len(world.pg_map), "named": world.group_count}
 
 
-def sockets() -> int:
-    """The open sockets of this process (``/proc/self/fd`` entries that are ``socket:``)."""
-    n = 0
+def sockets() -> Set[str]:
+    """The open sockets of this process: the ``socket:[inode]`` targets of ``/proc/self/fd``."""
+    out = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # the fd of the listing itself, closed by now
-            pass
-    return n
+            continue
+        if target.startswith("socket:"):
+            out.add(target)
+    return out
 
 
 def threads() -> int:
@@ -148,7 +150,10 @@ def snapshot() -> Dict[str, Any]:
 def delta(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Any]:
     kinds = set(before["store"]) | set(after["store"])
     by_kind = {k: after["store"].get(k, 0) - before["store"].get(k, 0) for k in sorted(kinds)}
-    return {"sockets": after["sockets"] - before["sockets"], "threads": after["threads"] - before["threads"],
+    # opened in the phase and still open; a socket of an earlier phase closed in it is counted apart
+    return {"sockets": len(after["sockets"] - before["sockets"]),
+            "sockets_closed": len(before["sockets"] - after["sockets"]),
+            "threads": after["threads"] - before["threads"],
             "groups": after["groups"] - before["groups"], "new_groups_over_world": after["named"] - before["named"],
             "store_requests": sum(by_kind.values()), "store_by_kind": {k: v for k, v in by_kind.items() if v},
             "store_bytes": after["store_bytes"] - before["store_bytes"],
