@@ -35,8 +35,10 @@ def _setup():
     ours = suite.OursSuite(suite.CORE)
     ours.accumulate(suite.make_batch(0))
     ours.accumulate(suite.make_batch(1))
-    metrics = list(ours.collection)
-    configs = tuple(m.fingerprint() for m in metrics)
+    from twinkle_metrics.core.state import interval_of
+
+    configs = tuple(m.fingerprint() for m in ours.collection)
+    metrics = [interval_of(m) for m in ours.collection]  # what the sync reads: each metric's interval
     plan = sync._local_plan(metrics, configs)
     cpu = torch.device("cpu")
     buf = sync._pack(plan, metrics, plan.length, cpu, cpu, need=False, is_source=True, pp_rank=0)

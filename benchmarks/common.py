@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -122,7 +122,16 @@ def time_rotating(fns: Dict[str, Callable[[], Any]], blocks: int, per_block: int
     return out
 
 
-def _rank_main(rank, world, host, port, fn, args, results):
+def gloo_init(rank: int, world: int, host: str, port: int) -> None:
+    """The ranks' default start: gloo, over the parent's store (see ``run_ranks``)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _rank_main(rank, world, host, port, fn, args, results, init):
     os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR=host, MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
@@ -130,9 +139,7 @@ def _rank_main(rank, world, host, port, fn, args, results):
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        timeout = datetime.timedelta(seconds=300)
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)  # the parent's: see run_ranks
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        init(rank, world, host, port)
         try:
             results.put((rank, True, fn(*args)))
         finally:
@@ -141,12 +148,25 @@ def _rank_main(rank, world, host, port, fn, args, results):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(world: int, fn: Callable, *args, timeout: float = 600) -> List[Any]:
-    """Run ``fn(*args)`` on ``world`` fresh gloo ranks; return the results in rank order."""
-    ctx = mp.get_context("spawn")
+def run_ranks(world: int, fn: Callable, *args, timeout: float = 600, init: Callable = gloo_init,
+              preload: Sequence[str] = ()) -> List[Any]:
+    """Run ``fn(*args)`` on ``world`` fresh ranks; return the results in rank order.
+
+    ``init(rank, world, host, port)`` starts each rank's default group over the store this
+    process hosts (``gloo_init`` unless given; a module-level function or a ``partial`` of
+    one). ``preload``: modules a fork server imports once, the ranks then forked from it
+    share their pages (32 ranks that each import megatron-core fit in memory); without it
+    every rank is spawned afresh.
+    """
+    if preload:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(preload))
+    else:
+        ctx = mp.get_context("spawn")
     results = ctx.Queue()
     rdzv = testing.Rendezvous()  # a store on a port no other process can take
-    procs = [ctx.Process(target=_rank_main, args=(r, world, rdzv.host, rdzv.port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, rdzv.host, rdzv.port, fn, args, results, init),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
