@@ -85,7 +85,7 @@ class Transport:
     def wait(self, work, group, on_host: bool = True) -> None:
         """Return once ``work`` on ``group`` is done (bounded and named: ``waits.wait``);
         ``on_host``: its tensors are host tensors."""
-        waits.wait(work, group, self.what, self.mesh.group_label(group), self.timeout, self.roll, on_host)
+        waits.wait(work, group, self.what, lambda: self.mesh.group_label(group), self.timeout, self.roll, on_host)
 
     def _after(self, work, group, t: torch.Tensor) -> None:
         if t.device.type == "cpu":

@@ -122,12 +122,13 @@ def check_open(group) -> None:
                               "collectives are out of step; restart the job)")
 
 
-def wait(work, group, what: str, label: str, timeout: timedelta, roll: Optional["Roll"] = None,
+def wait(work, group, what: str, label, timeout: timedelta, roll: Optional["Roll"] = None,
          on_host: bool = True) -> None:
     """Return once ``work`` (a collective on ``group``) is done, or raise
     ``MetricSyncError`` within about ``timeout`` naming the ranks that did not come:
     of ``roll`` when given (every rank of a mesh), else of ``group``. ``what`` names the
-    call (``"calculate()"``), ``label`` the group; ``on_host``: the work's tensors are
+    call (``"calculate()"``), ``label`` the group (or a callable giving it, called only
+    when the wait runs long); ``on_host``: the work's tensors are
     host tensors (``completion``)."""
     record = _record(group)
     check_open(group)
@@ -167,16 +168,30 @@ def mesh_roll(what: str, mesh) -> Optional["Roll"]:
     with G.WORLD_LOCK:
         calls = G.world_state().calls
         calls[ident] = n = calls.get(ident, 0) + 1
-    return Roll(G.group_store(dist.group.WORLD), f"twinkle_metrics/calls/{ident}/{n}", ranks,
-                f"mesh from {mesh.source} (ranks {ranges(ranks)})")
+    return Roll(lambda: G.group_store(dist.group.WORLD), f"twinkle_metrics/calls/{ident}/{n}", ranks,
+                lambda: f"mesh from {mesh.source} (ranks {ranges(ranks)})")
 
 
 # ------------------------------------------------------------------------ naming
 class Roll:
-    """Who came to one call: ``ranks`` that should, and one key of ``store`` they mark."""
+    """Who came to one call: ``ranks`` that should, and one key of ``store`` they mark.
+    ``store`` and ``label`` may be given as callables, read only when a wait runs long:
+    a healthy step reads neither."""
 
-    def __init__(self, store, key: str, ranks: Sequence[int], label: str):
-        self.store, self.key, self.ranks, self.label = store, key, tuple(ranks), label
+    def __init__(self, store, key: str, ranks: Sequence[int], label):
+        self._store, self.key, self.ranks, self._label = store, key, tuple(ranks), label
+
+    @property
+    def store(self):
+        if callable(self._store):
+            self._store = self._store()
+        return self._store
+
+    @property
+    def label(self) -> str:
+        if callable(self._label):
+            self._label = self._label()
+        return self._label
 
     def mark(self, rank: int) -> bool:
         """Append ``rank`` to the ranks that came (one store request)."""
