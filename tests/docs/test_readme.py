@@ -86,7 +86,7 @@ def run_masked_mean(code, where):
     m = ns["MaskedMean"]()
     m.accumulate([{"labels": torch.tensor([[1, -100]])}, {"labels": torch.tensor([[2, 3]])}],
                  [{"values": torch.tensor([[9.0, 50.0]])}, {"values": torch.tensor([[1.0, 2.0]])}])
-    assert m.calculate() == {"mean": 4.0, "max": 9.0}
+    assert m.calculate() == {"mean": 4.0, "max": 9.0, "tokens": 3}
 
 
 def run_layout(code, where):
@@ -227,6 +227,20 @@ ELSEWHERE = {
 }
 #: blocks of ``ELSEWHERE`` that live outside the README (the test reads them from this file)
 ELSEWHERE_IN = {"mtp-loop": "docs/megatron.md"}
+
+
+def _masked_mean(path):
+    """The source of ``class MaskedMean`` in ``path``: the class statement to its last line."""
+    text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+    found = re.search(r"^class MaskedMean\(Metric\):\n(?:(?:    .*|)\n)*", text, re.M)
+    assert found, f"{path}: no MaskedMean"
+    return found.group(0).rstrip()
+
+
+def test_one_example_metric_across_readme_and_docs():
+    readme = _masked_mean("README.md")
+    for path in ("docs/contract.md", "docs/testing.md"):
+        assert _masked_mean(path) == readme, f"{path}'s MaskedMean is not the README's"
 
 
 def test_every_block_has_a_runner():
