@@ -257,7 +257,8 @@ class StepGuard(Metric):
         """The bad rank's host, device and bad inputs: it writes them under this call's key of
         WORLD's store, the others read them (within the mesh's bound)."""
         store = G.group_store(dist.group.WORLD) if G.dist_ready() else None
-        key = f"twinkle_metrics/guard/{self._serial_key(mesh)}/{self._calls}"
+        # the bad rank names the key: meshes over other ranks, built alike, never share one
+        key = f"twinkle_metrics/guard/{self._serial_key(mesh)}/{self._calls}/{bad_rank}"
         if rank == bad_rank:
             with host_reads():
                 bad = [name for name, f in zip(CHECKS, flags.cpu().tolist()) if f]
@@ -306,7 +307,8 @@ class StepGuard(Metric):
         by_text = {}
         for r, text in held:
             by_text.setdefault(text, []).append(r)
-        said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {ranges(rs)} hold {text}" for text, rs in by_text.items())
+        said = "; ".join(f"ranks {ranges(rs)} hold {text}" if len(rs) > 1 else f"rank {rs[0]} holds {text}"
+                         for text, rs in by_text.items())
         raise MetricSyncError(f"{_WHAT}: the ranks do not agree on the guard or the step: {said} (this is rank "
                               f"{rank}); build the guard with the same arguments on every rank and call check() "
                               "once a step on every rank, with the same step. Nothing was folded")
