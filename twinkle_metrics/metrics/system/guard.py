@@ -202,8 +202,8 @@ class StepGuard(Metric):
             bad = self._whereabouts(mesh, int(lowest[0]), rank, step, flags, loss, grad_norm, values)
         verdict = decide(self.policy, step, totals=total, kept=total, bad=bad,
                          first=self._run_first(int(total["streak_first"])))
-        self._seen = verdict.first
         self.accumulate(None, None, verdict=verdict)
+        self._seen = verdict.first
         return verdict
 
     def _groups(self, mesh) -> List[Any]:
