@@ -224,9 +224,10 @@ ELSEWHERE = {
     "megatron-loop": ("tests/megatron_loop_case.py", "## Megatron"),
     "norms": ("tests/metrics/system/test_norms.py", "ModelNormMetric(mesh"),
     "mtp-loop": ("tests/integrations/megatron_mtp_case.py", "## Multi-token prediction"),
+    "guard-loop": ("tests/integrations/megatron_guard_case.py", "## Skipping a bad step"),
 }
 #: blocks of ``ELSEWHERE`` that live outside the README (the test reads them from this file)
-ELSEWHERE_IN = {"mtp-loop": "docs/megatron.md"}
+ELSEWHERE_IN = {"mtp-loop": "docs/megatron.md", "guard-loop": "docs/megatron.md"}
 
 
 def test_every_block_has_a_runner():
