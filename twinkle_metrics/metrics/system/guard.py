@@ -157,6 +157,7 @@ class StepGuard(Metric):
         return cls(device_mesh, process_group, **policy.arguments(), **kwargs)
 
     # ------------------------------------------------------------------- the step
+    @torch.no_grad()
     def check(self, loss=None, *, grad_norm=None, values=None, step: Optional[int] = None) -> Verdict:
         """The verdict of this step, the same on every rank. Collective over every rank of
         the mesh: call it on every rank, once a step, with the same ``step`` (default: the
