@@ -16,7 +16,12 @@ token counts and a token-weighted loss differs from a mean of means. Per step:
    here with plain modules because Megatron's DDP wrapper allocates CUDA buffers),
    then the global grad norm (sum of squares over TP x PP, TP-duplicated params
    counted once) and a torch optimizer step.
-3. The schedule's report list (``[]`` on non-last stages) and the grad norm go to
+3. A ``StepGuard`` in the config (the demo's has one) checks the step before the update:
+   the loss reports and each rank's own part of the squared grad norm (before it is summed
+   over TP x PP, so a rank whose gradients went bad is the one named); every rank gets the
+   same verdict and skips the update together (``train.nan_at=STEP:RANK`` makes that rank's
+   gradients NaN at that step: ``launch/demo.sh`` does, at step 5 on rank 6).
+4. The schedule's report list (``[]`` on non-last stages) and the grad norm go to
    the step metrics (LossMetric, TrainMetric); every ``interval`` steps all ranks call
    ``calculate()`` and the logging rank writes the numbers.
 
@@ -37,6 +42,7 @@ import torch.distributed as dist
 from common import DebugDump, init_torch_distributed, make_run_dir, print_rank0, read_env
 
 from parallel import DeviceMesh
+from twinkle_metrics import StepGuard
 from twinkle_metrics.integrations.factory import build_metrics, config_path, split_feeds
 from twinkle_metrics.integrations.loggers import Progress, build_loggers
 
@@ -127,8 +133,9 @@ def make_finalize_grads(ps):
     return finalize
 
 
-def grad_norm(model_chunks, ps) -> torch.Tensor:
-    """Global L2 grad norm: TP-sharded params summed over TP, duplicates counted once, over PP."""
+def grad_norm(model_chunks, ps):
+    """Global L2 grad norm: TP-sharded params summed over TP, duplicates counted once, over PP;
+    and this rank's own part of its square (before the sum)."""
     tp_rank = ps.get_tensor_model_parallel_rank()
     total = torch.zeros((), dtype=torch.float64)
     for chunk in model_chunks:
@@ -137,10 +144,11 @@ def grad_norm(model_chunks, ps) -> torch.Tensor:
                 continue
             if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
                 total = total.to(p.grad.device) + p.grad.double().pow(2).sum()
+    mine = total.clone()
     group = ps.get_model_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
-    return total.sqrt()
+    return total.sqrt(), mine
 
 
 def lr_at(step: int, t: dict) -> float:
@@ -158,7 +166,7 @@ def main(argv=None):
     cfg = common.load_run_config(config_path(args.config), overrides,
                                  optional=common.OPTIONAL_KEYS + ("parallel.tp", "parallel.pp", "parallel.vpp",
                                                                   "train.warmup_steps", "train.min_lr",
-                                                                  "train.weight_decay"))
+                                                                  "train.weight_decay", "train.nan_at"))
     env = read_env(args.local_rank)
     init_torch_distributed(env)
 
@@ -194,6 +202,8 @@ def run(args, cfg, env, ps, tensor_parallel, get_forward_backward_func, on_cpu, 
     # Metrics: one collection (one fused sync); feeds say which call reaches which metric.
     metrics = build_metrics(cfg["metrics"], mesh)
     step_metrics, microbatch_metrics = split_feeds(cfg["metrics"], metrics)
+    guard = next((m for _, m in metrics.members() if isinstance(m, StepGuard)), None)
+    nan_step, _, nan_rank = str(t.get("nan_at") or "-1:-1").partition(":")
 
     config, chunks = build_model(cfg, ps, vpp)
     config.finalize_model_grads_func = make_finalize_grads(ps)
@@ -245,10 +255,19 @@ def run(args, cfg, env, ps, tensor_parallel, get_forward_backward_func, on_cpu, 
             forward_step_func=forward_step, data_iterator=iters if vpp > 1 else iters[0],
             model=chunks if vpp > 1 else chunks[0], num_microbatches=M, seq_length=seq,
             micro_batch_size=B, forward_only=False)
-        norm = grad_norm(chunks, ps)
-        if t.get("clip_grad"):
-            torch.nn.utils.clip_grads_with_norm_(params, t["clip_grad"], norm)
-        optimizer.step()
+        if (step + 1, env.rank) == (int(nan_step), int(nan_rank)):  # the demo's fault: this rank's grads
+            next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("nan")
+        norm, mine = grad_norm(chunks, ps)
+        verdict = guard.check(loss=losses_reduced, values=mine, step=step + 1) if guard is not None else None
+        if verdict is not None and not verdict.ok:  # the same verdict on every rank: all skip, or all stop
+            print_rank0(f"[train_megatron] {verdict}")
+            debug.write("verdict", step=step + 1, verdict=str(verdict))
+            if verdict.stop:
+                break
+        else:
+            if t.get("clip_grad"):
+                torch.nn.utils.clip_grads_with_norm_(params, t["clip_grad"], norm)
+            optimizer.step()
 
         tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
         step_metrics.accumulate(None, losses_reduced, grad_norm=norm, lr=lr, step=(step + 1) * M,

@@ -6,7 +6,8 @@ checks this, and that no library module imports another in a circle)::
     integrations/   Megatron hooks and loss_func, CPU shim, loggers, plot, factory
     testing/        device-wait guard, collective counter, layout-invariance harness
     metrics/        lm/ (loss, accuracy, embedding), rl/ (GRPO family, DPO, rewards,
-                    value, rollout, pass@k), system/ (train, norms, MoE routing),
+                    value, rollout, pass@k), system/ (train, norms, MoE routing,
+                    the step guard),
                     vocab (the label-reach check of metrics that read logits)
     kernels/        torch reference and Triton version of each op that reads logits
     stats/          moments, quantile histograms (state declarations and their merges)
@@ -46,6 +47,7 @@ from twinkle_metrics.metrics.rl.ppo_value import PPOValueMetric
 from twinkle_metrics.metrics.rl.reward import CompletionRewardMetric
 from twinkle_metrics.metrics.rl.rollout import RolloutMismatchMetric
 from twinkle_metrics.metrics.rl.staleness import StalenessMetric
+from twinkle_metrics.metrics.system.guard import GuardPolicy, StepGuard, Verdict
 from twinkle_metrics.metrics.system.moe import MoERoutingMetric
 from twinkle_metrics.metrics.system.norms import ModelNormMetric
 from twinkle_metrics.metrics.system.train import TrainMetric
@@ -57,5 +59,5 @@ __all__ = ["DeviceMesh", "Metric", "MetricCollection", "State", "Origin", "Reads
            "PPOMetric", "PPOValueMetric", "RolloutMismatchMetric", "ModelNormMetric", "MoERoutingMetric",
            "PassAtKMetric", "StalenessMetric",
            "register_router_hooks", "UnknownArgumentWarning", "vocab_parallel_argmax", "CalculateHandle", "fold",
-           "register_mtp_hooks", "is_export", "from_export", "agreed_results"]
+           "register_mtp_hooks", "is_export", "from_export", "agreed_results", "StepGuard", "GuardPolicy", "Verdict"]
 __version__ = "0.2.0"

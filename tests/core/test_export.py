@@ -121,6 +121,11 @@ def _mtp(m, seed=1):
                      depth=k)
 
 
+def _guard(m, seed=1):
+    for loss in (2.0, 2.1, 1.9, 2.0, math.nan, 9.0, 2.05):  # a NaN, then a spike: a stop (max_skips=1)
+        m.check(loss=torch.tensor([loss * 8, 8.0], dtype=torch.float64), grad_norm=1.0)
+
+
 def _train(m, seed=1):
     m.accumulate(None, None, lr=[1e-3, 2e-4], step=4, tokens=100, samples=3)
 
@@ -144,6 +149,7 @@ WORKERS = {
     "ModelNormMetric": ({}, _norms),
     "MoERoutingMetric": ({"num_layers": 2, "num_experts": 4, "percentiles": (50, 90)}, _moe),
     "MTPMetric": ({"depths": 2, "megatron_keys": True}, _mtp),
+    "StepGuard": ({"warmup": 4, "max_skips": 1}, _guard),
 }
 
 

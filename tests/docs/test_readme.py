@@ -169,6 +169,76 @@ def run_deepspeed(code, where, tmp_path):
         assert math.isclose(loss, want_loss, rel_tol=1e-6) and tokens == want_tokens
 
 
+_DEEPSPEED_GUARD_CASE = """
+import json, math, os, sys
+import torch
+from twinkle_metrics.core.compat import skip_deepspeed_shm_op
+
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # MASTER_ADDR/PORT: the test's store
+skip_deepspeed_shm_op()
+torch.manual_seed(0)
+V, BAD = 11, 2  # the third step's microbatches make NaN activations
+
+
+class Poison(torch.nn.Module):
+    on = False
+
+    def forward(self, x):
+        return x * math.nan if Poison.on else x
+
+
+layers = [torch.nn.Embedding(V, 8), Poison(), torch.nn.Linear(8, V)]
+params = [p for layer in layers for p in layer.parameters()]
+g = torch.Generator().manual_seed(1)
+snapshots = []
+
+
+def data():
+    i = 0
+    while True:
+        if i % 3 == 0:  # the first microbatch of a step: the parameters its update starts from
+            snapshots.append([p.detach().clone() for p in params])
+        Poison.on = i // 3 == BAD
+        labels = torch.randint(0, V, (2, 6), generator=g)
+        i += 1
+        yield labels, labels
+
+
+printed = []
+ns = dict(layers=layers, num_stages=1, data_iter=data(), train_steps=4,
+          ds_config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                     "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+          print=lambda *a: printed.append(" ".join(map(str, a))))
+exec(compile(open(sys.argv[1]).read(), "docs/deepspeed.md (Skipping a bad step)", "exec"), ns)
+snapshots.append([p.detach().clone() for p in params])
+stepped = [any(not torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(snapshots, snapshots[1:])]
+v = ns["verdicts"]
+json.dump({"actions": [x.action for x in v], "steps": [x.step for x in v], "bad": repr(v[BAD].bad),
+           "stepped": stepped, "finite": all(bool(torch.isfinite(p).all()) for p in params),
+           "printed": printed, "results": ns["guard"].calculate()}, open(sys.argv[2], "w"))
+torch.distributed.destroy_process_group()
+"""
+
+
+def run_deepspeed_guard(code, where, tmp_path):
+    """docs/deepspeed.md's guarded engine loop in one process on gloo: a NaN in the third step's
+    activations is a skip naming rank 0; that update changes nothing, the others do."""
+    import socket
+
+    block, case, out = tmp_path / "block.py", tmp_path / "case.py", tmp_path / "out.json"
+    block.write_text(code)
+    case.write_text(_DEEPSPEED_GUARD_CASE)
+    with Rendezvous() as rdzv:
+        _run([sys.executable, str(case), str(block), str(out)], **rdzv.env())
+    got = json.loads(out.read_text())
+    assert got["actions"] == ["ok", "ok", "skip", "ok"] and got["steps"] == [1, 2, 3, 4]
+    assert got["bad"] == (f"BadRank(rank=0, step=3, host='{socket.gethostname()}', device='cpu', local_rank=0, "
+                          "fields=('loss',))")
+    assert got["stepped"] == [True, True, False, True] and got["finite"]
+    assert len(got["printed"]) == 1 and got["printed"][0].startswith("step 3: skip: non-finite values on 1 rank")
+    assert (got["results"]["guard/skipped"], got["results"]["guard/first_bad_step"]) == (1, 3)
+
+
 _MEGATRON_CPU_CASE = """
 import json, sys
 exec(compile(open(sys.argv[1]).read(), "README.md (Megatron without CUDA)", "exec"), {})
@@ -215,18 +285,20 @@ RUNNERS = {
     "layout": run_layout,
     "torch-loop": run_torch_loop,
     "deepspeed": run_deepspeed,
+    "deepspeed-guard": run_deepspeed_guard,
     "megatron-cpu": run_megatron_cpu,
 }
-IN_PROCESSES = {"deepspeed", "megatron-cpu"}  # real processes: the e2e tier, beside the rank pool
+IN_PROCESSES = {"deepspeed", "deepspeed-guard", "megatron-cpu"}  # real processes: the e2e tier, beside the rank pool
 
 #: blocks another test reads from the README and runs: (test file, text it must contain)
 ELSEWHERE = {
     "megatron-loop": ("tests/megatron_loop_case.py", "## Megatron"),
     "norms": ("tests/metrics/system/test_norms.py", "ModelNormMetric(mesh"),
     "mtp-loop": ("tests/integrations/megatron_mtp_case.py", "## Multi-token prediction"),
+    "guard-loop": ("tests/integrations/megatron_guard_case.py", "## Skipping a bad step"),
 }
 #: blocks of ``ELSEWHERE`` that live outside the README (the test reads them from this file)
-ELSEWHERE_IN = {"mtp-loop": "docs/megatron.md"}
+ELSEWHERE_IN = {"mtp-loop": "docs/megatron.md", "guard-loop": "docs/megatron.md"}
 
 
 def _masked_mean(path):

@@ -121,7 +121,15 @@ def test_megatron_demo_tp2_pp2_dp2(tmp_path):
     assert "tp2 x cp1 x dp2 x pp2" in out
     assert f"run dir: {run_dir}" in out
     assert "step 3 | loss" in out  # the console line
-    _check_common(str(run_dir), world=8, interval=3, steps=6)
+    debug, rows, _, _ = _check_common(str(run_dir), world=8, interval=3, steps=6)
+    # demo.sh makes rank 6's gradients NaN at step 5: every rank's StepGuard skips it, naming rank 6
+    verdicts = {r: [(rec["step"], rec["verdict"]) for rec in recs if rec["kind"] == "verdict"]
+                for r, recs in debug.items()}
+    assert all(v == verdicts[0] for v in verdicts.values()) and [s for s, _ in verdicts[0]] == [5]
+    assert verdicts[0][0][1].startswith("step 5: skip: non-finite values on 1 rank (values on 1); first: rank 6 (")
+    assert "[train_megatron] step 5: skip" in out
+    assert (rows[6]["guard/skipped"], rows[6]["guard/first_bad_rank"], rows[6]["guard/first_bad_step"]) == (1, 6, 5)
+    assert rows[3]["guard/skipped"] == 0 and rows[3]["guard/steps"] == 3
 
 
 @pytest.mark.megatron

@@ -7,6 +7,7 @@ CP columns, its vocab shard, its pipeline stage's layers) and, where the metric 
 input, a call it must refuse.
 """
 import functools
+import math
 import random
 from types import SimpleNamespace
 
@@ -36,6 +37,7 @@ from twinkle_metrics import (
     PPOValueMetric,
     RolloutMismatchMetric,
     StalenessMetric,
+    StepGuard,
     TrainMetric,
 )
 from twinkle_metrics.testing import check_metric
@@ -288,6 +290,26 @@ def feed_norms(m, shard):
     m.accumulate(None, None)
 
 
+def feed_guard(m, shard):
+    """Four steps of this rank's part: its data shard's loss on the last stage, one grad norm
+    everywhere. Interval 0 ends with a NaN grad norm on every rank (rank 0 is named: the
+    single process's rank too); interval 1 holds a 5x spike of every shard's loss."""
+    g = torch.Generator().manual_seed(SEED)
+    sums = torch.rand(N_SEQ, generator=g, dtype=torch.float64) + 2
+    counts = torch.randint(1, 6, (N_SEQ,), generator=g).double()
+    rows = _rows(shard)
+    for i in range(4):
+        step = 4 * shard.interval + i
+        scale = (1 + 0.02 * step) * (5.0 if step == 6 else 1.0)
+        pair = torch.stack([(sums[rows] * counts[rows]).sum() * scale, counts[rows].sum()])
+        m.check(loss=[{"lm loss": pair}] if shard.is_last_stage else [],
+                grad_norm=math.nan if step == 3 else 1.0, step=step)
+
+
+def reject_guard(m):
+    m.check(loss=torch.zeros(3))
+
+
 #: class name -> (make_metric, feed, layouts, reject, ignore): every Metric twinkle_metrics exports
 CASES = {
     "LossMetric": (functools.partial(LossMetric, loss_reduction="sum"), feed_loss, ["pp2xdp2"], reject_loss, None),
@@ -319,6 +341,7 @@ CASES = {
     "ModelNormMetric": (make_norms, feed_norms, ["dp2"], None, None),
     "MTPMetric": (functools.partial(MTPMetric, depths=2, vocab_parallel=True), feed_mtp, ["tp2xdp2"], reject_mtp,
                   None),
+    "StepGuard": (functools.partial(StepGuard, warmup=3), feed_guard, ["tp2xpp2xdp2"], reject_guard, None),
 }
 
 

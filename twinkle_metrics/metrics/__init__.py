@@ -4,7 +4,8 @@
 * ``rl``: the GRPO family (``GRPOMetric``, ``GSPOMetric``, ``CISPOMetric``,
   ``PPOMetric``), ``DPOMetric``, ``CompletionRewardMetric``, ``PPOValueMetric``,
   ``RolloutMismatchMetric``, ``PassAtKMetric``, ``StalenessMetric``;
-* ``system``: ``TrainMetric``, ``ModelNormMetric``, ``MoERoutingMetric``;
+* ``system``: ``TrainMetric``, ``ModelNormMetric``, ``MoERoutingMetric``, ``StepGuard`` (the
+  per-step NaN and loss-spike verdict);
 * ``vocab``: the label-reach check shared by the metrics that read logits.
 
 Each metric is ``State`` declarations plus ``update`` and ``compute`` (see
@@ -29,6 +30,7 @@ from twinkle_metrics.metrics.rl.ppo_value import PPOValueMetric
 from twinkle_metrics.metrics.rl.reward import CompletionRewardMetric
 from twinkle_metrics.metrics.rl.rollout import RolloutMismatchMetric
 from twinkle_metrics.metrics.rl.staleness import StalenessMetric
+from twinkle_metrics.metrics.system.guard import StepGuard
 from twinkle_metrics.metrics.system.moe import MoERoutingMetric
 from twinkle_metrics.metrics.system.norms import ModelNormMetric
 from twinkle_metrics.metrics.system.train import TrainMetric
@@ -37,7 +39,7 @@ from twinkle_metrics.metrics.system.train import TrainMetric
 SHIPPED: Dict[str, Type[Metric]] = {cls.__name__: cls for cls in sorted((
     Accuracy, CISPOMetric, CompletionRewardMetric, DPOMetric, EmbeddingMetric, GRPOMetric, GSPOMetric, LossMetric,
     ModelNormMetric, MoERoutingMetric, MTPMetric, PassAtKMetric, PPOMetric, PPOValueMetric, RolloutMismatchMetric,
-    StalenessMetric, TrainMetric), key=lambda cls: cls.__name__)}
+    StalenessMetric, StepGuard, TrainMetric), key=lambda cls: cls.__name__)}
 
 
 def from_export(export) -> MetricCollection:
