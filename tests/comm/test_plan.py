@@ -56,4 +56,4 @@ def test_the_self_merged_kind_of_that_collection_holds_both_dtypes():
     _feed(metrics)
     intervals = [interval_of(m) for m in metrics.values()]
     plan = _Plan(intervals, [sorted(iv.states) for iv in intervals], ["" for _ in intervals])
-    assert any(is_int is None for _, _, is_int in plan._kinds)
+    assert {spec.dtype for _, entries in plan.custom for _, spec, _, _ in entries} == {torch.float64, torch.int64}

@@ -30,8 +30,9 @@ def _longest(rows: torch.Tensor) -> torch.Tensor:
     """The longest interval of the ranks' ``[ranks, 2]`` (start, end) rows, as (0, its
     length); ranks whose clocks never started count for nothing. Only the lengths are
     compared: each rank's clock has its own zero."""
-    lengths = torch.where(rows[:, 0] < math.inf, rows[:, 1] - rows[:, 0], -math.inf)
-    return torch.stack([torch.zeros_like(lengths[0]), lengths.amax()])
+    start, end = rows.unbind(-1)
+    longest = torch.where(start < math.inf, end - start, -math.inf).amax()
+    return torch.stack([torch.zeros_like(longest), longest])
 
 
 class TrainMetric(Metric):
