@@ -242,7 +242,8 @@ class _Defaults:
             self.blocks.append((block, scalars, [math.prod(s) for s in shapes], shapes))
             placed += [name for name, _ in entries]
         where = {name: i for i, name in enumerate(placed)}
-        self.order = [where[name] for name in self.names]  # the views in ``specs``' order
+        order = [where[name] for name in self.names]  # the views in ``specs``' order
+        self.order = None if order == sorted(order) else order
 
     def fresh(self, device: torch.device) -> Dict[str, torch.Tensor]:
         views: list = []
@@ -252,7 +253,7 @@ class _Defaults:
                 views += (block if not sizes else block[:scalars]).unbind()
             if sizes:
                 views += [p if len(s) == 1 else p.view(s) for p, s in zip(block[scalars:].split(sizes), shapes)]
-        return dict(zip(self.names, [views[i] for i in self.order]))
+        return dict(zip(self.names, views if self.order is None else [views[i] for i in self.order]))
 
 
 _DEFAULTS: Dict[tuple, _Defaults] = {}
