@@ -56,4 +56,23 @@ def test_the_self_merged_kind_of_that_collection_holds_both_dtypes():
     _feed(metrics)
     intervals = [interval_of(m) for m in metrics.values()]
     plan = _Plan(intervals, [sorted(iv.states) for iv in intervals], ["" for _ in intervals])
-    assert any(is_int is None for _, _, is_int in plan._kinds)
+    assert {spec.dtype for _, entries in plan.custom for _, spec, _, _ in entries} == {torch.float64, torch.int64}
+
+
+def test_states_on_several_devices_pack_state_by_state_into_the_same_buffer():
+    # metrics on different devices pack one piece per state, each on its own device; the
+    # buffer is the one the runs of scalars make (the CPU stands in for the other device)
+    metrics = _metrics()
+    _feed(metrics)
+    intervals = [interval_of(m) for m in metrics.values()]
+    plan = _Plan(intervals, [sorted(iv.states) for iv in intervals], ["" for _ in intervals])
+    cpu = torch.device("cpu")
+    runs = plan.pieces(intervals, cpu)
+    intervals[0].device = torch.device("meta")  # its tensors stay where they are
+    try:
+        pieces = plan.pieces(intervals, cpu)
+    finally:
+        intervals[0].device = cpu
+    assert len(pieces) == len(plan.order) > len(runs)
+    assert torch.equal(torch.cat(pieces).view(torch.int64), torch.cat(runs).view(torch.int64))
+    assert torch.cat(runs).numel() == plan.length

@@ -443,6 +443,26 @@ def test_states_move_to_an_accelerator_in_one_copy_per_dtype():
         assert torch.equal(t, m.declarations[name].new("cpu")), name
 
 
+def test_reset_states_are_disjoint_views_of_one_fresh_block_per_dtype():
+    """``reset()`` cuts every state out of one copy of its dtype's defaults: folding into one
+    state leaves the others at their defaults, and the next reset leaves the states handed
+    out before it alone."""
+    m = GRPOMetric(top_k_kl=3)
+    before = m.states
+    bases = {}
+    for t in before.values():
+        bases.setdefault(t.dtype, set()).add(id(t._base))
+    assert all(len(b) == 1 and None not in b for b in bases.values()), bases
+    name = next(n for n, t in before.items() if t.dtype == torch.float64 and t.shape == ())
+    before[name].add_(5.0)
+    for n, t in before.items():
+        if n != name:
+            assert torch.equal(t, m._specs[n].new("cpu")), n
+    m.reset()
+    assert before[name].item() == m._specs[name].new("cpu").item() + 5.0
+    assert all(torch.equal(t, m._specs[n].new("cpu")) for n, t in m.states.items())
+
+
 class _CountsCalls(Metric):
     """An update that names its one keyword and takes no **kwargs."""
     calls = State("sum", torch.int64)

@@ -41,6 +41,25 @@ def test_private_attributes_do_not_hide_arguments():
     assert "threshold=0.1" in Keeps(threshold=0.1).fingerprint()
 
 
+def test_a_kept_fingerprint_follows_the_attributes_it_reads():
+    """calculate() takes the fingerprint every time; it is kept only while every attribute it
+    reads is the very immutable object it was taken from: a metric reconfigured, or a list
+    changed in place, is fingerprinted as it now is."""
+    m = Sub(scale=2)
+    first = m.sync_fingerprint()
+    assert m.sync_fingerprint() is first and "scale=2" in first
+    m.scale = 3
+    assert "scale=3" in m.sync_fingerprint()
+    m.scale = 2
+    assert m.sync_fingerprint() == first
+    m.scale = [1]
+    assert "scale=(1)" in m.sync_fingerprint()
+    m.scale.append(2)
+    assert "scale=(1, 2)" in m.sync_fingerprint() and "scale=(1, 2)" in m.fingerprint()
+    del m.scale  # no attribute: the argument as it was given
+    assert m.sync_fingerprint() == first
+
+
 def test_defaults_passed_or_left_out_are_one_setting_through_subclasses():
     assert Sub().fingerprint() == Sub(threshold=0.5, scale=2).fingerprint()
     assert Sub(threshold=0.4).fingerprint() != Sub().fingerprint()

@@ -340,15 +340,13 @@ def first_disagreement(plan: _Plan, metrics, rows: torch.Tensor, first: int, oth
 def _unpack(vec: torch.Tensor, plan: _Plan, metrics) -> List[Dict[str, Any]]:
     """Plain Python states per metric from a host row (header included): ints for
     int64 states (bit-exact), floats for float64, nested lists for shaped states."""
-    floats = vec[_HEADER:].tolist()
-    ints = vec[_HEADER:].view(torch.int64).tolist()
+    body = vec[_HEADER:_HEADER + plan.length]
+    values = body.tolist() + body.view(torch.int64).tolist()  # ``plan.decoders`` index both
     out: List[Dict[str, Any]] = []
-    for entries in plan.entries:
-        states = {}
-        for name, spec, offset in entries:
-            src = ints if spec.dtype == torch.int64 else floats
-            chunk = src[offset:offset + spec.numel]
-            states[name] = chunk[0] if spec.shape == () else _unflatten(chunk, spec.shape)
+    for names, get, shaped in plan.decoders:
+        states = dict(zip(names, get(values)))
+        for name, a, b, shape in shaped:
+            states[name] = values[a:b] if len(shape) == 1 else _unflatten(values[a:b], shape)
         out.append(states)
     return out
 

@@ -27,6 +27,8 @@ import enum
 import functools
 import hashlib
 import inspect
+import itertools
+import operator
 import re
 import warnings
 import weakref
@@ -167,12 +169,31 @@ def schema_of(cls) -> Schema:
 
 def fingerprint(metric, checkpoint: bool = False) -> str:
     """``Class/vN(name=value, ...)`` over the recorded arguments; ``checkpoint=True`` leaves
-    out the schema's ``sync_only`` (what ranks must agree on, a checkpoint need not)."""
+    out the schema's ``sync_only`` (what ranks must agree on, a checkpoint need not).
+
+    Taken on every ``calculate()``, so it is kept (``metric._fingerprints``) while every
+    attribute it reads is the very object it was taken from and immutable (a number, a
+    string, ``None``): setting one anew, as reconfiguring a metric does, takes it again."""
+    attributes = metric.__dict__
+    live = tuple(map(attributes.get, metric._arguments, itertools.repeat(_UNSET)))
+    kept = attributes.get("_fingerprints")
+    if kept is not None and checkpoint in kept:
+        seen, text = kept[checkpoint]
+        if len(live) == len(seen) and all(map(operator.is_, live, seen)):
+            return text
     cls = type(metric)
     schema = schema_of(cls)
     skip = schema.sync_only if checkpoint else ()
     parts = [f"{k}={v}" for k, v in current(metric).items() if k not in skip]
-    return f"{cls.__name__}/v{schema.version}({', '.join(parts)})"
+    text = f"{cls.__name__}/v{schema.version}({', '.join(parts)})"
+    if all(type(v) in _IMMUTABLE for v in live):
+        attributes.setdefault("_fingerprints", {})[checkpoint] = (live, text)
+    return text
+
+
+_UNSET = object()  # an argument the metric keeps no attribute of
+#: values that an attribute holding the same object again cannot have changed
+_IMMUTABLE = frozenset({type(None), type(_UNSET), bool, int, float, str})
 
 
 _FINGERPRINT = re.compile(r"(?P<path>[\w.]+?)(?:/v(?P<version>\d+))?\((?P<args>.*)\)", re.S)

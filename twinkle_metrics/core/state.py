@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from twinkle_metrics.inputs.checks import from_host_all
+from twinkle_metrics.inputs.checks import from_host, from_host_all
 
 Reduce = Union[str, Callable[[torch.Tensor], torch.Tensor]]
 _OPS = ("sum", "max", "min")
@@ -212,12 +212,57 @@ def batched(fold: Callable) -> Callable:
 
 
 def new_states(specs: Dict[str, "State"], device) -> Dict[str, torch.Tensor]:
-    """Every state of ``specs`` at its default on ``device``. On an accelerator they are
-    built on the host and moved by ``move_states`` (one copy per dtype), not filled one
-    kernel each: a metric's ~30 states cost two copies, not ~30 launches."""
-    device = torch.device(device)
-    cpu = {name: spec.new("cpu") for name, spec in specs.items()}
-    return cpu if device.type == "cpu" else move_states(cpu, device)
+    """Every state of ``specs`` at its default on ``device``: one copy per dtype of a host
+    block of the defaults (kept per set of states), each state a view of its dtype's block.
+    A metric's ~15 states cost two copies, not ~15 fills (``reset()`` after every
+    ``calculate()``), and on an accelerator no kernel per state."""
+    key = (tuple(specs), tuple(map(id, specs.values())))
+    defaults = _DEFAULTS.get(key)
+    if defaults is None:
+        if len(_DEFAULTS) >= 256:  # a process builds few sets of states; bound it anyway
+            _DEFAULTS.clear()
+        defaults = _DEFAULTS[key] = _Defaults(specs)
+    return defaults.fresh(torch.device(device))
+
+
+class _Defaults:
+    """The defaults of one set of states as one host block per dtype (scalars first), and
+    where each state sits in it. Holds the ``State`` objects: ``_DEFAULTS`` is keyed by
+    their ids."""
+
+    __slots__ = ("specs", "names", "blocks", "order")
+
+    def __init__(self, specs: Dict[str, "State"]):
+        self.specs, self.names = tuple(specs.values()), list(specs)
+        by_dtype: Dict[torch.dtype, list] = {}
+        for name, spec in specs.items():
+            by_dtype.setdefault(spec.dtype, []).append((name, spec))
+        #: per dtype: (block of defaults, scalars at its start, sizes and shapes of the others)
+        self.blocks = []
+        placed = []
+        for entries in by_dtype.values():
+            entries.sort(key=lambda e: e[1].shape != ())  # stable: scalars first, then in order
+            scalars = sum(1 for _, spec in entries if spec.shape == ())
+            shapes = [spec.shape for _, spec in entries[scalars:]]
+            block = torch.cat([spec.new("cpu").reshape(-1) for _, spec in entries])
+            self.blocks.append((block, scalars, [math.prod(s) for s in shapes], shapes))
+            placed += [name for name, _ in entries]
+        where = {name: i for i, name in enumerate(placed)}
+        order = [where[name] for name in self.names]  # the views in ``specs``' order
+        self.order = None if order == sorted(order) else order
+
+    def fresh(self, device: torch.device) -> Dict[str, torch.Tensor]:
+        views: list = []
+        for block, scalars, sizes, shapes in self.blocks:
+            block = block.clone() if device.type == "cpu" else from_host(block, device)
+            if scalars:
+                views += (block if not sizes else block[:scalars]).unbind()
+            if sizes:
+                views += [p if len(s) == 1 else p.view(s) for p, s in zip(block[scalars:].split(sizes), shapes)]
+        return dict(zip(self.names, views if self.order is None else [views[i] for i in self.order]))
+
+
+_DEFAULTS: Dict[tuple, _Defaults] = {}
 
 
 def move_states(states: Dict[str, torch.Tensor], device) -> Dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ def chan(rows: torch.Tensor) -> torch.Tensor:
     n, mean, m2 = rows.unbind(-1)
     total = n.sum(-1)
     mu = (n * mean).sum(-1) / total.clamp(min=1.0)  # 0 when every row is empty
-    dev = mean - mu.unsqueeze(-1)
+    dev = mean - (mu.unsqueeze(-1) if mu.dim() else mu)  # a 0-d mean broadcasts as it is
     return torch.stack([total, mu, m2.sum(-1) + (n * dev * dev).sum(-1)], -1)
 
 
