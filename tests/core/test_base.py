@@ -457,10 +457,10 @@ def test_reset_states_are_disjoint_views_of_one_fresh_block_per_dtype():
     before[name].add_(5.0)
     for n, t in before.items():
         if n != name:
-            assert torch.equal(t, m._specs[n].new("cpu")), n
+            assert torch.equal(t, m.declarations[n].new("cpu")), n
     m.reset()
-    assert before[name].item() == m._specs[name].new("cpu").item() + 5.0
-    assert all(torch.equal(t, m._specs[n].new("cpu")) for n, t in m.states.items())
+    assert before[name].item() == m.declarations[name].new("cpu").item() + 5.0
+    assert all(torch.equal(t, m.declarations[n].new("cpu")) for n, t in m.states.items())
 
 
 class _CountsCalls(Metric):
