@@ -16,28 +16,28 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel import DeviceMesh  # noqa: E402
-from twinkle_metrics import Metric, MetricCollection, State, microbatches
-from twinkle_metrics.core import fold
+from twinkle_metrics import Metric, MetricCollection, State, fold, microbatches
 
 
 class MaskedMean(Metric):
-    """Token-weighted mean and max of ``outputs['values']`` over ``labels != -100``."""
-
-    total = State("sum")
+    """Token-weighted mean and max of outputs["values"] where labels != -100."""
+    total = State("sum")                    # float64, summed over the data group (DP x CP)
     count = State("sum", torch.int64)
     peak = State("max")
+    result_keys = ("mean", "max", "tokens")
 
     def update(self, inputs, outputs, **kwargs):
-        out = {}
+        out = {}                            # a dict, or a pipeline schedule's list of microbatches
         for feat, o in microbatches("MaskedMean", inputs, outputs, ("values",)):
             mask = feat["labels"] != -100
-            fold.add(out, "total", (o["values"] * mask).sum())
+            values = o["values"].double()
+            fold.add(out, "total", (values * mask).sum())
             fold.add(out, "count", mask.sum())
-            fold.maximum(out, "peak", torch.where(mask, o["values"], -torch.inf).amax())
+            fold.maximum(out, "peak", torch.where(mask, values, -torch.inf).amax())
         return out
 
-    def compute(self, s):
-        return {"mean": s["total"] / s["count"], "max": s["peak"]} if s["count"] else {}
+    def compute(self, s):                   # s: the reduced states, as plain numbers
+        return {"mean": s["total"] / s["count"], "max": s["peak"], "tokens": s["count"]} if s["count"] else {}
 
 
 def main(argv=None):

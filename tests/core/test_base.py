@@ -387,7 +387,7 @@ def test_documented_custom_metric_reports_the_max_over_microbatches():
     for cls in (example.MaskedMean, _readme_masked_mean()):
         got = cls().accumulate([{"labels": labels[:1]}, {"labels": labels[1:]}],
                                {"values": values}).calculate()
-        assert got == {"mean": 12.0 / 3, "max": 9.0}, (cls, got)
+        assert got == {"mean": 12.0 / 3, "max": 9.0, "tokens": 3}, (cls, got)
 
 
 def test_twinkle_names_on_a_single_rank_mesh():

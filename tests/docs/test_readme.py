@@ -311,7 +311,7 @@ def _masked_mean(path):
 
 def test_one_example_metric_across_readme_and_docs():
     readme = _masked_mean("README.md")
-    for path in ("docs/contract.md", "docs/testing.md"):
+    for path in ("docs/contract.md", "docs/testing.md", "launch/example_custom_metric.py"):
         assert _masked_mean(path) == readme, f"{path}'s MaskedMean is not the README's"
 
 
