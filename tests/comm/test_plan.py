@@ -6,7 +6,7 @@ import torch
 from parallel import DeviceMesh
 from tests.rlref import make_rl_batch
 from twinkle_metrics import CompletionRewardMetric, GRPOMetric, LossMetric, MetricCollection
-from twinkle_metrics.comm.plan import _Plan
+from twinkle_metrics.comm.codec import Codec
 from twinkle_metrics.core.state import interval_of
 from twinkle_metrics.metrics.rl.pass_at_k import PassAtKMetric
 from twinkle_metrics.testing import assert_results_close
@@ -54,9 +54,8 @@ def test_the_self_merged_kind_of_that_collection_holds_both_dtypes():
     # the case above reaches the mixed kind: the test fails if the plan stops building one
     metrics = _metrics()
     _feed(metrics)
-    intervals = [interval_of(m) for m in metrics.values()]
-    plan = _Plan(intervals, [sorted(iv.states) for iv in intervals], ["" for _ in intervals])
-    assert {spec.dtype for _, entries in plan.custom for _, spec, _, _ in entries} == {torch.float64, torch.int64}
+    codec = Codec([interval_of(m) for m in metrics.values()])
+    assert {dtype for _, dtype in codec.self_merged} == {torch.float64, torch.int64}
 
 
 def test_states_on_several_devices_pack_state_by_state_into_the_same_buffer():
@@ -65,14 +64,13 @@ def test_states_on_several_devices_pack_state_by_state_into_the_same_buffer():
     metrics = _metrics()
     _feed(metrics)
     intervals = [interval_of(m) for m in metrics.values()]
-    plan = _Plan(intervals, [sorted(iv.states) for iv in intervals], ["" for _ in intervals])
-    cpu = torch.device("cpu")
-    runs = plan.pieces(intervals, cpu)
+    codec = Codec(intervals)
+    runs = codec.pieces()
     intervals[0].device = torch.device("meta")  # its tensors stay where they are
     try:
-        pieces = plan.pieces(intervals, cpu)
+        pieces = codec.pieces()
     finally:
-        intervals[0].device = cpu
-    assert len(pieces) == len(plan.order) > len(runs)
+        intervals[0].device = torch.device("cpu")
+    assert len(pieces) == len(codec.order) > len(runs)
     assert torch.equal(torch.cat(pieces).view(torch.int64), torch.cat(runs).view(torch.int64))
-    assert torch.cat(runs).numel() == plan.length
+    assert torch.cat(runs).numel() == codec.length

@@ -6,7 +6,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from twinkle_metrics.comm.waits import Roll, _unranges, message, ranges
+from twinkle_metrics.comm.waits import Roll, message, ranges, unranges
 
 BOUND = timedelta(seconds=10)
 
@@ -15,7 +15,7 @@ BOUND = timedelta(seconds=10)
                                         (list(range(16384)), "0-16383"), ([0, 2, 4], "0, 2, 4")])
 def test_absent_ranks_travel_as_ranges(ranks, text):
     assert ranges(ranks) == text
-    assert _unranges(text or "-") == ranks
+    assert unranges(text or "-") == ranks
 
 
 def _roll(store):
@@ -38,7 +38,7 @@ def test_one_answer_for_every_rank_and_the_late_rank_finds_itself_in_it():
 def _ranks(pattern, text):
     found = re.search(pattern, text)
     assert found, text
-    return set(_unranges(found.group(1)))
+    return set(unranges(found.group(1)))
 
 
 def test_the_ranks_that_came_name_the_absent_ones():

@@ -88,7 +88,8 @@ from twinkle_metrics.comm.transport import Transport
 from twinkle_metrics.inputs.checks import from_host, from_host_all
 
 
-def _threshold(default: int) -> int:
+def env_threshold(default: int) -> int:
+    """``TWINKLE_METRICS_REDUCE_ABOVE`` as a number of ranks, else ``default``."""
     text = os.environ.get("TWINKLE_METRICS_REDUCE_ABOVE", str(default))
     try:
         return int(text)
@@ -105,8 +106,8 @@ def _threshold(default: int) -> int:
 #: 2 log2 N), so the reduce path's three or four all-reduces win above a few dozen ranks
 #: (benchmarks/README.md, the cost model). ``TWINKLE_METRICS_REDUCE_ABOVE`` sets both;
 #: set it alike on every rank.
-REDUCE_ABOVE = _threshold(512)
-DEVICE_REDUCE_ABOVE = _threshold(64)
+REDUCE_ABOVE = env_threshold(512)
+DEVICE_REDUCE_ABOVE = env_threshold(64)
 #: the reduce path's column kinds, in the order its collectives carry them
 class _Channel:
     """What the ranks agreed on for one pair of groups: plans and the buffer width."""
@@ -232,13 +233,13 @@ def _pack(plan: Optional[_Plan], metrics, width: int, pack, device, *, need: boo
         used = plan.length
     pack = next((t.device for t in flat if t.device.type != "cpu"), pack)
     if pack.type != "cpu":
-        flat = _host_pieces_to(flat, pack)
+        flat = host_pieces_to(flat, pack)
     buf = torch.cat([t if t.device == pack else t.to(pack) for t in flat]).detach()
     buf = _to_device(buf, device)
     return torch.nn.functional.pad(buf, (0, width - used)) if width > used else buf
 
 
-def _host_pieces_to(flat: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
+def host_pieces_to(flat: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
     """``flat`` with its CPU pieces moved to ``device`` in one copy (order kept)."""
     where = [i for i, t in enumerate(flat) if t.device.type == "cpu"]
     if not where:

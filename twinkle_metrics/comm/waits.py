@@ -218,7 +218,7 @@ class Roll:
                 return absent, now
             self.store.wait([f"{key}/absent"], timedelta(seconds=max(pause, 1.0)))
             text, _, at = self.store.get(f"{key}/absent").decode().partition(" @ ")
-            return _unranges(text), float(at)
+            return unranges(text), float(at)
         except (RuntimeError, ValueError, dist.DistError):
             return None
 
@@ -238,7 +238,7 @@ def ranges(ranks: Sequence[int]) -> str:
     return ", ".join(out)
 
 
-def _unranges(text: str) -> list:
+def unranges(text: str) -> list:
     """``ranges``' text back to ranks (``"-"``: none)."""
     out = []
     for part in text.split(","):
