@@ -270,7 +270,8 @@ def main(argv=None):
     print("  most called: " + ", ".join(f"{name} {c:.0f}" for c, name in r0["by_function"][:12]))
     command = "python -m benchmarks.bench_calc_host " + " ".join(argv or sys.argv[1:])
     path = common.save("calc_host", {"phases": {k: {"torch_ops": o, "cpu_us": u} for k, (o, u) in one.items()},
-                                     "ranks2": ranks}, command.strip())
+                                     "ranks2": {k: v for k, v in r0.items() if k != "starts"},
+                                     "barrier_skew_ms": skew}, command.strip())
     print("wrote", path)
 
 
