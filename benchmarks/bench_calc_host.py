@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import gc
 import pstats
 import sys
 import time
@@ -96,6 +97,75 @@ def phases(n: int):
     return out
 
 
+#: (module, class or "", function) timed where it runs (``in_situ``): the phases, and the
+#: sync's bookkeeping around them
+IN_SITU = [("twinkle_metrics.comm.fused", "", "_pack"), ("twinkle_metrics.comm.fused", "", "_merge"),
+           ("twinkle_metrics.comm.fused", "", "_unpack"), ("twinkle_metrics.core.interval", "", "end"),
+           ("twinkle_metrics.core.interval", "", "results"), ("twinkle_metrics.core.interval", "", "_places"),
+           ("twinkle_metrics.comm.fused", "", "_data_phase"), ("twinkle_metrics.comm.fused", "", "sync_states"),
+           ("twinkle_metrics.comm.fused", "", "sync_groups"), ("twinkle_metrics.comm.waits", "Bound", "__init__"),
+           ("parallel.groups", "", "all_gather_rows")]
+
+
+def in_situ(prepare, calculate, n: int):
+    """CPU ms per ``calculate()`` of each function of ``IN_SITU``, timed where it runs: a
+    wrapper put wherever the function's name is bound (a function that moved is skipped);
+    ``prepare()`` runs untimed before each call."""
+    import importlib
+
+    spent, undo = {}, []
+    for module, cls, name in IN_SITU:
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls, None) if cls else owner
+        plain = getattr(owner, name, None)
+        if plain is None:
+            continue
+        label = f"{cls or module.rsplit('.', 1)[-1]}.{name}"
+        spent[label] = 0.0
+
+        def timed(*args, _plain=plain, _label=label, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return _plain(*args, **kwargs)
+            finally:
+                spent[_label] += time.thread_time() - t0
+
+        holders = [owner] + ([] if cls else [m for m in list(sys.modules.values())
+                                             if m is not owner and getattr(m, name, None) is plain])
+        for h in holders:
+            setattr(h, name, timed)
+            undo.append((h, name, plain))
+    total, collecting, collections = 0.0, [], [0.0, 0]
+    timing = [False]
+
+    def on_gc(phase, info):  # Python's cyclic collector, run inside calculate() when its count is due
+        if not timing[0]:
+            return
+        if phase == "start":
+            collecting.append(time.thread_time())
+        elif collecting:
+            collections[0] += time.thread_time() - collecting.pop()
+            collections[1] += 1
+
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(n):
+            prepare()
+            timing[0] = True
+            t0 = time.thread_time()
+            calculate()
+            total += time.thread_time() - t0
+            timing[0] = False
+    finally:
+        gc.callbacks.remove(on_gc)
+        for h, name, plain in reversed(undo):
+            setattr(h, name, plain)
+    out = {"calculate()": 1e3 * total / n, "of it, garbage collections": 1e3 * collections[0] / n,
+           "collections per call": collections[1] / n}
+    out.update((k, 1e3 * v / n) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
+    return out
+
+
 def rank_fn(n: int):
     import torch.distributed as dist
 
@@ -126,6 +196,7 @@ def rank_fn(n: int):
     G.all_gather_rows = marked
     profile = cProfile.Profile()
     split = {"before": [], "collective": [], "after": [], "total": [], "floor": [], "floor_gather": []}
+    starts = {"ours": [], "floor": []}  # when each left the barrier before it (one clock for all ranks)
     try:
         for it in range(2 * n):
             ours.accumulate(batches[0])
@@ -136,6 +207,7 @@ def rank_fn(n: int):
                 t0 = time.perf_counter()
                 ours.calculate()
                 t1 = time.perf_counter()
+                starts["ours"].append(t0)
                 split["before"].append(marks[0] - t0)
                 split["collective"].append(marks[1] - marks[0])
                 split["after"].append(t1 - marks[1])
@@ -149,14 +221,24 @@ def rank_fn(n: int):
                 t0 = time.perf_counter()
                 s.calculate()
                 split[name].append(time.perf_counter() - t0)
+                if name == "floor" and it < n:
+                    starts["floor"].append(t0)
     finally:
         G.all_gather_rows = plain
+
+
+    def prepare():
+        ours.accumulate(batches[0])
+        ours.accumulate(batches[1])
+        dist.barrier()
+
+    cpu_ms = in_situ(prepare, ours.calculate, n)
     stats = pstats.Stats(profile)
     calls = sum(v[1] for v in stats.stats.values()) / n
     by_function = sorted(((v[1] / n, f"{k[0].rsplit('/', 1)[-1]}:{k[2]}") for k, v in stats.stats.items()),
                          reverse=True)[:25]
     return {"torch_ops": sum(counter.ops.values()), "ops": counter.ops.most_common(),
-            "python_calls": calls, "by_function": by_function, "nbytes": nbytes,
+            "python_calls": calls, "by_function": by_function, "nbytes": nbytes, "starts": starts, "cpu_ms": cpu_ms,
             "median_ms": {k: 1e3 * common.median(v) for k, v in split.items()}}
 
 
@@ -178,11 +260,18 @@ def main(argv=None):
           f"wall ms (median, rank 0): before the collective {ms['before']:.3f}, in it {ms['collective']:.3f}, "
           f"after it {ms['after']:.3f}, total {ms['total']:.3f}; bare all_reduce {ms['floor']:.3f}, "
           f"bare all_gather {ms['floor_gather']:.3f}")
+    skew = {k: 1e3 * common.median([abs(a - b) for a, b in zip(ranks[0]["starts"][k], ranks[1]["starts"][k])])
+            for k in ("ours", "floor")}
+    print(f"  the ranks leave the barrier before it {skew['ours']:.3f} ms apart (median) before ours, "
+          f"{skew['floor']:.3f} ms before the bare all_reduce: where they share a core, one runs after the other")
+    print("  CPU ms per calculate() where it runs (rank 0, wrappers): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in r0["cpu_ms"].items()))
     print("  ops: " + ", ".join(f"{k.replace('aten.', '')} {v}" for k, v in r0["ops"]))
     print("  most called: " + ", ".join(f"{name} {c:.0f}" for c, name in r0["by_function"][:12]))
     command = "python -m benchmarks.bench_calc_host " + " ".join(argv or sys.argv[1:])
     path = common.save("calc_host", {"phases": {k: {"torch_ops": o, "cpu_us": u} for k, (o, u) in one.items()},
-                                     "ranks2": ranks}, command.strip())
+                                     "ranks2": {k: v for k, v in r0.items() if k != "starts"},
+                                     "barrier_skew_ms": skew}, command.strip())
     print("wrote", path)
 
 
