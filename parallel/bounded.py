@@ -54,8 +54,12 @@ class BoundedWaits:
         only); ``None`` otherwise (a mesh over part of the world)."""
         if not G.dist_ready():
             return None
-        size = self.dp_size * self.cp_size * self.tp_size * self.pp_size
-        return tuple(range(G.world_size())) if size == G.world_size() else None
+        world = G.world_size()
+        cached = getattr(self, "_members", None)  # the groups' sizes are fixed: O(world) once
+        if cached is None or cached[0] != world:
+            size = self.dp_size * self.cp_size * self.tp_size * self.pp_size
+            self._members = cached = (world, tuple(range(world)) if size == world else None)
+        return cached[1]
 
     def wait_timeout(self) -> timedelta:
         """How long any wait the library adds to a step may last on this mesh's ranks.

@@ -193,12 +193,16 @@ def _data_phase(metrics, plan: Optional[_Plan], need: bool, ch: _Channel,
     else:
         rows = transport.gather(buf, data)                        # collective 1
         vec = _merge(usable, metrics, rows) if usable is not None else rows[0].clone()
-        vec[_H_NEED] = torch.maximum(rows[:, _H_NEED].amax(),
-                                     (rows[:, _H_PLAN] != rows[0, _H_PLAN]).any().to(torch.float64))
+        if rows.device.type == "cpu":  # host rows: the flags in Python, no kernels
+            head = rows[:, :_H_NEED + 1].tolist()
+            vec[_H_NEED] = float(max(r[1] for r in head) or any(r[0] != head[0][0] for r in head))
+        else:
+            vec[_H_NEED] = torch.maximum(rows[:, _H_NEED].amax(),
+                                         (rows[:, _H_PLAN] != rows[0, _H_PLAN]).any().to(torch.float64))
     vec[_H_SOURCE] = float(is_source)
     vec[_H_PP] = float(pp_rank)
     host = transport.host(transport.gather(vec, mp))          # collective 2, the one read
-    if bool((host[:, _H_NEED] != 0).any()):
+    if mp is None and host[0, _H_NEED].item() != 0 or mp is not None and bool((host[:, _H_NEED] != 0).any()):
         return None
     if mp is not None:
         source = (host[:, _H_SOURCE] == 1.0).nonzero().flatten().tolist()

@@ -69,10 +69,18 @@ def completion(work, on_host: bool) -> Callable[[float], bool]:
     from the host. ``on_host``: the work's tensors are host tensors, so its future
     completes on the host when it does (a device work's future completes at once, its
     end event later: that is polled, the pause growing from 20 us to ``POLL_MAX_S``)."""
-    if on_host:
-        event = threading.Event()
-        work.get_future().add_done_callback(lambda _: event.set())
-        return event.wait
+    if on_host:  # a bare lock the callback releases: lighter than an Event
+        done = threading.Lock()
+        done.acquire()
+        work.get_future().add_done_callback(lambda _: done.release())
+
+        def wait(seconds: float) -> bool:
+            if done.acquire(timeout=seconds):
+                done.release()  # a second wait returns at once too
+                return True
+            return False
+
+        return wait
     pause = [2e-5]
 
     def poll(seconds: float) -> bool:
