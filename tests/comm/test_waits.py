@@ -60,3 +60,64 @@ def test_a_late_rank_says_who_gave_up_and_when_never_naming_itself(late, when):
 def test_a_late_rank_alone_absent_names_no_one_else():
     text = message("calculate()", BOUND, 0.0, _roll(None), 3, ([3], 100.0), 105.0)
     assert "ranks 0-2 of the mesh" in text and "either" not in text and "3 of the" not in text, text
+
+
+class _DeviceWork:
+    """A device work as the host sees it: ``is_completed`` turns true after ``polls`` polls
+    (never, for None); ``wait()`` (no timeout) is recorded, a timeout refused."""
+
+    def __init__(self, polls=None):
+        self.polls, self.left, self.waits = 0, polls, []
+
+    def is_completed(self):
+        self.polls += 1
+        return self.left is not None and self.polls > self.left
+
+    def wait(self, *timeout):
+        assert not timeout, "a bounded Work.wait(timeout) on a group the library did not make"
+        self.waits.append(())
+        return True
+
+    def get_future(self):  # a device work's future completes at once: never a host bound
+        raise AssertionError("a device work's completion is polled, not read from its future")
+
+
+def test_a_device_work_is_polled_until_it_completes_and_a_stuck_one_gives_up():
+    from twinkle_metrics.comm.waits import completion
+
+    work = _DeviceWork(polls=3)
+    assert completion(work, on_host=False)(30.0) and work.polls == 4
+    stuck = _DeviceWork()
+    assert not completion(stuck, on_host=False)(0.01) and stuck.polls >= 1
+
+
+def test_a_host_work_completes_through_its_future_from_another_thread():
+    import threading
+
+    import torch
+
+    from twinkle_metrics.comm.waits import completion
+
+    class HostWork:
+        def __init__(self):
+            self.future = torch.futures.Future()
+
+        def get_future(self):
+            return self.future
+
+    work = HostWork()
+    done = completion(work, on_host=True)
+    assert not done(0.01)
+    threading.Timer(0.01, lambda: work.future.set_result(None)).start()
+    assert done(30.0) and done(0.0)  # once complete, every later wait returns at once
+
+
+def test_a_completed_device_work_is_waited_on_without_a_timeout():
+    from twinkle_metrics.comm import waits
+
+    class Group:  # a group of the job's: weakly referenceable, no store without torch.distributed
+        pass
+
+    work = _DeviceWork(polls=0)
+    waits.wait(work, Group(), "calculate()", lambda: "data group", BOUND, on_host=False)
+    assert work.waits == [()]
