@@ -179,7 +179,7 @@ class WorldState:
     groups made for host exchanges, by ranks (``DeviceMesh.host_group``); ``made``: every
     group the library made itself (held weakly, as torch's registry holds them)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.meshes: Dict[str, int] = {}
         self.serials: Dict[str, int] = {}
         self.calls: Dict[str, int] = {}
@@ -261,12 +261,12 @@ class GroupTable(dict):
     at interpreter exit; one torch does not know (built directly, or ``None``) is held as
     it is. Reading a group that went gives ``DESTROYED``."""
 
-    def __init__(self, items=()):
+    def __init__(self, items=()) -> None:
         super().__init__()
         for key, group in dict(items).items():
             self[key] = group
 
-    def __setitem__(self, key, group):
+    def __setitem__(self, key, group) -> None:
         held = weakref.ref(group) if group is not None and group_alive(group) else group
         super().__setitem__(key, held)
 
@@ -286,7 +286,7 @@ class GroupTable(dict):
     def values(self):
         return [self[key] for key in self]
 
-    def update(self, other=(), **kw):
+    def update(self, other=(), **kw) -> None:
         for key, group in dict(other, **kw).items():
             self[key] = group
 

@@ -56,7 +56,7 @@ class DeviceMesh(bounded.BoundedWaits):
 
     def __init__(self, groups: Optional[Dict[str, G.ProcessGroup]] = None, *,
                  layout: Optional[Layout] = None, vpp_size: int = 1, source: str = "explicit",
-                 timeout=None):
+                 timeout=None) -> None:
         self._layout_only = False
         self.timeout = _as_timedelta(timeout)
         groups = dict(groups or {})

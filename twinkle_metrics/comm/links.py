@@ -24,7 +24,7 @@ class Link:
 
     __slots__ = ("waits", "channels", "plans", "twin", "__weakref__")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.waits: Optional[Any] = None
         self.channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.plans: Dict[Any, Any] = {}

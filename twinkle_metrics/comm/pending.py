@@ -51,7 +51,7 @@ class Outcome:
 
     __slots__ = ("ready", "result", "error")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.ready = threading.Event()
         self.result: Optional[Dict[str, Any]] = None
         self.error: Optional[BaseException] = None
@@ -69,7 +69,7 @@ class CalculateHandle:
     Handles complete in the order of their calls.
     """
 
-    def __init__(self, what: str, outcome: Optional[Outcome] = None):
+    def __init__(self, what: str, outcome: Optional[Outcome] = None) -> None:
         self._what = what
         self._outcome = Outcome() if outcome is None else outcome
 
@@ -147,7 +147,7 @@ class HandOffs:
 
     __slots__ = ("returned", "in_flight", "epoch", "keep")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.returned: List[HandOff] = []
         self.in_flight: List[HandOff] = []
         self.epoch = 0
@@ -161,7 +161,7 @@ class HandOff:
 
     __slots__ = ("interval", "epoch", "gives_back", "ready")
 
-    def __init__(self, interval, epoch: int, gives_back: bool):
+    def __init__(self, interval, epoch: int, gives_back: bool) -> None:
         self.interval, self.epoch, self.gives_back, self.ready = interval, epoch, gives_back, None
 
 

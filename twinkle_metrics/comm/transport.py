@@ -49,7 +49,7 @@ class Transport:
         roll: name absent ranks over every rank of the mesh (a call every rank makes).
     """
 
-    def __init__(self, what: str, mesh, data, mp=MESH, *, roll: bool = True):
+    def __init__(self, what: str, mesh, data, mp=MESH, *, roll: bool = True) -> None:
         self.what, self.mesh = what, mesh
         self.data = G.normalize(data)
         self.mp = G.normalize(mesh.mp_group if mp is MESH else mp)

@@ -178,7 +178,7 @@ class Roll:
     ``store`` and ``label`` may be given as callables, read only when a wait runs long:
     a healthy step reads neither."""
 
-    def __init__(self, store, key: str, ranks: Sequence[int], label):
+    def __init__(self, store, key: str, ranks: Sequence[int], label) -> None:
         self._store, self.key, self.ranks, self._label = store, key, tuple(ranks), label
 
     @property

@@ -78,7 +78,7 @@ class MetricCollection:
     """
 
     def __init__(self, metrics: Union[Sequence[Metric], Mapping[str, Metric]],
-                 device_mesh: Optional[DeviceMesh] = None):
+                 device_mesh: Optional[DeviceMesh] = None) -> None:
         if isinstance(metrics, Mapping):
             items = list(metrics.items())
         else:

@@ -148,7 +148,7 @@ class Schema:
     loads, and one saved with another setting that changes a state's meaning does not.
     """
 
-    def __init__(self, version: int = 1, exclude: Sequence[str] = (), sync_only: Sequence[str] = ()):
+    def __init__(self, version: int = 1, exclude: Sequence[str] = (), sync_only: Sequence[str] = ()) -> None:
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ValueError(f"Schema: version must be an int >= 1, got {version!r}")
         for what, names in (("exclude", exclude), ("sync_only", sync_only)):

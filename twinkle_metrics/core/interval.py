@@ -41,7 +41,7 @@ class Interval:
 
     def __init__(self, owner, specs: Dict[str, Any], states: Dict[str, torch.Tensor], device: torch.device,
                  *, origins: Optional[Dict[str, Any]] = None, touched: Optional[Set[str]] = None, number: int = 0,
-                 handoffs=None, followed: frozenset = frozenset(), last_host: Optional[Dict[str, Any]] = None):
+                 handoffs=None, followed: frozenset = frozenset(), last_host: Optional[Dict[str, Any]] = None) -> None:
         self.owner = owner  # the metric: its configuration (``compute``, slicing), never its states
         self.specs, self.states, self.device = specs, states, device
         self.touched: Set[str] = set() if touched is None else touched

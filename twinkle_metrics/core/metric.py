@@ -125,7 +125,7 @@ class Metric:
     #: why TP replicas may disagree on a state, told when ``calculate()`` finds they do
     tp_mismatch_hint: Optional[str] = None
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         states: Dict[str, State] = {}
         origins: Dict[str, Origin] = {}
@@ -145,7 +145,7 @@ class Metric:
         config.record_arguments(cls)
 
     def __init__(self, device_mesh: Optional[DeviceMesh] = None, process_group=None, *,
-                 slice_by: Optional[str] = None, max_slices: int = 16, **kwargs):
+                 slice_by: Optional[str] = None, max_slices: int = 16, **kwargs) -> None:
         if kwargs:
             config.warn_unknown_arguments(self, kwargs)
         slicing.check_config(self, slice_by, max_slices)

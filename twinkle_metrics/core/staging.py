@@ -148,7 +148,7 @@ class Staged:
 
     __slots__ = ("interval", "contributions", "groups", "copies", "install", "device", "new_specs")
 
-    def __init__(self, interval, contributions, groups, copies, install, device, new_specs):
+    def __init__(self, interval, contributions, groups, copies, install, device, new_specs) -> None:
         self.interval, self.contributions = interval, contributions
         self.groups, self.copies = groups, copies
         self.install, self.device, self.new_specs = install, device, new_specs

@@ -72,7 +72,7 @@ class State:
     scope: str = "data"
     keep: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not callable(self.reduce) and self.reduce not in _OPS:
             raise ValueError(f"State: reduce must be one of {_OPS} or a callable, got {self.reduce!r}")
         if callable(self.reduce) and (self.default is None or self.local is None):
@@ -93,7 +93,7 @@ class State:
         self.shape = tuple(int(s) for s in self.shape)
         self.name = ""  # the attribute it is declared as, or the name add_state gives it
 
-    def __set_name__(self, owner, name):
+    def __set_name__(self, owner, name) -> None:
         self.name = name
 
     def __get__(self, obj, owner=None):
@@ -169,7 +169,7 @@ class Origin:
                 return {"rate": (s["step"] - s["first_step"]) / (s["ended"] - s["began"])}
     """
 
-    def __init__(self, reading: Union[Callable[[], Any], str]):
+    def __init__(self, reading: Union[Callable[[], Any], str]) -> None:
         if not (callable(reading) or (isinstance(reading, str) and reading)):
             raise TypeError(f"Origin: reading must be a callable (a clock) or the name of a state, got {reading!r}")
         self.reading = reading
@@ -180,7 +180,7 @@ class Origin:
         """The state whose newest host number this origin takes, or None (a clock)."""
         return None if callable(self.reading) else self.reading
 
-    def __set_name__(self, owner, name):
+    def __set_name__(self, owner, name) -> None:
         self.name = name
 
     def __get__(self, obj, owner=None):

@@ -95,7 +95,7 @@ class Reads:
     """
 
     def __init__(self, inputs: Sequence[str] = (), outputs: Sequence[str] = (), keywords: Sequence[str] = (),
-                 context: Optional["Reads"] = None):
+                 context: Optional["Reads"] = None) -> None:
         if context is not None and not isinstance(context, Reads):
             raise TypeError(f"Reads: context must be a Reads(...), got {type(context).__name__}")
         fields = []

@@ -77,7 +77,7 @@ class LogitsHook:
     ``hook.remove()`` (or ``with LogitsHook(...)``) removes the hooks.
     """
 
-    def __init__(self, model, *metrics):
+    def __init__(self, model, *metrics) -> None:
         for m in metrics:
             if not callable(getattr(m, "accumulate", None)):
                 raise TypeError(f"{_HOOK}: expected metrics with accumulate(inputs, outputs), got "

@@ -123,23 +123,23 @@ class CpuRngTracker:
     Megatron's semantics (TP ranks share the model-parallel stream) without CUDA.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.states_ = {}
         self._current_state_name = "default-rng"
 
     def is_initialized(self):
         return bool(self.states_)
 
-    def reset(self):
+    def reset(self) -> None:
         self.states_ = {}
 
     def get_states(self):
         return dict(self.states_)
 
-    def set_states(self, states):
+    def set_states(self, states) -> None:
         self.states_ = dict(states)
 
-    def add(self, name, seed):
+    def add(self, name, seed) -> None:
         if name in self.states_:
             raise Exception(f"rng state {name} already exists")
         gen = torch.Generator().manual_seed(int(seed))

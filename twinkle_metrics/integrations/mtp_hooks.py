@@ -22,7 +22,7 @@ class MTPHooks:
     Set ``hooks.enabled = False`` around forwards that must not count.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.enabled = True
         self._undo: List[Any] = []
 

@@ -23,7 +23,7 @@ class RouterHooks:
         layers: the layer index of each hooked router, in module order.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.layers: List[int] = []
         self._undo: List[Any] = []
 
@@ -35,7 +35,7 @@ class RouterHooks:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         self.remove()
 
 

@@ -62,7 +62,7 @@ class Histogram:
         signed: buckets for negative values too (else negatives count as zero).
     """
 
-    def __init__(self, lo: float = 1e-6, hi: float = 1e9, rel_error: float = 0.01, signed: bool = True):
+    def __init__(self, lo: float = 1e-6, hi: float = 1e9, rel_error: float = 0.01, signed: bool = True) -> None:
         lo, hi, rel_error = float(lo), float(hi), float(rel_error)
         if not (0 < lo < hi < math.inf):
             raise ValueError(f"Histogram: need 0 < lo < hi < inf, got lo={lo}, hi={hi}")

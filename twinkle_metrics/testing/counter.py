@@ -36,7 +36,7 @@ class CollectiveCounter(TorchDispatchMode):
         assert counter.total <= 2
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.wire: Dict[str, int] = {}
 
@@ -51,7 +51,7 @@ class CollectiveCounter(TorchDispatchMode):
     def api(self) -> Dict[str, int]:
         return self.wire
 
-    def reset(self):
+    def reset(self) -> None:
         self.wire.clear()
 
     @property

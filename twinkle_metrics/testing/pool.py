@@ -114,7 +114,7 @@ class DistPool:
     """
 
     def __init__(self, world: int = WORLD, timeout_s: float = COLLECTIVE_TIMEOUT_S, *,
-                 start_method: str = "spawn", restart_on_failure: bool = True):
+                 start_method: str = "spawn", restart_on_failure: bool = True) -> None:
         self.world = world
         self.timeout_s = timeout_s
         self.start_method = start_method
@@ -228,11 +228,11 @@ class DistPool:
         else:
             self.close()
 
-    def restart(self):
+    def restart(self) -> None:
         self.close()
         self._start()
 
-    def close(self):
+    def close(self) -> None:
         """Kill the ranks (also after a failure: nothing is left running)."""
         for p in self._procs:
             if p.is_alive():
@@ -247,5 +247,5 @@ class DistPool:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         self.close()

@@ -43,7 +43,7 @@ class Rendezvous:
         timeout_s: how long this process's own store operations wait.
     """
 
-    def __init__(self, timeout_s: float = 300):
+    def __init__(self, timeout_s: float = 300) -> None:
         import torch.distributed as dist
 
         self.host = HOST

@@ -80,7 +80,7 @@ class Accuracy(Metric):
     unsliced_states = ("label_reach", "vocab_width")  # checked in compute (metrics.vocab)
 
     def __init__(self, device_mesh=None, process_group=None, *, vocab_parallel: bool = False,
-                 ignore_index: int = -100, align: str = "exact", **kwargs):
+                 ignore_index: int = -100, align: str = "exact", **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.vocab_parallel = bool(vocab_parallel)
         self.ignore_index = ignore_index

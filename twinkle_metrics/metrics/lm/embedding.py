@@ -118,7 +118,7 @@ class EmbeddingMetric(Metric):
     loss_bad = State("sum", torch.int64)  # non-finite loss entries
 
     def __init__(self, device_mesh=None, process_group=None, *, size_group=None, eps: float = 1e-8,
-                 nan_policy: str = "propagate", **kwargs):
+                 nan_policy: str = "propagate", **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.size_group = size_group
         self.eps = eps

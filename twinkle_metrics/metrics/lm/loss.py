@@ -116,7 +116,7 @@ class LossMetric(Metric):
 
     def __init__(self, device_mesh=None, process_group=None, *, loss_reduction: str = "mean",
                  loss_key: str = "lm loss", ignore_index: int = -100, nan_policy: str = "propagate",
-                 ppl: bool = False, **kwargs):
+                 ppl: bool = False, **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.loss_reduction = _check_reduction(loss_reduction)
         self.loss_key = loss_key

@@ -89,7 +89,7 @@ class MTPMetric(Metric):
     unsliced_states = ("label_reach", "vocab_width")
 
     def __init__(self, device_mesh=None, process_group=None, *, depths: int = 1, vocab_parallel: bool = False,
-                 ignore_index: int = -100, megatron_keys: bool = False, **kwargs):
+                 ignore_index: int = -100, megatron_keys: bool = False, **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         if isinstance(depths, bool) or not isinstance(depths, numbers.Integral) or depths < 1:
             raise ValueError(f"{_NAME}: depths must be an int >= 1 (megatron-core's mtp_num_layers), got {depths!r}")

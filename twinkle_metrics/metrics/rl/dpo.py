@@ -113,7 +113,7 @@ class DPOMetric(Metric):
 
     def __init__(self, device_mesh=None, process_group=None, *, beta: float = 0.1,
                  ignore_index: int = -100, nan_policy: str = "propagate",
-                 quantiles: Optional[Sequence[float]] = None, **kwargs):
+                 quantiles: Optional[Sequence[float]] = None, **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.beta = float(beta)
         self.ignore_index = ignore_index

@@ -114,7 +114,7 @@ class PassAtKMetric(Metric):
 
     def __init__(self, device_mesh=None, process_group=None, *, k=(1,), max_prompts: int = 1024,
                  max_samples: int = 16384, with_answers: bool = False, with_rewards: bool = False,
-                 num_bootstrap: int = 1000, bootstrap_seed: int = 0, confidence: float = 0.95, **kwargs):
+                 num_bootstrap: int = 1000, bootstrap_seed: int = 0, confidence: float = 0.95, **kwargs) -> None:
         ks = (k,) if isinstance(k, numbers.Integral) and not isinstance(k, bool) else k
         if isinstance(ks, (str, bytes)) or not isinstance(ks, (list, tuple)) or not ks:
             raise TypeError(f"{_NAME}: k must be an int >= 1 or a non-empty list of them, got {k!r}")

@@ -98,7 +98,7 @@ class PPOValueMetric(Metric):
     n_bad = State("sum", torch.int64)
 
     def __init__(self, device_mesh=None, process_group=None, epsilon: float = 0.2, ignore_index: int = -100,
-                 *, nan_policy: str = "propagate", **kwargs):
+                 *, nan_policy: str = "propagate", **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.nan_policy = check_nan_policy(name, nan_policy)

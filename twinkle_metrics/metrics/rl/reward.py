@@ -137,7 +137,7 @@ class CompletionRewardMetric(Metric):
                  max_completion_length: Optional[int] = None,
                  num_generations: Optional[int] = None,
                  zero_std_reward: Optional[str] = None,
-                 nan_policy: str = "skip", quantiles: Optional[Sequence[float]] = None, **kwargs):
+                 nan_policy: str = "skip", quantiles: Optional[Sequence[float]] = None, **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
         self.quantiles = check_quantiles(_NAME, quantiles)

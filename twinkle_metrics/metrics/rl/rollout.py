@@ -186,7 +186,7 @@ class RolloutMismatchMetric(Metric):
     def __init__(self, device_mesh=None, process_group=None, *, is_threshold: float = 2.0,
                  is_threshold_low: Optional[float] = None, ignore_index: int = -100,
                  nan_policy: str = "propagate", loss_agg_mode: str = "token-mean",
-                 loss_agg_norm: Optional[float] = None, **kwargs):
+                 loss_agg_norm: Optional[float] = None, **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.loss_agg_mode, self.loss_agg_norm = check_loss_agg(name, loss_agg_mode, loss_agg_norm)

@@ -126,7 +126,7 @@ class StalenessMetric(Metric):
 
     def __init__(self, device_mesh=None, process_group=None, *, max_staleness: Optional[int] = None,
                  quantiles: Optional[Sequence[float]] = (0.5, 0.9, 0.99), ignore_index: int = -100,
-                 **kwargs):
+                 **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, Integral)
                                           or max_staleness < 0):

@@ -140,7 +140,7 @@ class StepGuard(Metric):
     def __init__(self, device_mesh=None, process_group=None, *, checks=CHECKS, on_nonfinite: str = "skip",
                  on_spike: str = "skip", max_skips: int = 3, spike_z: Optional[float] = 6.0,
                  spike_ratio: Optional[float] = 1.5, warmup: int = 50, ewma: float = 0.1,
-                 loss_key: str = "lm loss", **kwargs):
+                 loss_key: str = "lm loss", **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.policy = GuardPolicy(checks, on_nonfinite, on_spike, max_skips, spike_z, spike_ratio, warmup, ewma)
         if not isinstance(loss_key, str):

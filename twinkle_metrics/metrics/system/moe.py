@@ -135,7 +135,7 @@ class MoERoutingMetric(Metric):
 
     def __init__(self, device_mesh=None, process_group=None, *, num_layers: int, num_experts: int,
                  sequence_parallel: bool = False, per_layer: bool = True,
-                 nan_policy: str = "propagate", percentiles=None, **kwargs):
+                 nan_policy: str = "propagate", percentiles=None, **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -130,7 +130,7 @@ class ModelNormMetric(Metric):
 
     def __init__(self, device_mesh=None, process_group=None, *, model=None,
                  groups: Optional[Mapping[str, GroupRule]] = None,
-                 distributed_optimizer: Optional[bool] = None, count_zeros: bool = True, **kwargs):
+                 distributed_optimizer: Optional[bool] = None, count_zeros: bool = True, **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         if groups is not None:
             if not isinstance(groups, Mapping):

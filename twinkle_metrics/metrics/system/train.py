@@ -148,7 +148,7 @@ class TrainMetric(Metric):
 
     def __init__(self, device_mesh=None, process_group=None, *, counts: str = "global",
                  flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
-                 num_devices: Optional[int] = None, max_param_groups: int = 16, **kwargs):
+                 num_devices: Optional[int] = None, max_param_groups: int = 16, **kwargs) -> None:
         if counts not in _COUNTS:
             raise ValueError(f"{_NAME}: counts must be one of {_COUNTS}, got {counts!r}")
         self._start = time.perf_counter()

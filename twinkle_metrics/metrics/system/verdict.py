@@ -59,7 +59,7 @@ class GuardPolicy:
     warmup: int = 50
     ewma: float = 0.1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         checks = self.checks
         if isinstance(checks, str) or not isinstance(checks, (tuple, list)):
             raise TypeError(f"{_NAME}: checks must be a tuple of names from {CHECKS}, got {checks!r}")

@@ -38,7 +38,7 @@ class Microbatch:
     """One prepared microbatch's tensors while ``call_sums`` works through it: the inputs
     (masks may be narrowed by the NaN policy) and values shared between its steps."""
 
-    def __init__(self, item: Dict[str, Any], logit_ent: Optional[torch.Tensor]):
+    def __init__(self, item: Dict[str, Any], logit_ent: Optional[torch.Tensor]) -> None:
         self.feat, self.lp, self.m = item["feat"], item["lp"], item["m"]
         self.ent, self.em = (item["ent"], item["em"]) if logit_ent is None else (logit_ent, item["m"])
         self.adv, self.has_adv = item["adv"], item["has_adv"]

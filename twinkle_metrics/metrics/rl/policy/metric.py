@@ -231,7 +231,7 @@ class GRPOMetric(Metric):
                  entropy_chunk_size: Optional[int] = None, entropy_chunk_bytes: Optional[int] = None,
                  nan_policy: str = "propagate", quantiles: Optional[Sequence[float]] = None,
                  loss_agg_mode: str = "token-mean", loss_agg_norm: Optional[float] = None,
-                 clip_ratio_c: Optional[float] = None, token_clip_ratio: bool = False, **kwargs):
+                 clip_ratio_c: Optional[float] = None, token_clip_ratio: bool = False, **kwargs) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.loss_agg_mode, self.loss_agg_norm = check_loss_agg(name, loss_agg_mode, loss_agg_norm)
