@@ -223,10 +223,11 @@ def _give_back(handed, error: BaseException) -> None:
                     note(f"{h.interval.name}: the interval could not be given back: {e}")
 
 
-def settle(ledger: HandOffs, live) -> None:
+def settle(ledger: Optional[HandOffs], live: Any) -> None:
     """On the caller's thread: put the intervals given back (``ledger``) under the live
-    interval ``live``, oldest first (they are older than everything it accumulated since)."""
-    if not ledger.returned:
+    interval ``live``, oldest first (they are older than everything it accumulated since).
+    None: an interval out of any ledger (a copy), with nothing given back."""
+    if ledger is None or not ledger.returned:
         return
     with _RETURN_LOCK:
         returned, ledger.returned = ledger.returned, []
@@ -234,11 +235,11 @@ def settle(ledger: HandOffs, live) -> None:
         live.fold_under(h.interval)
 
 
-def drop_returned(ledger: HandOffs) -> None:
+def drop_returned(ledger: Optional[HandOffs]) -> None:
     """``reset()`` and loads discard intervals given back, and those still in flight, as
     they discard the states; the resets that end an interval (``ledger.keep``) keep them,
     since those belong under the next interval."""
-    if ledger.keep:
+    if ledger is None or ledger.keep:
         return
     with _RETURN_LOCK:
         ledger.returned = []
