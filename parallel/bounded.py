@@ -14,11 +14,18 @@ connected (``parallel.groups.gloo_group``).
 """
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple, TypeVar, Union, overload
 
 from . import groups as G
+
+if TYPE_CHECKING:
+    from .layout import Layout
+
+#: the library's wait bound on a mesh: a ``timedelta``, seconds (or their text), None for the default
+Timeout = Union[timedelta, float, str, None]
 
 
 def _built(kind: str) -> int:
@@ -37,6 +44,16 @@ class BoundedWaits:
 
     #: a name for this mesh, the same on every rank of it (``_name_waits``)
     wait_key: str = ""
+    if TYPE_CHECKING:  # what ``DeviceMesh`` holds and answers
+        source: str
+        timeout: Optional[timedelta]
+        vpp_size: int
+        layout: Optional[Layout]
+        _layout_only: bool
+        _groups: G.GroupTable
+
+        def size(self, name: str) -> int: ...
+        def describe(self) -> str: ...
 
     def _name_waits(self) -> None:
         """Name the mesh for the keys its waits write (``comm.waits.mesh_roll``): its source,
@@ -54,7 +71,7 @@ class BoundedWaits:
         only); ``None`` otherwise (a mesh over part of the world)."""
         if not G.dist_ready():
             return None
-        size = self.dp_size * self.cp_size * self.tp_size * self.pp_size
+        size = math.prod(self.size(a) for a in ("dp", "cp", "tp", "pp"))
         return tuple(range(G.world_size())) if size == G.world_size() else None
 
     def wait_timeout(self) -> timedelta:
@@ -153,7 +170,13 @@ def _made_host_group(ranks: Tuple[int, ...], timeout: Optional[timedelta]) -> G.
     return group
 
 
-def _as_timedelta(value, name: str = "timeout") -> Optional[timedelta]:
+@overload
+def _as_timedelta(value: None, name: str = ...) -> None: ...
+@overload
+def _as_timedelta(value: Union[timedelta, float, str], name: str = ...) -> timedelta: ...
+
+
+def _as_timedelta(value: Any, name: str = "timeout") -> Optional[timedelta]:
     """``value`` (a ``timedelta``, seconds, or their text) as a positive ``timedelta``."""
     if value is None or isinstance(value, timedelta):
         if value is not None and value.total_seconds() <= 0:
@@ -169,7 +192,10 @@ def _as_timedelta(value, name: str = "timeout") -> Optional[timedelta]:
     return timedelta(seconds=seconds)
 
 
-def _timed(mesh, timeout):
+_M = TypeVar("_M", bound=BoundedWaits)
+
+
+def _timed(mesh: _M, timeout: Timeout) -> _M:
     """``mesh`` with the library's wait bound ``timeout`` (kept when ``None``)."""
     if timeout is not None:
         mesh.timeout = _as_timedelta(timeout)
