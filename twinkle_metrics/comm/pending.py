@@ -41,7 +41,7 @@ import collections
 import contextlib
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -56,7 +56,7 @@ class Outcome:
         self.result: Optional[Dict[str, Any]] = None
         self.error: Optional[BaseException] = None
 
-    def finish(self, result=None, error=None) -> None:
+    def finish(self, result: Optional[Dict[str, Any]] = None, error: Optional[BaseException] = None) -> None:
         self.result, self.error = result, error
         self.ready.set()
 
@@ -82,9 +82,9 @@ class CalculateHandle:
                                f"{timeout} s (its collectives are still running); call wait() again")
         if self._outcome.error is not None:
             raise self._outcome.error
-        return dict(self._outcome.result)
+        return dict(self._outcome.result or {})
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"CalculateHandle({self._what}, {'done' if self.done() else 'pending'})"
 
 
@@ -94,13 +94,13 @@ class _Worker:
     for it, as for any non-daemon thread) waits only for syncs still running, each
     bounded by its mesh's ``wait_timeout()``."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._jobs: "collections.deque" = collections.deque()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
 
-    def submit(self, job: Callable[[], Dict[str, Any]], outcome: Outcome, stream_guard,
+    def submit(self, job: Callable[[], Dict[str, Any]], outcome: Outcome, stream_guard: Callable[[], Any],
                handed: Sequence = ()) -> None:
         """``handed``: (``HandOffs``, ``HandOff``) pairs whose interval returns if the job fails."""
         with self._lock:
@@ -161,8 +161,9 @@ class HandOff:
 
     __slots__ = ("interval", "epoch", "gives_back", "ready")
 
-    def __init__(self, interval, epoch: int, gives_back: bool) -> None:
-        self.interval, self.epoch, self.gives_back, self.ready = interval, epoch, gives_back, None
+    def __init__(self, interval: Any, epoch: int, gives_back: bool) -> None:
+        self.interval, self.epoch, self.gives_back = interval, epoch, gives_back
+        self.ready: Optional[torch.cuda.Event] = None
 
 
 def submit(ledgers: Sequence[HandOffs], take: Callable[[], List[Any]],
@@ -274,7 +275,7 @@ def _stream_guard(handed: Sequence[HandOff]) -> Callable[[], Any]:
                 t.record_stream(stream)
 
     @contextlib.contextmanager
-    def on_side_stream():
+    def on_side_stream() -> Iterator[None]:
         with torch.cuda.device(device), torch.cuda.stream(stream):
             stream.wait_event(event)
             yield
