@@ -398,7 +398,12 @@ def _layout_size(layout: Optional[Layout], name: str) -> int:
             "pp": layout.pp, "ep": layout.ep, "expt_dp": layout.expert_dp}[name]
 
 
-def as_device_mesh(device_mesh: Any, what: str) -> Optional[DeviceMesh]:
+#: ``device_mesh`` as metrics take it: a ``DeviceMesh``, ModelScope Twinkle's ``DeviceMesh`` (converted
+#: by ``as_device_mesh``; the library never imports twinkle, so to a type checker it is ``Any``), or None
+MeshLike = Union[DeviceMesh, Any, None]
+
+
+def as_device_mesh(device_mesh: MeshLike, what: str) -> Optional[DeviceMesh]:
     """``device_mesh`` as a ``DeviceMesh``: ours as it is, Twinkle's converted
     (``DeviceMesh.from_twinkle``), ``None`` kept (the mesh is then resolved at the first
     ``calculate()``). ``what`` names the caller in the error for anything else."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from types import MappingProxyType
-from typing import Any, ClassVar, Dict, List, Literal, Mapping, Optional, Sequence, Union, overload
+from typing import Any, ClassVar, Dict, List, Literal, Mapping, Optional, Sequence, TypeVar, Union, overload
 
 import torch
 
@@ -52,6 +52,7 @@ __all__ = ["Metric", "UnknownArgumentWarning", "constructor_keywords", "FINGERPR
 #: key of the schema fingerprint in a metric's ``state_dict()``
 FINGERPRINT_KEY = checkpoint.FINGERPRINT_KEY
 _AXES = ("tp", "cp", "data")
+_M = TypeVar("_M", bound="Metric")  # the class of a metric whose verbs return it
 
 class Metric:
     """Base class of every metric, with Twinkle's constructor and verbs.
@@ -118,7 +119,7 @@ class Metric:
     #: what ``slice_by`` cannot mean for this metric (None: it can be sliced)
     unsliceable: ClassVar[Optional[str]] = None
     #: states kept for the whole call only, not per slice (e.g. records with global indices)
-    unsliced_states: ClassVar[Sequence[str]] = ()
+    unsliced_states: Sequence[str] = ()
     #: mesh axes ``update`` communicates over, in the order it agrees on them: ``"tp"``
     #: (the TP group), ``"cp"`` (``sequence_group()``), ``"data"`` (``data_group()``); each
     #: counts only with more than one rank (see ``twinkle_metrics.comm.agreement``)
@@ -239,7 +240,7 @@ class Metric:
     def _settle(self) -> None:
         pending.settle(self.__interval.handoffs, self.__interval)
 
-    def reset(self) -> "Metric":
+    def reset(self: _M) -> _M:
         """Restore every state to its default; a new interval starts (its origins are read)."""
         iv = self.__interval
         self.__interval = Interval(self, dict(iv.specs), new_states(iv.specs, iv.device), iv.device,
@@ -249,7 +250,7 @@ class Metric:
         pending.drop_returned(iv.handoffs)
         return self
 
-    def to(self, device: Union[torch.device, str, int]) -> "Metric":
+    def to(self: _M, device: Union[torch.device, str, int]) -> _M:
         """Move the states to ``device``.
 
         Onto an accelerator the copy is asynchronous; back to the CPU it is a blocking
@@ -302,7 +303,7 @@ class Metric:
         return out
 
     # ------------------------------------------------------------------ verbs
-    def accumulate(self, inputs: Inputs = None, outputs: Outputs = None, **kwargs: Any) -> "Metric":
+    def accumulate(self: _M, inputs: Inputs = None, outputs: Outputs = None, **kwargs: Any) -> _M:
         """Fold one batch (or a list of pipeline microbatches) into the states.
 
         Never waits for the device and never keeps the autograd graph. All or
@@ -441,7 +442,7 @@ class Metric:
             out[checkpoint.FOLLOWED_KEY] = dict(self.__interval.last_host)
         return out
 
-    def load_state_dict(self, state_dict: Union[Mapping[str, Any], Sequence[Mapping[str, Any]]]) -> "Metric":
+    def load_state_dict(self: _M, state_dict: Union[Mapping[str, Any], Sequence[Mapping[str, Any]]]) -> _M:
         """Restore saved states; all or nothing. The interval's origins are taken at the load.
 
         Given a list of state dicts (those of several ranks of an earlier run), their

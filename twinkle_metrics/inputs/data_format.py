@@ -46,3 +46,6 @@ Inputs = Union[InputFeature, Mapping[str, Any], Sequence[Mapping[str, Any]], Non
 #: ``outputs`` of a call: one record, a list of them (None for a microbatch without outputs),
 #: or None
 Outputs = Union[ModelOutput, Mapping[str, Any], Sequence[Optional[Mapping[str, Any]]], None]
+#: a keyword side input (log-probs, advantages, rewards, ids, versions): a tensor, or a list (of
+#: numbers, of ids, or one entry per microbatch), or None
+SideInput = Union[torch.Tensor, Sequence[Any], None]

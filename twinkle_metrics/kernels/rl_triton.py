@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -230,7 +230,7 @@ def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, tok_ptr, pos_p
 
 
 
-def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, columns: Sequence[Column],
+def token_stats(batches: Sequence[Mapping[str, Any]], *, columns: Sequence[Column],
                 lo: float = -math.inf,
                 hi: float = math.inf, token_clip: bool = True, by_sign: bool = True, skip: bool = False,
                 want_key: bool = False, want_rows: bool = False, block: int = 0) -> Tuple[
