@@ -92,12 +92,12 @@ class MetricCollection:
         for _, m in items:
             if device_mesh is not None and m.device_mesh is None:
                 m.device_mesh = device_mesh
-        self._items: List = items
+        self._items: List[Tuple[str, Metric]] = items
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def members(self) -> List:
+    def members(self) -> List[Tuple[str, Metric]]:
         """``[(name, metric)]`` in order (names are ``""`` in the list form)."""
         return list(self._items)
 

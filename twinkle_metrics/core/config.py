@@ -81,7 +81,7 @@ def record_arguments(cls: type) -> None:
         init(self, *args, **kwargs)
 
     _RECORDING.add(__init__)
-    setattr(cls, "__init__", __init__)  # noqa: B010 - mypy refuses assigning to a method
+    cls.__init__ = __init__  # type: ignore[misc]  # the recording wrapper replaces the class's own __init__
 
 
 #: the constructors ``record_arguments`` made (a class's ``__init__`` is wrapped once)
