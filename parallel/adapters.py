@@ -427,7 +427,7 @@ def _twinkle_groups(names, shape, flat, ulysses, timeout) -> Dict[str, G.Process
                 continue  # every rank skips it alike
             if tuple(ranks) not in made:
                 made[tuple(ranks)] = (dist.group.WORLD if len(ranks) == world
-                                      else dist.new_group(ranks=ranks, timeout=timeout))
+                                      else G.held_by_me(dist.new_group(ranks=ranks, timeout=timeout)))
             if me in ranks:
                 found[name] = made[tuple(ranks)]
     return found

@@ -55,6 +55,12 @@ def group_ranks(group: ProcessGroup) -> List[int]:
     return list(dist.get_process_group_ranks(group))
 
 
+def held_by_me(made: Any) -> ProcessGroup:
+    """What ``dist.new_group`` returned, as this rank holds it: the group, or None on a rank
+    outside it (torch's ``GroupMember.NON_GROUP_MEMBER``, an int: typed so since torch 2.14)."""
+    return None if isinstance(made, int) else made
+
+
 def normalize(group: ProcessGroup) -> ProcessGroup:
     """Map groups of one rank (and anything without torch.distributed) to ``None``."""
     return None if group_size(group) <= 1 else group
@@ -235,14 +241,15 @@ def gloo_group(ranks: Iterable[int], timeout: Optional[timedelta]) -> ProcessGro
             if lazy:
                 os.environ[LAZY_GLOO] = "1"
             try:
-                group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
-                                       timeout=timeout)
+                group = held_by_me(dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
+                                                  timeout=timeout))
             finally:
                 if lazy:
                     del os.environ[LAZY_GLOO]
     except (RuntimeError, ValueError, NotImplementedError):
         return None
-    world_state().made.add(group)
+    if group is not None:
+        world_state().made.add(group)
     return group
 
 

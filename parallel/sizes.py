@@ -100,7 +100,7 @@ def create_layout_groups(layout: Layout, backend: Optional[str], timeout: Option
             key = tuple(ranks)
             if key not in made:
                 made[key] = (dist.group.WORLD if len(ranks) == world
-                             else dist.new_group(ranks=ranks, backend=backend, timeout=timeout))
+                             else G.held_by_me(dist.new_group(ranks=ranks, backend=backend, timeout=timeout)))
             group = made[key]
             if me in ranks:
                 mine = group

@@ -131,8 +131,8 @@ def _twin(group: G.ProcessGroup, mesh: DeviceMesh) -> G.ProcessGroup:
         twin = G.gloo_group(ranks, mesh.wait_timeout())
     else:
         try:
-            twin = dist.new_group(ranks, backend=backend, use_local_synchronization=True,
-                                  timeout=G.group_timeout(group))
+            twin = G.held_by_me(dist.new_group(ranks, backend=backend, use_local_synchronization=True,
+                                               timeout=G.group_timeout(group)))
         except (RuntimeError, ValueError, NotImplementedError):
             twin = None
     if twin is None:
