@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Tuple, Union, overload
 
-from parallel import DeviceMesh, as_device_mesh
+from parallel import MeshLike, as_device_mesh
 from twinkle_metrics.comm import pending
 from twinkle_metrics.comm.agreement import join_failed
 from twinkle_metrics.core import checkpoint, interval, staging
@@ -79,7 +79,7 @@ class MetricCollection:
     """
 
     def __init__(self, metrics: Union[Sequence[Metric], Mapping[str, Metric]],
-                 device_mesh: Optional[DeviceMesh] = None) -> None:
+                 device_mesh: MeshLike = None) -> None:
         if isinstance(metrics, Mapping):
             items = list(metrics.items())
         else:

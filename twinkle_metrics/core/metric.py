@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Dict, List, Literal, Mapping, Optional, Sequen
 
 import torch
 
-from parallel import DeviceMesh, as_device_mesh, dist_ready, group_size
+from parallel import DeviceMesh, MeshLike, as_device_mesh, dist_ready, group_size
 from parallel.groups import ProcessGroup, group_ranks
 from twinkle_metrics.comm import pending
 from twinkle_metrics.core import checkpoint, config, interval, slicing, staging
@@ -146,7 +146,7 @@ class Metric:
         fields.records(cls)  # an author's mistake in ``reads`` raises here
         config.record_arguments(cls)
 
-    def __init__(self, device_mesh: Optional[DeviceMesh] = None, process_group: ProcessGroup = None, *,
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *,
                  slice_by: Optional[str] = None, max_slices: int = 16, **kwargs: Any) -> None:
         if kwargs:
             config.warn_unknown_arguments(self, kwargs)

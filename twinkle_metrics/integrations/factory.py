@@ -33,7 +33,7 @@ import json
 import os
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
-from parallel import DeviceMesh
+from parallel import MeshLike
 from twinkle_metrics.core.collection import MetricCollection
 from twinkle_metrics.core.metric import Metric, constructor_keywords
 from twinkle_metrics.metrics import SHIPPED
@@ -92,7 +92,7 @@ def metric_kwargs(cls: Type[Metric]) -> Optional[List[str]]:
     return constructor_keywords(cls)
 
 
-def build_metric(entry: Mapping[str, Any], device_mesh: Optional[DeviceMesh] = None) -> Metric:
+def build_metric(entry: Mapping[str, Any], device_mesh: MeshLike = None) -> Metric:
     """One metric from ``{"type": ..., "kwargs": {...}}`` with ``device_mesh`` handed in."""
     if isinstance(entry, str):
         entry = {"type": entry}
@@ -121,7 +121,7 @@ def build_metric(entry: Mapping[str, Any], device_mesh: Optional[DeviceMesh] = N
     return cls(device_mesh=device_mesh, **kwargs)
 
 
-def build_metrics(entries: Union[Sequence[Any], Mapping[str, Any]], device_mesh: Optional[DeviceMesh] = None
+def build_metrics(entries: Union[Sequence[Any], Mapping[str, Any]], device_mesh: MeshLike = None
                   ) -> MetricCollection:
     """A ``MetricCollection`` of every entry, all sharing ``device_mesh``.
 
