@@ -37,7 +37,7 @@ FIND_PY312 = for c in "$(PY312)" python3.12 "$$(pyenv prefix 3.12.1 2>/dev/null)
 pip = $(1)/bin/python -m pip install -q $(2) || { echo 'make: FAILED to install $(2) into $(1)' \
 	"(pip's output above); fix it and run make again" >&2; exit 1; }
 
-.PHONY: install install312 lint test test-newest run-newest test-unit test-multirank test-e2e test-fast test-twinkle \
+.PHONY: install install312 lint typecheck test test-newest run-newest test-unit test-multirank test-e2e test-fast test-twinkle \
 	test-triton-image demo bench clean
 
 $(STAMP):
@@ -69,7 +69,11 @@ install312: $(STAMP312)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP) lint
+# mypy over twinkle_metrics/ and parallel/ (its configuration: pyproject.toml [tool.mypy]).
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q -p no:cacheprovider tests
 	@$(MAKE) --no-print-directory test-newest
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from datetime import timedelta
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from .sizes import create_layout_groups
 # ----------------------------------------------------------------- megatron
 
 
-def from_megatron(cls, pg_collection=None):
+def from_megatron(cls: Any, pg_collection: Any = None) -> Any:
     """Reuse megatron-core's groups (from ``parallel_state`` or a ``ProcessGroupCollection``).
 
     Creates no new groups. With megatron-core 0.19's GTP weight rematerialisation
@@ -153,7 +153,7 @@ def _megatron_gloo_data_group(ps):
 # ---------------------------------------------------------------- deepspeed
 
 
-def from_deepspeed(cls, obj=None, *, timeout: Optional[timedelta] = None):
+def from_deepspeed(cls: Any, obj: Any = None, *, timeout: Optional[timedelta] = None) -> Any:
     """From a DeepSpeed engine, ``PipelineParallelGrid`` or ``ProcessTopology``.
 
     The TP group is the grid's *slice* group (``get_model_parallel_group()`` on a
@@ -177,8 +177,7 @@ def from_deepspeed(cls, obj=None, *, timeout: Optional[timedelta] = None):
         layout = Layout(tp=sizes.get("model", 1), dp=sizes.get("data", 1),
                         pp=sizes.get("pipe", 1), order="tp-cp-ep-dp-pp")
         _check_topology(obj, layout)
-        found = create_layout_groups(layout, None, timeout)
-        return cls(found, layout=layout, source="deepspeed", timeout=timeout)
+        return cls(create_layout_groups(layout, None, timeout), layout=layout, source="deepspeed", timeout=timeout)
     # Ulysses sequence parallelism through deepspeed.initialize(config with
     # sequence_parallel_size) keeps a torch DeviceMesh ("data_parallel", "sequence_parallel").
     mesh_device = getattr(obj, "mesh_device", None) or getattr(ds_groups, "mesh_device", None)
@@ -186,7 +185,7 @@ def from_deepspeed(cls, obj=None, *, timeout: Optional[timedelta] = None):
         mesh = from_torch(cls, mesh_device, timeout=timeout)
         mesh.source = "deepspeed"
         return mesh
-    found: Dict[str, G.ProcessGroup] = {}
+    found = {}
     if grid is not None:
         found["dp"] = grid.get_data_parallel_group()
         found["pp"] = grid.get_pipe_parallel_group()
@@ -226,7 +225,7 @@ _TORCH_ALIASES = {"dp": "dp", "dp_replicate": "dp", "dp_shard": "dp", "fsdp": "d
                   "cp": "cp", "sequence_parallel": "cp", "ep": "ep"}
 
 
-def from_torch(cls, device_mesh, *, timeout: Optional[timedelta] = None):
+def from_torch(cls: Any, device_mesh: Any, *, timeout: Optional[timedelta] = None) -> Any:
     """From a ``torch.distributed.DeviceMesh`` whose axis names include dp/tp/pp/cp/ep.
 
     ``dp_replicate``/``dp_shard``/``fsdp`` axes all count as data parallel. An ``ep``
@@ -246,7 +245,7 @@ def from_torch(cls, device_mesh, *, timeout: Optional[timedelta] = None):
     mesh = device_mesh.mesh
     me = G.global_rank()
     timeout = timeout or G.default_timeout()
-    found = {}
+    found: Dict[str, G.ProcessGroup] = {}
     for role in ("tp", "pp", "ep"):
         axes = [i for i, n in enumerate(names) if _TORCH_ALIASES[n] == role]
         if axes:
@@ -305,7 +304,7 @@ _TWINKLE_VARYING = {"tp": ("tp",), "cp": ("cp", "seq"), "dp": ("block",),
 _CACHE_ATTR = "_twinkle_metrics_mesh"  # converted mesh kept on the Twinkle object
 
 
-def is_twinkle_mesh(obj) -> bool:
+def is_twinkle_mesh(obj: Any) -> bool:
     """Whether ``obj`` looks like ModelScope Twinkle's ``DeviceMesh``.
 
     Recognised by its fields (a rank array ``mesh``, ``mesh_dim_names`` drawn from
@@ -319,7 +318,7 @@ def is_twinkle_mesh(obj) -> bool:
             and all(n in TWINKLE_AXES for n in names))
 
 
-def from_twinkle(cls, twinkle_mesh, *, timeout: Optional[timedelta] = None):
+def from_twinkle(cls: Any, twinkle_mesh: Any, *, timeout: Optional[timedelta] = None) -> Any:
     """From ModelScope Twinkle's ``DeviceMesh`` (its ``mesh`` array of global ranks
     and ``mesh_dim_names``).
 
@@ -428,7 +427,7 @@ def _twinkle_groups(names, shape, flat, ulysses, timeout) -> Dict[str, G.Process
                 continue  # every rank skips it alike
             if tuple(ranks) not in made:
                 made[tuple(ranks)] = (dist.group.WORLD if len(ranks) == world
-                                      else dist.new_group(ranks=ranks, timeout=timeout))
+                                      else G.held_by_me(dist.new_group(ranks=ranks, timeout=timeout)))
             if me in ranks:
                 found[name] = made[tuple(ranks)]
     return found

@@ -14,11 +14,18 @@ connected (``parallel.groups.gloo_group``).
 """
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple, TypeVar, Union, overload
 
 from . import groups as G
+
+if TYPE_CHECKING:
+    from .layout import Layout
+
+#: the library's wait bound on a mesh: a ``timedelta``, seconds (or their text), None for the default
+Timeout = Union[timedelta, float, str, None]
 
 
 def _built(kind: str) -> int:
@@ -37,6 +44,18 @@ class BoundedWaits:
 
     #: a name for this mesh, the same on every rank of it (``_name_waits``)
     wait_key: str = ""
+    #: (world size, every rank of the mesh or None): ``member_ranks``, built once
+    _members: Optional[Tuple[int, Optional[Tuple[int, ...]]]] = None
+    if TYPE_CHECKING:  # what ``DeviceMesh`` holds and answers
+        source: str
+        timeout: Optional[timedelta]
+        vpp_size: int
+        layout: Optional[Layout]
+        _layout_only: bool
+        _groups: G.GroupTable
+
+        def size(self, name: str) -> int: ...
+        def describe(self) -> str: ...
 
     def _name_waits(self) -> None:
         """Name the mesh for the keys its waits write (``comm.waits.mesh_roll``): its source,
@@ -55,9 +74,9 @@ class BoundedWaits:
         if not G.dist_ready():
             return None
         world = G.world_size()
-        cached = getattr(self, "_members", None)  # the groups' sizes are fixed: O(world) once
+        cached = self._members  # the groups' sizes are fixed: O(world) once
         if cached is None or cached[0] != world:
-            size = self.dp_size * self.cp_size * self.tp_size * self.pp_size
+            size = math.prod(self.size(a) for a in ("dp", "cp", "tp", "pp"))
             self._members = cached = (world, tuple(range(world)) if size == world else None)
         return cached[1]
 
@@ -157,7 +176,13 @@ def _made_host_group(ranks: Tuple[int, ...], timeout: Optional[timedelta]) -> G.
     return group
 
 
-def _as_timedelta(value, name: str = "timeout") -> Optional[timedelta]:
+@overload
+def _as_timedelta(value: None, name: str = ...) -> None: ...
+@overload
+def _as_timedelta(value: Union[timedelta, float, str], name: str = ...) -> timedelta: ...
+
+
+def _as_timedelta(value: Any, name: str = "timeout") -> Optional[timedelta]:
     """``value`` (a ``timedelta``, seconds, or their text) as a positive ``timedelta``."""
     if value is None or isinstance(value, timedelta):
         if value is not None and value.total_seconds() <= 0:
@@ -173,7 +198,10 @@ def _as_timedelta(value, name: str = "timeout") -> Optional[timedelta]:
     return timedelta(seconds=seconds)
 
 
-def _timed(mesh, timeout):
+_M = TypeVar("_M", bound=BoundedWaits)
+
+
+def _timed(mesh: _M, timeout: Timeout) -> _M:
     """``mesh`` with the library's wait bound ``timeout`` (kept when ``None``)."""
     if timeout is not None:
         mesh.timeout = _as_timedelta(timeout)

@@ -8,12 +8,17 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Dict, List, Optional
+from collections.abc import MutableMapping
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 ProcessGroup = Optional["dist.ProcessGroup"]
+#: ``wait(work)`` of a collective run asynchronously: returns once it is done
+Wait = Optional[Callable[[Any], Any]]
 
 
 def dist_ready() -> bool:
@@ -50,6 +55,12 @@ def group_ranks(group: ProcessGroup) -> List[int]:
     return list(dist.get_process_group_ranks(group))
 
 
+def held_by_me(made: Any) -> ProcessGroup:
+    """What ``dist.new_group`` returned, as this rank holds it: the group, or None on a rank
+    outside it (torch's ``GroupMember.NON_GROUP_MEMBER``, an int: typed so since torch 2.14)."""
+    return None if isinstance(made, int) else made
+
+
 def normalize(group: ProcessGroup) -> ProcessGroup:
     """Map groups of one rank (and anything without torch.distributed) to ``None``."""
     return None if group_size(group) <= 1 else group
@@ -77,7 +88,7 @@ def comm_device(group: ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_rows(buf: torch.Tensor, group: ProcessGroup, wait=None) -> torch.Tensor:
+def all_gather_rows(buf: torch.Tensor, group: ProcessGroup, wait: Wait = None) -> torch.Tensor:
     """Gather a 1-D buffer from every rank of ``group`` into ``[group size, len]``.
 
     One collective; none for a group of one rank. ``wait``: run it asynchronously and
@@ -98,7 +109,7 @@ def all_gather_rows(buf: torch.Tensor, group: ProcessGroup, wait=None) -> torch.
     return out.view(n, buf.numel())
 
 
-def all_gather_bytes(data: bytes, group: ProcessGroup, wait=None) -> List[bytes]:
+def all_gather_bytes(data: bytes, group: ProcessGroup, wait: Wait = None) -> List[bytes]:
     """Every rank's ``data`` over ``group``, in group order: two gathers (sizes, then the
     bytes padded to the longest); ``wait`` as for ``all_gather_rows``."""
     if group is None:
@@ -115,13 +126,15 @@ def all_gather_bytes(data: bytes, group: ProcessGroup, wait=None) -> List[bytes]
 # ------------------------------------------------------------------ torch's private fields
 # torch 2.13/2.14 keep no public getter for these; each is read in this one function, and
 # tests/package/test_guest.py fails when torch moves it.
-def group_timeout(group: ProcessGroup):
+def group_timeout(group: ProcessGroup) -> Optional[timedelta]:
     """The collective timeout of ``group``, or ``None`` if unknown.
 
     ``init_process_group(timeout=...)`` and ``new_group(timeout=...)`` store it in each
     backend's options (``pg._get_backend(device).options._timeout``); ``None`` when that
     moves.
     """
+    if group is None:
+        return None
     try:
         for device in group._device_types:
             timeout = group._get_backend(device).options._timeout
@@ -132,12 +145,12 @@ def group_timeout(group: ProcessGroup):
     return None
 
 
-def default_timeout():
+def default_timeout() -> Optional[timedelta]:
     """The collective timeout of the default (WORLD) group, or ``None`` if unknown."""
     return group_timeout(dist.group.WORLD) if dist_ready() else None
 
 
-def group_store(group: ProcessGroup):
+def group_store(group: ProcessGroup) -> Optional[dist.Store]:
     """The key-value store of ``group`` (``ProcessGroup.get_group_store()``), or ``None``."""
     if group is None or not dist_ready():
         return None
@@ -179,7 +192,7 @@ class WorldState:
     groups made for host exchanges, by ranks (``DeviceMesh.host_group``); ``made``: every
     group the library made itself (held weakly, as torch's registry holds them)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.meshes: Dict[str, int] = {}
         self.serials: Dict[str, int] = {}
         self.calls: Dict[str, int] = {}
@@ -215,7 +228,7 @@ def made_here(group: ProcessGroup) -> bool:
 LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"
 
 
-def gloo_group(ranks, timeout) -> ProcessGroup:
+def gloo_group(ranks: Iterable[int], timeout: Optional[timedelta]) -> ProcessGroup:
     """A gloo group over ``ranks`` (this rank among them) with ``timeout``, made by those ranks
     alone (``use_local_synchronization=True``: each must ask at the same point of its
     collectives over them) and connected lazily where torch can (``TORCH_GLOO_LAZY_INIT``,
@@ -228,14 +241,15 @@ def gloo_group(ranks, timeout) -> ProcessGroup:
             if lazy:
                 os.environ[LAZY_GLOO] = "1"
             try:
-                group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
-                                       timeout=timeout)
+                group = held_by_me(dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
+                                                  timeout=timeout))
             finally:
                 if lazy:
                     del os.environ[LAZY_GLOO]
     except (RuntimeError, ValueError, NotImplementedError):
         return None
-    world_state().made.add(group)
+    if group is not None:
+        world_state().made.add(group)
     return group
 
 
@@ -246,7 +260,7 @@ _LAZY_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:
 class _Destroyed:
     """What a table of groups holds for a group torch let go (``destroy_process_group()``)."""
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "<destroyed process group>"
 
 
@@ -254,41 +268,37 @@ class _Destroyed:
 DESTROYED = _Destroyed()
 
 
-class GroupTable(dict):
-    """A ``dict`` of groups that never keeps a group alive past torch: one registered with
+class GroupTable(MutableMapping):
+    """A mapping of groups that never keeps a group alive past torch: one registered with
     torch.distributed (``new_group``, WORLD) is held by a weak reference, so the object goes
     when ``destroy_process_group()`` drops it (its threads and connections with it), not
     at interpreter exit; one torch does not know (built directly, or ``None``) is held as
     it is. Reading a group that went gives ``DESTROYED``."""
 
-    def __init__(self, items=()):
-        super().__init__()
-        for key, group in dict(items).items():
+    def __init__(self, items: Mapping[Any, ProcessGroup] = MappingProxyType({})) -> None:
+        self._held: Dict[Any, Any] = {}
+        for key, group in items.items():
             self[key] = group
 
-    def __setitem__(self, key, group):
-        held = weakref.ref(group) if group is not None and group_alive(group) else group
-        super().__setitem__(key, held)
+    def __setitem__(self, key: Any, group: ProcessGroup) -> None:
+        self._held[key] = weakref.ref(group) if group is not None and group_alive(group) else group
 
-    def __getitem__(self, key):
-        held = super().__getitem__(key)
+    def __getitem__(self, key: Any) -> Any:
+        """The group (or None), or ``DESTROYED``."""
+        held = self._held[key]
         if isinstance(held, weakref.ref):
             group = held()
             return DESTROYED if group is None else group
         return held
 
-    def get(self, key, default=None):
-        return self[key] if key in self else default
+    def __delitem__(self, key: Any) -> None:
+        del self._held[key]
 
-    def items(self):
-        return [(key, self[key]) for key in self]
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._held)
 
-    def values(self):
-        return [self[key] for key in self]
+    def __len__(self) -> int:
+        return len(self._held)
 
-    def update(self, other=(), **kw):
-        for key, group in dict(other, **kw).items():
-            self[key] = group
-
-    def __reduce__(self):  # copy and pickle see the groups, not the references
+    def __reduce__(self) -> Tuple[type, Tuple[Dict[Any, Any]]]:  # copy and pickle see the groups
         return (type(self), (dict(self.items()),))

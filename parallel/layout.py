@@ -65,7 +65,7 @@ class Layout:
     order: str = DEFAULT_ORDER
     _dense: Tuple[str, ...] = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("tp", "cp", "ep", "dp", "pp", "vpp"):
             _check_size(f"{name}_size", getattr(self, name))
         if self.etp:

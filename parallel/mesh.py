@@ -23,13 +23,13 @@ Without torch.distributed, or with one rank, every size is 1 and no collective r
 from __future__ import annotations
 
 import sys
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
 from . import bounded, sizes
 from . import groups as G
-from .bounded import _as_timedelta, _timed
+from .bounded import Timeout, _as_timedelta, _timed
 from .layout import DEFAULT_ORDER, Layout
 from .sizes import GROUP_NAMES, LAYOUT_AXES, create_layout_groups
 
@@ -56,7 +56,7 @@ class DeviceMesh(bounded.BoundedWaits):
 
     def __init__(self, groups: Optional[Dict[str, G.ProcessGroup]] = None, *,
                  layout: Optional[Layout] = None, vpp_size: int = 1, source: str = "explicit",
-                 timeout=None):
+                 timeout: Timeout = None) -> None:
         self._layout_only = False
         self.timeout = _as_timedelta(timeout)
         groups = dict(groups or {})
@@ -122,7 +122,7 @@ class DeviceMesh(bounded.BoundedWaits):
                    order: str = DEFAULT_ORDER, create_groups: Optional[bool] = None,
                    backend: Optional[str] = None, fsdp_size: Optional[int] = None,
                    ulysses_size: Optional[int] = None, sequence_parallel: bool = False,
-                   device_type: Optional[str] = None, timeout=None, **unsupported) -> "DeviceMesh":
+                   device_type: Optional[str] = None, timeout: Timeout = None, **unsupported: Any) -> "DeviceMesh":
         """Build the layout from sizes (Twinkle's keyword names) and create its groups.
 
         ``dp_size=None`` is inferred from the world size. Groups are created right
@@ -155,7 +155,7 @@ class DeviceMesh(bounded.BoundedWaits):
         return mesh
 
     @classmethod
-    def from_megatron(cls, pg_collection=None, *, timeout=None) -> "DeviceMesh":
+    def from_megatron(cls, pg_collection: Any = None, *, timeout: Timeout = None) -> "DeviceMesh":
         """Reuse megatron-core's groups (``parallel.adapters.from_megatron``); ``timeout``
         bounds the library's waits on them (see ``wait_timeout``), whatever
         ``distributed_timeout_minutes`` Megatron gave its groups."""
@@ -165,7 +165,7 @@ class DeviceMesh(bounded.BoundedWaits):
         return _timed(mesh, timeout)
 
     @classmethod
-    def from_deepspeed(cls, obj=None, *, timeout=None) -> "DeviceMesh":
+    def from_deepspeed(cls, obj: Any = None, *, timeout: Timeout = None) -> "DeviceMesh":
         """From a DeepSpeed engine, grid or topology (``parallel.adapters.from_deepspeed``)."""
         from . import adapters
 
@@ -173,7 +173,7 @@ class DeviceMesh(bounded.BoundedWaits):
         return _timed(mesh, timeout)
 
     @classmethod
-    def from_torch(cls, device_mesh, *, timeout=None) -> "DeviceMesh":
+    def from_torch(cls, device_mesh: Any, *, timeout: Timeout = None) -> "DeviceMesh":
         """From a named torch ``DeviceMesh`` (``parallel.adapters.from_torch``)."""
         from . import adapters
 
@@ -181,7 +181,7 @@ class DeviceMesh(bounded.BoundedWaits):
         return _timed(mesh, timeout)
 
     @classmethod
-    def from_twinkle(cls, twinkle_mesh, *, timeout=None) -> "DeviceMesh":
+    def from_twinkle(cls, twinkle_mesh: Any, *, timeout: Timeout = None) -> "DeviceMesh":
         """From ModelScope Twinkle's ``DeviceMesh`` (``parallel.adapters.from_twinkle``)."""
         from . import adapters
 
@@ -189,7 +189,7 @@ class DeviceMesh(bounded.BoundedWaits):
         return _timed(mesh, timeout)
 
     @classmethod
-    def current(cls, process_group=None, *, timeout=None) -> "DeviceMesh":
+    def current(cls, process_group: G.ProcessGroup = None, *, timeout: Timeout = None) -> "DeviceMesh":
         """The mesh implied by what is initialised: Megatron's groups when
         megatron-core's parallel_state is initialised, else ``process_group`` (default
         WORLD) as pure data parallel, else a single rank.
@@ -207,7 +207,7 @@ class DeviceMesh(bounded.BoundedWaits):
         return cls({"dp": process_group}, source="process_group", timeout=timeout)
 
     # -------------------------------------------------------------- accessors
-    def create_process_group(self, dims) -> G.ProcessGroup:
+    def create_process_group(self, dims: Union[str, Sequence[str]]) -> G.ProcessGroup:
         """Twinkle's name for "the group over these mesh axes", e.g. ``["dp"]``.
 
         Returns the mesh's existing group (``["dp", "cp"]``: DP x CP, ``["tp", "pp"]``:
@@ -241,7 +241,7 @@ class DeviceMesh(bounded.BoundedWaits):
             return 0
         return G.group_rank(self.get_group(name))
 
-    def ranks(self, name: str):
+    def ranks(self, name: str) -> List[int]:
         """Global ranks of this rank's group along ``name``."""
         return G.group_ranks(self.get_group(name))
 
@@ -385,7 +385,7 @@ class DeviceMesh(bounded.BoundedWaits):
         label = next((names[n] for n in names if self._groups.get(n) is group and group is not None),
                      "process")
         try:
-            ranks = G.group_ranks(group)
+            ranks = str(G.group_ranks(group))
         except Exception:  # noqa: BLE001 - a label must never raise
             ranks = "?"
         return f"{label} group {ranks}"
@@ -398,7 +398,12 @@ def _layout_size(layout: Optional[Layout], name: str) -> int:
             "pp": layout.pp, "ep": layout.ep, "expt_dp": layout.expert_dp}[name]
 
 
-def as_device_mesh(device_mesh, what: str) -> Optional[DeviceMesh]:
+#: ``device_mesh`` as metrics take it: a ``DeviceMesh``, ModelScope Twinkle's ``DeviceMesh`` (converted
+#: by ``as_device_mesh``; the library never imports twinkle, so to a type checker it is ``Any``), or None
+MeshLike = Union[DeviceMesh, Any, None]
+
+
+def as_device_mesh(device_mesh: MeshLike, what: str) -> Optional[DeviceMesh]:
     """``device_mesh`` as a ``DeviceMesh``: ours as it is, Twinkle's converted
     (``DeviceMesh.from_twinkle``), ``None`` kept (the mesh is then resolved at the first
     ``calculate()``). ``what`` names the caller in the error for anything else."""

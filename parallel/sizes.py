@@ -5,7 +5,7 @@ process groups of a layout, created on every rank in one fixed order
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
@@ -22,13 +22,13 @@ LAYOUT_AXES = {"tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp-cp", "pp": "pp",
                 "ep": "ep", "expt_dp": "expt_dp"}
 
 
-def from_sizes(cls, *, dp_size: Optional[int] = None, tp_size: Optional[int] = None,
+def from_sizes(cls: Any, *, dp_size: Optional[int] = None, tp_size: Optional[int] = None,
                pp_size: Optional[int] = None, cp_size: Optional[int] = None, ep_size: Optional[int] = None,
                etp_size: Optional[int] = None, vpp_size: Optional[int] = None, world_size: Optional[int] = None,
                order: str = DEFAULT_ORDER, create_groups: Optional[bool] = None, backend: Optional[str] = None,
                fsdp_size: Optional[int] = None, ulysses_size: Optional[int] = None,
                sequence_parallel: bool = False, device_type: Optional[str] = None,
-               timeout: Optional[timedelta] = None, unsupported: Optional[dict] = None):
+               timeout: Optional[timedelta] = None, unsupported: Optional[dict] = None) -> Any:
     """``cls.from_sizes(...)`` (``cls``: ``DeviceMesh`` or a subclass); see its docstring."""
     if unsupported:
         raise TypeError(f"DeviceMesh.from_sizes: unsupported arguments {sorted(unsupported)}; "
@@ -76,7 +76,8 @@ def from_sizes(cls, *, dp_size: Optional[int] = None, tp_size: Optional[int] = N
     return cls(found, layout=layout, vpp_size=layout.vpp, source="sizes", timeout=timeout)
 
 
-def create_layout_groups(layout: Layout, backend, timeout=None):
+def create_layout_groups(layout: Layout, backend: Optional[str], timeout: Optional[timedelta] = None
+                         ) -> Dict[str, G.ProcessGroup]:
     """Create every group of the layout, on every rank, in one fixed order.
 
     Returns ``{name: group of this rank}``. Every group takes ``timeout``, by default the
@@ -99,7 +100,7 @@ def create_layout_groups(layout: Layout, backend, timeout=None):
             key = tuple(ranks)
             if key not in made:
                 made[key] = (dist.group.WORLD if len(ranks) == world
-                             else dist.new_group(ranks=ranks, backend=backend, timeout=timeout))
+                             else G.held_by_me(dist.new_group(ranks=ranks, backend=backend, timeout=timeout)))
             group = made[key]
             if me in ranks:
                 mine = group

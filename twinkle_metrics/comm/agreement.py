@@ -38,24 +38,24 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-from parallel.groups import group_rank, group_size
+from parallel.groups import ProcessGroup, group_rank, group_size
 from twinkle_metrics.comm.fused import MetricSyncError
 from twinkle_metrics.comm.host import host_max
 
 _SLOTS = 3
 
 
-def _label(metric, group) -> str:
+def _label(metric: Any, group: ProcessGroup) -> str:
     try:
         return metric.resolve_mesh().group_label(group)
     except Exception:  # noqa: BLE001 - a label must never raise
         return "process group"
 
 
-def agree(metric, group, *, error: Optional[BaseException] = None, values: Sequence[int] = (),
-          cpu_group=None) -> List[int]:
+def agree(metric: Any, group: ProcessGroup, *, error: Optional[BaseException] = None, values: Sequence[int] = (),
+          cpu_group: ProcessGroup = None) -> List[int]:
     """One host-side agreement over ``group``; returns the MAX of ``values`` over it.
 
     All-reduces ``[bad, v1, v2, v3]`` (int64, MAX) over a CPU group over the ranks of
@@ -78,14 +78,14 @@ def agree(metric, group, *, error: Optional[BaseException] = None, values: Seque
     Returns:
         the reduced values, as many as given.
     """
-    values = [int(v) for v in values]
-    if len(values) > _SLOTS:
-        raise ValueError(f"exchange.agree: at most {_SLOTS} values, got {len(values)}")
+    ints = [int(v) for v in values]
+    if len(ints) > _SLOTS:
+        raise ValueError(f"exchange.agree: at most {_SLOTS} values, got {len(ints)}")
     _AGREED.setdefault(metric, []).append(group)
     if group is None or group_size(group) <= 1:
         if error is not None:
             raise error
-        return values
+        return ints
     import torch.distributed as dist
 
     mesh = metric.resolve_mesh()
@@ -93,7 +93,7 @@ def agree(metric, group, *, error: Optional[BaseException] = None, values: Seque
         cpu_group = mesh.host_group(group)
     bad = dist.get_rank() + 1 if error is not None else 0
     name = type(metric).__name__
-    reduced = host_max(name, [bad] + values + [0] * (_SLOTS - len(values)), group, cpu_group,
+    reduced = host_max(name, [bad] + ints + [0] * (_SLOTS - len(ints)), group, cpu_group,
                        _label(metric, group), mesh.wait_timeout())
     if reduced[0]:
         if error is not None:
@@ -103,10 +103,10 @@ def agree(metric, group, *, error: Optional[BaseException] = None, values: Seque
             f"on every rank of the {_label(metric, group)} and nothing was accumulated (rank "
             f"{group_rank(group)} of the group is this one); the error with its cause is raised "
             f"on rank {reduced[0] - 1}")
-    return reduced[1:1 + len(values)]
+    return reduced[1:1 + len(ints)]
 
 
-def agree_same(metric, group, value: int) -> tuple:
+def agree_same(metric: Any, group: ProcessGroup, value: int) -> Tuple[int, int]:
     """``agree`` on one host-known integer that every rank of ``group`` must hold (a
     size, or several packed in one key); returns ``(lowest, highest)`` over the group,
     equal when every rank holds the same value."""
@@ -119,17 +119,17 @@ def agree_same(metric, group, value: int) -> tuple:
 _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def begin(metric) -> None:
+def begin(metric: Any) -> None:
     """Start a new record of the groups ``metric`` agrees on (one per ``update`` call)."""
     _AGREED[metric] = []
 
 
-def agreed(metric) -> List:
+def agreed(metric: Any) -> List[ProcessGroup]:
     """The groups ``metric`` agreed on in its current ``update`` call, in order."""
     return list(_AGREED.get(metric, ()))
 
 
-def join_failed(metric, error: BaseException, fresh: bool = False) -> None:
+def join_failed(metric: Any, error: BaseException, fresh: bool = False) -> None:
     """Agree, with ``error``, on every group of ``metric`` not yet agreed on in this call.
 
     ``fresh``: the metric's ``update`` never ran in this call (an earlier metric of a
@@ -150,7 +150,7 @@ def join_failed(metric, error: BaseException, fresh: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def guard(metric):
+def guard(metric: Any) -> Iterator[None]:
     """Wrap validation and agreements in ``update``: an exception inside joins every
     remaining group with it (so peers raise too), then propagates.
 

@@ -145,10 +145,10 @@ def sync_states(intervals: Sequence, transport: Transport, configs: Sequence[str
     transport.mesh.check_live("calculate()")
     configs = tuple(configs)
     if transport.data is None and transport.mp is None:
-        plan = _local_plan(metrics, configs)
-        buf = _pack(plan, metrics, plan.length, lead.device, lead.device, need=False,
+        local = _local_plan(metrics, configs)
+        buf = _pack(local, metrics, local.length, lead.device, lead.device, need=False,
                     is_source=True, pp_rank=0)
-        return _unpack(buf.cpu(), plan, metrics)
+        return _unpack(buf.cpu(), local, metrics)
 
     ch = _channel(transport.data, transport.mp)
     path = _path(transport)
@@ -202,8 +202,10 @@ def _data_phase(metrics, plan: Optional[_Plan], need: bool, ch: _Channel,
     vec[_H_SOURCE] = float(is_source)
     vec[_H_PP] = float(pp_rank)
     host = transport.host(transport.gather(vec, mp))          # collective 2, the one read
-    if mp is None and host[0, _H_NEED].item() != 0 or mp is not None and bool((host[:, _H_NEED] != 0).any()):
+    needs = host[0, _H_NEED].item() != 0 if mp is None else bool((host[:, _H_NEED] != 0).any())
+    if needs or usable is None:  # a rank without a plan asked for one
         return None
+    plan = usable
     if mp is not None:
         source = (host[:, _H_SOURCE] == 1.0).nonzero().flatten().tolist()
         if len(source) != 1:
@@ -322,7 +324,8 @@ def _check_tp_agreement(plan: _Plan, metrics, host: torch.Tensor, share_group) -
                 + (f"; {hint}" if hint else "; check that inputs are not split over the TP group"))
 
 
-def first_disagreement(plan: _Plan, metrics, rows: torch.Tensor, first: int, other: int) -> Optional[tuple]:
+def first_disagreement(plan: _Plan, metrics: Sequence[Any], rows: torch.Tensor, first: int,
+                       other: int) -> Optional[tuple]:
     """``(metric, state, value in row first, value in row other)`` of the first state, in
     buffer order, on which two rows of TP replicas differ beyond the replicas' tolerance
     (states declared ``per_rank`` or of scope ``"model"`` left out); None when they agree."""

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm_device
-from parallel.groups import group_ranks, is_cpu_group
+from parallel.groups import ProcessGroup, group_ranks, is_cpu_group
 from twinkle_metrics.comm import waits
 from twinkle_metrics.inputs.checks import host_reads, host_reads_active  # noqa: F401 - also this module's
 
 
-def host_max(metric: str, values: Sequence[int], group, cpu_group=None, label: str = "",
+def host_max(metric: str, values: Sequence[int], group: ProcessGroup, cpu_group: ProcessGroup = None, label: str = "",
              timeout: Optional[timedelta] = None) -> List[int]:
     """Element-wise MAX of small host integers over ``group``; one collective.
 

@@ -24,7 +24,7 @@ class Link:
 
     __slots__ = ("waits", "channels", "plans", "twin", "__weakref__")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.waits: Optional[Any] = None
         self.channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.plans: Dict[Any, Any] = {}
@@ -41,7 +41,7 @@ _LINKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> Li
 LOCK = threading.RLock()
 
 
-def link(group) -> Link:
+def link(group: Any) -> Link:
     """The ``Link`` of ``group`` (``None``: syncs without a group), made the first time."""
     key = NO_GROUP if group is None else group
     with LOCK:
@@ -51,7 +51,7 @@ def link(group) -> Link:
         return found
 
 
-def find(group) -> Optional[Link]:
+def find(group: Any) -> Optional[Link]:
     """The ``Link`` of ``group`` if it has one (never makes one)."""
     with LOCK:
         return _LINKS.get(NO_GROUP if group is None else group)

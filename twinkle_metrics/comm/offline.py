@@ -37,7 +37,7 @@ class Rows:
     for a state it lacks, as in the sync.
     """
 
-    def __init__(self, interval, names: Sequence[str], config: str):
+    def __init__(self, interval: Any, names: Sequence[str], config: str) -> None:
         self.metric = interval
         self.plan = _Plan([interval], [list(names)], (config,))
         self._float: List[Tuple[str, Any, int]] = []

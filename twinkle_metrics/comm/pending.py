@@ -41,7 +41,7 @@ import collections
 import contextlib
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -51,12 +51,12 @@ class Outcome:
 
     __slots__ = ("ready", "result", "error")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.ready = threading.Event()
         self.result: Optional[Dict[str, Any]] = None
         self.error: Optional[BaseException] = None
 
-    def finish(self, result=None, error=None) -> None:
+    def finish(self, result: Optional[Dict[str, Any]] = None, error: Optional[BaseException] = None) -> None:
         self.result, self.error = result, error
         self.ready.set()
 
@@ -69,7 +69,7 @@ class CalculateHandle:
     Handles complete in the order of their calls.
     """
 
-    def __init__(self, what: str, outcome: Optional[Outcome] = None):
+    def __init__(self, what: str, outcome: Optional[Outcome] = None) -> None:
         self._what = what
         self._outcome = Outcome() if outcome is None else outcome
 
@@ -82,9 +82,9 @@ class CalculateHandle:
                                f"{timeout} s (its collectives are still running); call wait() again")
         if self._outcome.error is not None:
             raise self._outcome.error
-        return dict(self._outcome.result)
+        return dict(self._outcome.result or {})
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"CalculateHandle({self._what}, {'done' if self.done() else 'pending'})"
 
 
@@ -94,13 +94,13 @@ class _Worker:
     for it, as for any non-daemon thread) waits only for syncs still running, each
     bounded by its mesh's ``wait_timeout()``."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._jobs: "collections.deque" = collections.deque()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
 
-    def submit(self, job: Callable[[], Dict[str, Any]], outcome: Outcome, stream_guard,
+    def submit(self, job: Callable[[], Dict[str, Any]], outcome: Outcome, stream_guard: Callable[[], Any],
                handed: Sequence = ()) -> None:
         """``handed``: (``HandOffs``, ``HandOff``) pairs whose interval returns if the job fails."""
         with self._lock:
@@ -147,7 +147,7 @@ class HandOffs:
 
     __slots__ = ("returned", "in_flight", "epoch", "keep")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.returned: List[HandOff] = []
         self.in_flight: List[HandOff] = []
         self.epoch = 0
@@ -161,8 +161,9 @@ class HandOff:
 
     __slots__ = ("interval", "epoch", "gives_back", "ready")
 
-    def __init__(self, interval, epoch: int, gives_back: bool):
-        self.interval, self.epoch, self.gives_back, self.ready = interval, epoch, gives_back, None
+    def __init__(self, interval: Any, epoch: int, gives_back: bool) -> None:
+        self.interval, self.epoch, self.gives_back = interval, epoch, gives_back
+        self.ready: Optional[torch.cuda.Event] = None
 
 
 def submit(ledgers: Sequence[HandOffs], take: Callable[[], List[Any]],
@@ -223,10 +224,11 @@ def _give_back(handed, error: BaseException) -> None:
                     note(f"{h.interval.name}: the interval could not be given back: {e}")
 
 
-def settle(ledger: HandOffs, live) -> None:
+def settle(ledger: Optional[HandOffs], live: Any) -> None:
     """On the caller's thread: put the intervals given back (``ledger``) under the live
-    interval ``live``, oldest first (they are older than everything it accumulated since)."""
-    if not ledger.returned:
+    interval ``live``, oldest first (they are older than everything it accumulated since).
+    None: an interval out of any ledger (a copy), with nothing given back."""
+    if ledger is None or not ledger.returned:
         return
     with _RETURN_LOCK:
         returned, ledger.returned = ledger.returned, []
@@ -234,11 +236,11 @@ def settle(ledger: HandOffs, live) -> None:
         live.fold_under(h.interval)
 
 
-def drop_returned(ledger: HandOffs) -> None:
+def drop_returned(ledger: Optional[HandOffs]) -> None:
     """``reset()`` and loads discard intervals given back, and those still in flight, as
     they discard the states; the resets that end an interval (``ledger.keep``) keep them,
     since those belong under the next interval."""
-    if ledger.keep:
+    if ledger is None or ledger.keep:
         return
     with _RETURN_LOCK:
         ledger.returned = []
@@ -273,7 +275,7 @@ def _stream_guard(handed: Sequence[HandOff]) -> Callable[[], Any]:
                 t.record_stream(stream)
 
     @contextlib.contextmanager
-    def on_side_stream():
+    def on_side_stream() -> Iterator[None]:
         with torch.cuda.device(device), torch.cuda.stream(stream):
             stream.wait_event(event)
             yield

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -64,8 +64,8 @@ class _Plan:
             for name in metric_names:
                 spec = _spec(m, name)
                 text.append(f"{i}.{name}:{spec.signature}")
-                kind = len(_LAYOUT) if name in reads else _LAYOUT.index((spec.reduce, spec.dtype == torch.int64))
-                kinds[kind].append((i, name, spec))
+                at = len(_LAYOUT) if name in reads else _LAYOUT.index((spec.reduce, spec.dtype == torch.int64))
+                kinds[at].append((i, name, spec))
         for kind in kinds:
             kind.sort(key=lambda entry: entry[2].shape != ())  # stable
         offsets: Dict[Tuple[int, str], int] = {}
@@ -89,9 +89,7 @@ class _Plan:
                 offset += spec.numel
             if k < len(_LAYOUT) and offset > start:
                 self.slices[_LAYOUT[k]] = (_HEADER + start, _HEADER + offset)
-        self.owner = [None] * offset
-        for i, name, spec in self.order:
-            self.owner[offsets[(i, name)]:offsets[(i, name)] + spec.numel] = [(i, name)] * spec.numel
+        self.owner = [(i, name) for i, name, spec in self.order for _ in range(spec.numel)]  # buffer order
         for i, (m, metric_names) in enumerate(zip(metrics, names)):
             entries, custom, gathered = [], [], []
             reads = _merge_reads(m, metric_names)
@@ -138,7 +136,7 @@ class _Plan:
             self.decoders.append(([name for name, _, _ in entries], _getter(index), shaped))
         self._check = check
         self.placed = {k: torch.tensor(v, dtype=torch.long) + _HEADER for k, v in placed.items()}
-        self._by_device: Dict[str, tuple] = {}
+        self._by_device: Dict[Any, Any] = {}  # the columns' index tensors, per (use and) device
         digest = hashlib.blake2b("|".join(list(configs) + text).encode(), digest_size=6).digest()
         self.hash = float(int.from_bytes(digest, "little"))  # 48 bits: exact in float64
 
@@ -220,7 +218,7 @@ def _getter(index: List[int]):
 
 
 #: a kind's reduction over the rows, written into the merged row (``out=``)
-_REDUCE_INTO = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
+_REDUCE_INTO: Dict[str, Callable[..., torch.Tensor]] = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
 
 
 def _merge(plan: _Plan, metrics, rows: torch.Tensor) -> torch.Tensor:
@@ -264,7 +262,7 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch, transport, path: str) -> _
     decides on the same union: raise everywhere, or adopt the same plan.
     """
     me = group_ranks(None)[0]
-    desc = {"ranks": [me], "configs": {json.dumps(list(configs)): [me]},
+    desc: Dict[str, Any] = {"ranks": [me], "configs": {json.dumps(list(configs)): [me]},
             "paths": {path: [me]}, "states": {},
             # each sliced metric's max_slices (ranks may differ; the smallest bounds them all)
             "bounds": {str(i): {str(m.slice_bound): [me]} for i, m in enumerate(metrics)
@@ -279,15 +277,14 @@ def _negotiate(metrics, configs: Tuple[str, ...], ch, transport, path: str) -> _
                                                                          transport.mp)])
     everyone = sorted(summary["ranks"])
     if len(summary["paths"]) > 1:
-        sides = "; ".join(f"ranks {_ranges(rs)}: {p}" for p, rs in sorted(summary["paths"].items()))
-        raise MetricSyncError(f"calculate(): ranks would sync their data groups differently ({sides}); "
+        paths = "; ".join(f"ranks {_ranges(rs)}: {p}" for p, rs in sorted(summary["paths"].items()))
+        raise MetricSyncError(f"calculate(): ranks would sync their data groups differently ({paths}); "
                               "set TWINKLE_METRICS_REDUCE_ABOVE alike on every rank")
     if len(summary["configs"]) > 1:
-        sides = []
-        for text, ranks in summary["configs"].items():
-            sides.append(f"ranks {_ranges(ranks)} hold [{', '.join(json.loads(text))}]")
+        holds = [f"ranks {_ranges(ranks)} hold [{', '.join(json.loads(text))}]"
+                 for text, ranks in summary["configs"].items()]
         raise MetricSyncError("calculate(): ranks hold different metrics or arguments ("
-                              + "; ".join(sides)[:1500] + "); build the same metrics, in the same "
+                              + "; ".join(holds)[:1500] + "); build the same metrics, in the same "
                               "order, with the same arguments on every rank")
     names: List[List[str]] = [[] for _ in metrics]
     for key in sorted(summary["states"], key=lambda k: (int(k.split("/", 1)[0]), k.split("/", 1)[1])):

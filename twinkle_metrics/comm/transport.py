@@ -22,12 +22,12 @@ Example (what ``calculate()`` does on one rank)::
 from __future__ import annotations
 
 import weakref
-from typing import Callable, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 import torch.distributed as dist
 
-from parallel import comm_device
+from parallel import DeviceMesh, comm_device
 from parallel import groups as G
 from twinkle_metrics.comm import links, waits
 
@@ -49,7 +49,8 @@ class Transport:
         roll: name absent ranks over every rank of the mesh (a call every rank makes).
     """
 
-    def __init__(self, what: str, mesh, data, mp=MESH, *, roll: bool = True):
+    def __init__(self, what: str, mesh: DeviceMesh, data: G.ProcessGroup, mp: Any = MESH, *,
+                 roll: bool = True) -> None:
         self.what, self.mesh = what, mesh
         self.data = G.normalize(data)
         self.mp = G.normalize(mesh.mp_group if mp is MESH else mp)
@@ -57,37 +58,37 @@ class Transport:
         self.timeout = mesh.wait_timeout()
         has_groups = self.data is not None or self.mp is not None
         self.roll = waits.mesh_roll(what, mesh) if roll and has_groups else None
-        self._pending: List[Tuple[object, object]] = []  # device works the host has not waited on
+        self._pending: List[Tuple[Any, G.ProcessGroup]] = []  # device works the host has not waited on
 
-    def __repr__(self):
-        def name(g):
+    def __repr__(self) -> str:
+        def name(g: G.ProcessGroup) -> str:
             return "-" if g is None else f"{G.group_ranks(g)} ({dist.get_backend(g)})"
         return (f"Transport({self.what}: data {name(self.data)}, mp {name(self.mp)}, on {self.device}, "
                 f"within {self.timeout.total_seconds():g} s)")
 
     # ------------------------------------------------------------- collectives
-    def gather(self, buf: torch.Tensor, group) -> torch.Tensor:
+    def gather(self, buf: torch.Tensor, group: G.ProcessGroup) -> torch.Tensor:
         """Every rank's 1-D ``buf`` over ``group`` as ``[ranks, len]`` (one collective)."""
         buf = buf if group is None else buf.to(comm_device(group))
         return G.all_gather_rows(buf, group, wait=lambda work: self._after(work, group, buf))
 
-    def all_reduce(self, t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, group: G.ProcessGroup, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """``t`` reduced in place over ``group`` with ``op`` (one collective)."""
         if G.group_size(group) > 1:
             self._after(dist.all_reduce(t, op=op, group=group, async_op=True), group, t)
         return t
 
-    def gather_bytes(self, data: bytes, group) -> List[bytes]:
+    def gather_bytes(self, data: bytes, group: G.ProcessGroup) -> List[bytes]:
         """Every rank's ``data`` over ``group`` (two collectives), read by the host."""
         on_host = comm_device(group).type == "cpu"
         return G.all_gather_bytes(data, group, wait=lambda work: self.wait(work, group, on_host))
 
-    def wait(self, work, group, on_host: bool = True) -> None:
+    def wait(self, work: Any, group: G.ProcessGroup, on_host: bool = True) -> None:
         """Return once ``work`` on ``group`` is done (bounded and named: ``waits.wait``);
         ``on_host``: its tensors are host tensors."""
         waits.wait(work, group, self.what, lambda: self.mesh.group_label(group), self.timeout, self.roll, on_host)
 
-    def _after(self, work, group, t: torch.Tensor) -> None:
+    def _after(self, work: Any, group: G.ProcessGroup, t: torch.Tensor) -> None:
         if t.device.type == "cpu":
             self.wait(work, group)  # the host reads host tensors next: it waits for them now
         else:  # the device orders what follows after the collective; the host waits once, in host()
@@ -105,7 +106,7 @@ class Transport:
 
 
 # ---------------------------------------------------------------- asynchronous twins
-def twins(mesh, data) -> Tuple[object, object]:
+def twins(mesh: DeviceMesh, data: G.ProcessGroup) -> Tuple[G.ProcessGroup, G.ProcessGroup]:
     """Twins of the data group ``data`` and of the mesh's TP x PP group: groups over the
     same ranks, with the same backend, that only the background thread of an asynchronous
     ``calculate()`` uses. Made the first time, by the ranks of each group alone
@@ -113,10 +114,10 @@ def twins(mesh, data) -> Tuple[object, object]:
     at the same point of its program (``calculate(async_op=True)``); a gloo twin is
     connected lazily, with the mesh's bound as its timeout. Raises ``RuntimeError`` when
     torch cannot make them (torchcomms refuses local synchronisation)."""
-    return tuple(_twin(g, mesh) for g in (G.normalize(data), G.normalize(mesh.mp_group)))
+    return _twin(G.normalize(data), mesh), _twin(G.normalize(mesh.mp_group), mesh)
 
 
-def _twin(group, mesh):
+def _twin(group: G.ProcessGroup, mesh: DeviceMesh) -> G.ProcessGroup:
     if group is None:
         return None
     with links.LOCK:  # the twin is held weakly, as torch's registry holds it
@@ -130,8 +131,8 @@ def _twin(group, mesh):
         twin = G.gloo_group(ranks, mesh.wait_timeout())
     else:
         try:
-            twin = dist.new_group(ranks, backend=backend, use_local_synchronization=True,
-                                  timeout=G.group_timeout(group))
+            twin = G.held_by_me(dist.new_group(ranks, backend=backend, use_local_synchronization=True,
+                                               timeout=G.group_timeout(group)))
         except (RuntimeError, ValueError, NotImplementedError):
             twin = None
     if twin is None:
@@ -144,7 +145,7 @@ def _twin(group, mesh):
     return twin
 
 
-def on_twins(mesh, data) -> Callable[[str], Transport]:
+def on_twins(mesh: DeviceMesh, data: G.ProcessGroup) -> Callable[[str], Transport]:
     """A maker of the ``Transport`` an asynchronous calculate of ``data``'s metrics syncs
     on (``twins``, made now, on the caller's thread)."""
     data_twin, mp_twin = twins(mesh, data)

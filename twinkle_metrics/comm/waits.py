@@ -50,10 +50,11 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
+from parallel import DeviceMesh
 from parallel import groups as G
 from twinkle_metrics.comm import links
 from twinkle_metrics.comm.plan import MetricSyncError
@@ -64,7 +65,7 @@ EARLY_S = 1.0
 POLL_MAX_S = 1e-3
 
 
-def completion(work, on_host: bool) -> Callable[[float], bool]:
+def completion(work: Any, on_host: bool) -> Callable[[float], bool]:
     """``done(seconds) -> bool``: whether ``work`` completed within ``seconds`` more, kept
     from the host. ``on_host``: the work's tensors are host tensors, so its future
     completes on the host when it does (a device work's future completes at once, its
@@ -100,7 +101,7 @@ class _Group:
     """The library's record of one group (``links.Link.waits``): its store, its calls so
     far, and why it was closed."""
 
-    def __init__(self, group):
+    def __init__(self, group: G.ProcessGroup) -> None:
         self.ranks = tuple(G.group_ranks(group))
         self.store = G.group_store(group)
         name = G.group_name(group)
@@ -113,7 +114,7 @@ class _Group:
         self.closed: Optional[str] = None
 
 
-def _record(group) -> _Group:
+def _record(group: G.ProcessGroup) -> _Group:
     with links.LOCK:
         found = links.link(group)
         if found.waits is None:
@@ -121,7 +122,7 @@ def _record(group) -> _Group:
         return found.waits
 
 
-def check_open(group) -> None:
+def check_open(group: G.ProcessGroup) -> None:
     """Raise ``MetricSyncError`` when an earlier wait on ``group`` failed."""
     found = None if group is None else links.find(group)
     record = None if found is None else found.waits
@@ -130,7 +131,8 @@ def check_open(group) -> None:
                               "collectives are out of step; restart the job)")
 
 
-def wait(work, group, what: str, label, timeout: timedelta, roll: Optional["Roll"] = None,
+def wait(work: Any, group: G.ProcessGroup, what: str, label: Union[str, Callable[[], str]], timeout: timedelta,
+         roll: Optional["Roll"] = None,
          on_host: bool = True) -> None:
     """Return once ``work`` (a collective on ``group``) is done, or raise
     ``MetricSyncError`` within about ``timeout`` naming the ranks that did not come:
@@ -158,7 +160,7 @@ def wait(work, group, what: str, label, timeout: timedelta, roll: Optional["Roll
         _fail(record, roll, marked, what, timeout, time.monotonic() - start, exc, group, me)
 
 
-def mesh_roll(what: str, mesh) -> Optional["Roll"]:
+def mesh_roll(what: str, mesh: DeviceMesh) -> Optional["Roll"]:
     """The roll of one call that every rank of ``mesh`` makes (``calculate()``): ``None``
     for a mesh over part of the world or of one rank (each group's own roll names its ranks).
 
@@ -186,11 +188,12 @@ class Roll:
     ``store`` and ``label`` may be given as callables, read only when a wait runs long:
     a healthy step reads neither."""
 
-    def __init__(self, store, key: str, ranks: Sequence[int], label):
+    def __init__(self, store: Any, key: str, ranks: Sequence[int], label: Union[str, Callable[[], str]]) -> None:
         self._store, self.key, self.ranks, self._label = store, key, tuple(ranks), label
 
     @property
-    def store(self):
+    def store(self) -> Any:
+        """The ``torch.distributed.Store`` (its ``append`` is missing from torch's stubs), or None."""
         if callable(self._store):
             self._store = self._store()
         return self._store
@@ -233,7 +236,8 @@ class Roll:
 
 def ranges(ranks: Sequence[int]) -> str:
     """``[1, 2, 3, 5]`` as ``"1-3, 5"`` (16k ranks must not make a 100 kB message)."""
-    out, run = [], []
+    out: List[str] = []
+    run: List[int] = []
     for r in sorted(ranks):
         if run and r == run[-1] + 1:
             run.append(r)
@@ -248,7 +252,7 @@ def ranges(ranks: Sequence[int]) -> str:
 
 def unranges(text: str) -> list:
     """``ranges``' text back to ranks (``"-"``: none)."""
-    out = []
+    out: List[int] = []
     for part in text.split(","):
         part = part.strip()
         if part and part != "-":
@@ -258,7 +262,7 @@ def unranges(text: str) -> list:
 
 
 def _fail(record: _Group, roll: Roll, marked: bool, what: str, timeout: timedelta, waited: float,
-          cause, group, me: int) -> None:
+          cause: Optional[BaseException], group: G.ProcessGroup, me: int) -> None:
     if not G.group_alive(group):
         record.closed = (f"{what}: the process groups were destroyed (destroy_process_group()) while "
                          f"it waited on them (rank {me}); nothing accumulated was lost")
@@ -277,7 +281,7 @@ def _fail(record: _Group, roll: Roll, marked: bool, what: str, timeout: timedelt
     raise MetricSyncError(record.closed) from cause
 
 
-def in_flight(group, pending: bool) -> str:
+def in_flight(group: G.ProcessGroup, pending: bool) -> str:
     """What a failed wait leaves on a group of the job's (the library never cancels or aborts
     it): said after the names of the ranks that never came."""
     if not pending:  # the work failed: a peer that gave up closed the group's connections
@@ -293,7 +297,7 @@ def message(what: str, timeout: timedelta, waited: float, roll: Roll, me: int,
     ``answer`` (``Roll.absent``); ``arrived``: when its wait began (``time.time()``)."""
     bound, label = timeout.total_seconds(), roll.label
     absent = None if answer is None else answer[0]
-    if absent is not None and me in absent:  # the answer was written before this rank came
+    if answer is not None and absent is not None and me in absent:  # written before this rank came
         left = [r for r in roll.ranks if r not in absent]
         late = arrived - answer[1]  # two hosts' clocks: about
         when = f"about {late:.0f} s before" if late >= 1 else "less than a second before"

@@ -15,7 +15,7 @@ so a step counter goes on from the saved run's last step.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Dict
+from typing import Any, Dict, Sequence, Set, Union
 
 import torch
 
@@ -28,7 +28,7 @@ FINGERPRINT_KEY = "__fingerprint__"
 FOLLOWED_KEY = "__followed__"
 
 
-def stage_load(self, state_dict) -> tuple:
+def stage_load(self: Any, state_dict: Union[Mapping[str, Any], Sequence[Mapping[str, Any]]]) -> tuple:
     """Validate and convert ``state_dict``; change nothing. Returns (new dynamic
     names, {name: tensor}, {followed state: newest host number})."""
     name = type(self).__name__
@@ -45,7 +45,7 @@ def stage_load(self, state_dict) -> tuple:
             raise ValueError(f"{name}.load_state_dict: {where} was saved by {theirs} but this "
                              f"metric is {mine}: {why}; build the metric with the same class and "
                              "arguments as the run that saved it")
-    names = set().union(*(set(d) - {FINGERPRINT_KEY, FOLLOWED_KEY} for d in dicts))
+    names: Set[str] = set().union(*(set(d) - {FINGERPRINT_KEY, FOLLOWED_KEY} for d in dicts))
     held = interval_of(self)
     specs = dict(held.specs)
     new = []
@@ -102,7 +102,7 @@ def _followed(metric, dicts, specs) -> Dict[str, float]:
     return {k: specs[k].merge(torch.tensor(v, dtype=specs[k].dtype)).item() for k, v in values.items()}
 
 
-def commit_load(metric, staged: tuple) -> None:
+def commit_load(metric: Any, staged: tuple) -> None:
     """Install what ``stage_load`` returned, and start the interval at the load; cannot fail."""
     new, loaded, followed = staged
     interval_of(metric).last_host.update(followed)

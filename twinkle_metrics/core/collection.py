@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Tuple, Union, overload
 
-from parallel import DeviceMesh, as_device_mesh
+from parallel import MeshLike, as_device_mesh
 from twinkle_metrics.comm import pending
 from twinkle_metrics.comm.agreement import join_failed
 from twinkle_metrics.core import checkpoint, interval, staging
@@ -13,17 +13,18 @@ from twinkle_metrics.core.merge import merge_exports
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import interval_of
 from twinkle_metrics.inputs import fields
+from twinkle_metrics.inputs.data_format import Inputs, Outputs
 
 
-def _label(i: int, name: str, m) -> str:
+def _label(i: int, name: str, m: Metric) -> str:
     return f"member {i} ({name!r}: {type(m).__name__})" if name else f"member {i} ({type(m).__name__})"
 
 
-def _refuse_clashes(items) -> None:
+def _refuse_clashes(items: List[Tuple[str, Metric]]) -> None:
     """Raise ``ValueError`` when the same metric comes twice (each call would fold into it
     twice) or when two members could return the same key (``Metric.result_keys``): found
     when the collection is built, on every rank alike, before any collective."""
-    seen = {}
+    seen: Dict[int, int] = {}
     for i, (name, m) in enumerate(items):
         j = seen.setdefault(id(m), i)
         if j != i:
@@ -43,7 +44,7 @@ def full_key(name: str, key: str) -> str:
     return f"{name}/{key}" if name else key
 
 
-def _common(a, b) -> Optional[str]:
+def _common(a: List[str], b: List[str]) -> Optional[str]:
     """A key both lists of result keys name: the same key, or a key of one that a pattern
     (``*``) of the other matches. Two patterns are not compared: what they match depends on
     the data (reward names, slices), so ``calculate()`` checks those."""
@@ -78,7 +79,7 @@ class MetricCollection:
     """
 
     def __init__(self, metrics: Union[Sequence[Metric], Mapping[str, Metric]],
-                 device_mesh: Optional[DeviceMesh] = None):
+                 device_mesh: MeshLike = None) -> None:
         if isinstance(metrics, Mapping):
             items = list(metrics.items())
         else:
@@ -91,12 +92,12 @@ class MetricCollection:
         for _, m in items:
             if device_mesh is not None and m.device_mesh is None:
                 m.device_mesh = device_mesh
-        self._items: List = items
+        self._items: List[Tuple[str, Metric]] = items
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def members(self) -> List:
+    def members(self) -> List[Tuple[str, Metric]]:
         """``[(name, metric)]`` in order (names are ``""`` in the list form)."""
         return list(self._items)
 
@@ -111,7 +112,7 @@ class MetricCollection:
                 return m
         raise KeyError(f"MetricCollection: no metric named {key!r}; have {[n for n, _ in self._items]}")
 
-    def accumulate(self, inputs=None, outputs=None, **kwargs) -> "MetricCollection":
+    def accumulate(self, inputs: Inputs = None, outputs: Outputs = None, **kwargs: Any) -> "MetricCollection":
         """Pass the same call to every metric; each gets the keyword arguments it takes.
 
         The call is checked once against what every member reads (``inputs.fields``): a
@@ -147,7 +148,15 @@ class MetricCollection:
                 s.apply()
         return self
 
-    def calculate(self, reset: bool = True, async_op: bool = False):
+    @overload
+    def calculate(self, reset: bool = ..., async_op: Literal[False] = ...) -> Dict[str, Any]: ...
+    @overload
+    def calculate(self, reset: bool = ..., *, async_op: Literal[True]) -> pending.CalculateHandle: ...
+    @overload
+    def calculate(self, reset: bool = ..., async_op: bool = ...) -> Union[Dict[str, Any], pending.CalculateHandle]: ...
+
+    def calculate(self, reset: bool = True, async_op: bool = False
+                  ) -> Union[Dict[str, Any], pending.CalculateHandle]:
         """Results of every metric, reduced together; the same on every rank.
 
         ``async_op=True``: a ``CalculateHandle`` at once, as ``Metric.calculate``.

@@ -29,7 +29,7 @@ def norms_float64(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 
 
 # ----------------------------------------------------------------- megatron-core DDP
-def _ddp_buffers(chunk) -> Optional[list]:
+def _ddp_buffers(chunk: torch.nn.Module) -> Optional[list]:
     """megatron-core DDP's grad buffers of ``chunk`` (dense and expert), or None when
     ``chunk`` is not a megatron-core ``DistributedDataParallel``. Read from the instance
     dict: on any other module ``chunk.buffers`` is ``nn.Module.buffers``, a method."""
@@ -41,19 +41,19 @@ def _ddp_buffers(chunk) -> Optional[list]:
     return found
 
 
-def uses_distributed_optimizer(chunk) -> bool:
+def uses_distributed_optimizer(chunk: torch.nn.Module) -> bool:
     """Whether ``chunk`` is wrapped by megatron-core DDP configured for the distributed
     optimizer (``ddp_config.use_distributed_optimizer``)."""
     cfg = getattr(chunk, "ddp_config", None)
     return bool(getattr(cfg, "use_distributed_optimizer", False))
 
 
-def distributed_optimizer_instances(chunk) -> int:
+def distributed_optimizer_instances(chunk: torch.nn.Module) -> int:
     cfg = getattr(chunk, "ddp_config", None)
     return int(getattr(cfg, "num_distributed_optimizer_instances", 1) or 1)
 
 
-def owned_ranges(chunk) -> Optional[Dict[torch.nn.Parameter, Tuple[int, int]]]:
+def owned_ranges(chunk: torch.nn.Module) -> Optional[Dict[torch.nn.Parameter, Tuple[int, int]]]:
     """``{param: (start, end)}``: the flat range of each parameter this rank's
     distributed-optimizer shard holds (``(0, 0)``: none of it), or None when ``chunk``
     has no megatron-core DDP grad buffers.

@@ -33,11 +33,11 @@ import re
 import warnings
 import weakref
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from twinkle_metrics.inputs.fields import typo_of
+from twinkle_metrics.inputs.fields import per_class, typo_of
 
 #: arguments of ``Metric.__init__`` that never enter a fingerprint
 NEVER = frozenset({"self", "device_mesh", "process_group", "max_slices"})
@@ -50,7 +50,7 @@ class UnknownArgumentWarning(UserWarning):
     Twinkle's metrics do."""
 
 
-def record_arguments(cls) -> None:
+def record_arguments(cls: type) -> None:
     """Wrap ``cls.__init__`` (if it defines one) so that a construction records the
     arguments it was called with, in ``metric._arguments`` (outermost ``__init__`` first;
     an inner one adds the names the outer ones did not bind, with its defaults)."""
@@ -60,7 +60,7 @@ def record_arguments(cls) -> None:
     signature = inspect.signature(init)
 
     @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
             bound = signature.bind(self, *args, **kwargs)
         except TypeError:
@@ -81,14 +81,14 @@ def record_arguments(cls) -> None:
         init(self, *args, **kwargs)
 
     _RECORDING.add(__init__)
-    cls.__init__ = __init__
+    cls.__init__ = __init__  # type: ignore[misc]  # the recording wrapper replaces the class's own __init__
 
 
 #: the constructors ``record_arguments`` made (a class's ``__init__`` is wrapped once)
 _RECORDING: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def settle_arguments(metric, unknown) -> Tuple[Dict[str, str], Dict[str, Any]]:
+def settle_arguments(metric: Any, unknown: Iterable[str]) -> Tuple[Dict[str, str], Dict[str, Any]]:
     """Turn the recorded arguments into their canonical text, once, in ``Metric.__init__``
     (every ``__init__`` of the chain has recorded its arguments before it runs): unknown
     arguments and excluded ones left out, the rest checked to be comparable. Raises
@@ -105,13 +105,13 @@ def settle_arguments(metric, unknown) -> Tuple[Dict[str, str], Dict[str, Any]]:
     return out, values
 
 
-def _text(metric, name: str, value) -> str:
+def _text(metric: Any, name: str, value: Any) -> str:
     if name in metric.__dict__.get("_float_arguments", ()) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     return canonical(value, f"{type(metric).__name__}: argument {name!r}")
 
 
-def current(metric) -> Dict[str, str]:
+def current(metric: Any) -> Dict[str, str]:
     """The recorded arguments' text, each taken from the instance attribute of the same
     name where the metric keeps one (so a metric reconfigured after construction, say
     ``m.nan_policy = "skip"``, is fingerprinted as it now is), else as it was given."""
@@ -148,7 +148,7 @@ class Schema:
     loads, and one saved with another setting that changes a state's meaning does not.
     """
 
-    def __init__(self, version: int = 1, exclude: Sequence[str] = (), sync_only: Sequence[str] = ()):
+    def __init__(self, version: int = 1, exclude: Sequence[str] = (), sync_only: Sequence[str] = ()) -> None:
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ValueError(f"Schema: version must be an int >= 1, got {version!r}")
         for what, names in (("exclude", exclude), ("sync_only", sync_only)):
@@ -156,18 +156,18 @@ class Schema:
                 raise TypeError(f"Schema: {what} must be a tuple of argument names, got {names!r}")
         self.version, self.exclude, self.sync_only = version, tuple(exclude), tuple(sync_only)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Schema(version={self.version}, exclude={self.exclude}, sync_only={self.sync_only})"
 
 
-def schema_of(cls) -> Schema:
+def schema_of(cls: type) -> Schema:
     schema = getattr(cls, "schema", None)
     if not isinstance(schema, Schema):
         raise TypeError(f"{cls.__name__}.schema must be a Schema(...), got {schema!r}")
     return schema
 
 
-def fingerprint(metric, checkpoint: bool = False) -> str:
+def fingerprint(metric: Any, checkpoint: bool = False) -> str:
     """``Class/vN(name=value, ...)`` over the recorded arguments; ``checkpoint=True`` leaves
     out the schema's ``sync_only`` (what ranks must agree on, a checkpoint need not).
 
@@ -238,7 +238,7 @@ def _top_level(text: str) -> List[str]:
     return parts + [tail] if tail.strip() else parts
 
 
-def checkpoint_mismatch(metric, saved: str) -> Optional[str]:
+def checkpoint_mismatch(metric: Any, saved: str) -> Optional[str]:
     """Why a state dict saved with fingerprint ``saved`` does not hold states of ``metric``'s
     meaning (``Schema``); None when it does."""
     cls = type(metric)
@@ -263,8 +263,8 @@ def checkpoint_mismatch(metric, saved: str) -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def argument_defaults(cls) -> Dict[str, str]:
+@per_class
+def argument_defaults(cls: type) -> Dict[str, str]:
     """Each constructor argument's default as fingerprint text, through the ``__init__`` chain."""
     out: Dict[str, str] = {}
     for klass in cls.__mro__:
@@ -282,7 +282,7 @@ def argument_defaults(cls) -> Dict[str, str]:
     return out
 
 
-def canonical(value, where: str) -> str:
+def canonical(value: Any, where: str) -> str:
     """``value`` as text that is equal exactly when the values are."""
     if value is None or isinstance(value, (bool, str)):
         return repr(value)
@@ -319,7 +319,7 @@ def canonical(value, where: str) -> str:
                     "not change what a state means, name it in the class's schema = Schema(exclude=(...))")
 
 
-def constructor_keywords(cls) -> Optional[List[str]]:
+def constructor_keywords(cls: type) -> Optional[List[str]]:
     """Keyword arguments ``cls``'s constructor names besides the mesh and the process
     group; ``None`` if it cannot be told.
 
@@ -332,7 +332,7 @@ def constructor_keywords(cls) -> Optional[List[str]]:
         if klass is object or "__init__" not in vars(klass):
             continue
         forwards = False
-        for p in inspect.signature(klass.__init__).parameters.values():
+        for p in inspect.signature(vars(klass)["__init__"]).parameters.values():
             if p.kind is p.VAR_KEYWORD:
                 forwards = True
             elif p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
@@ -347,7 +347,7 @@ def constructor_keywords(cls) -> Optional[List[str]]:
 ROOTS: set = set()
 
 
-def warn_unknown_arguments(metric, kwargs: Mapping[str, Any]) -> None:
+def warn_unknown_arguments(metric: Any, kwargs: Mapping[str, Any]) -> None:
     """Raise ``TypeError`` for an unknown constructor argument within a typo of a real one
     (``vocab_paralel``); warn once per (class, name) about the other unknown arguments
     ``metric`` ignores (Twinkle's constructors take ``**kwargs``, and its users pass
@@ -356,7 +356,9 @@ def warn_unknown_arguments(metric, kwargs: Mapping[str, Any]) -> None:
     fresh = [k for k in sorted(kwargs) if (cls, k) not in _WARNED]
     if not fresh and not any(typo_of(str(k), n) for k in kwargs for n in constructor_keywords(cls) or []):
         return
-    level, frame = 4, inspect.currentframe().f_back.f_back  # Metric.__init__'s caller
+    level, frame = 4, inspect.currentframe()
+    for _ in range(2):  # Metric.__init__'s caller
+        frame = frame.f_back if frame is not None else None
     while frame is not None and (frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is metric):
         level, frame = level + 1, frame.f_back  # a subclass __init__ (or its recording wrapper)
     known = constructor_keywords(cls) or []

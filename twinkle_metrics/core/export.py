@@ -32,13 +32,13 @@ from __future__ import annotations
 import array
 import math
 from collections.abc import Mapping
-from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Sequence, Tuple, Union
 
 import torch
 
 from parallel.groups import global_rank, group_rank, group_size
 from twinkle_metrics.comm.offline import local_states
-from twinkle_metrics.core.state import interval_of
+from twinkle_metrics.core.state import State, interval_of
 
 FORMAT = "twinkle_metrics.export"
 VERSION = 1
@@ -56,7 +56,7 @@ def is_export(value: Any) -> bool:
 
 
 # ---------------------------------------------------------------------- the worker's side
-def place_of(metric) -> Dict[str, Any]:
+def place_of(metric: Any) -> Dict[str, Any]:
     """Where ``metric``'s states come from: its data shard, TP/PP position, global rank."""
     mesh = metric.resolve_mesh()
     group = metric.data_group()
@@ -66,14 +66,14 @@ def place_of(metric) -> Dict[str, Any]:
             "last_stage": mesh.is_last_stage, "source": mesh.is_result_source}
 
 
-def decl_of(spec) -> Dict[str, Any]:
+def decl_of(spec: State) -> Dict[str, Any]:
     """A state's declaration as JSON: what merging it takes (``State.signature`` and more)."""
     reduce = spec.reduce if isinstance(spec.reduce, str) else getattr(spec.reduce, "__name__", "fn")
     return {"reduce": reduce, "dtype": str(spec.dtype).replace("torch.", ""), "shape": list(spec.shape),
             "scope": spec.scope, "per_rank": bool(spec.per_rank)}
 
 
-def encode_float(x: float):
+def encode_float(x: float) -> Union[float, str]:
     return x if math.isfinite(x) else ("nan" if x != x else ("inf" if x > 0 else "-inf"))
 
 
@@ -97,7 +97,7 @@ def _json_value(value):
     raise TypeError(type(value).__name__)
 
 
-def arguments_of(metric) -> Tuple[Dict[str, Any], List[str]]:
+def arguments_of(metric: Any) -> Tuple[Dict[str, Any], List[str]]:
     """The constructor arguments that make the fingerprint, as JSON; and the names of
     those that are not plain JSON (a driver must then build the metric itself)."""
     given = metric.__dict__.get("_argument_values", {})
@@ -168,7 +168,7 @@ class Entry(NamedTuple):
     """One metric of one export, checked: ``values`` maps each state to its flat list of
     numbers (floats for float64 states, ints for int64)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the export's index; shadows tuple.index, which nothing calls
     where: str  # the field path of this metric in its export: "metrics[k]"
     name: str
     cls: str

@@ -13,9 +13,11 @@ ones by the state's reduction, on tensors (no host read) or Python numbers::
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import torch
+
+from twinkle_metrics.core.state import Reduce
 
 
 def add(out: Dict[str, Any], key: str, value: Any) -> None:
@@ -33,9 +35,9 @@ def minimum(out: Dict[str, Any], key: str, value: Any) -> None:
     out[key] = _pair(torch.minimum, min, out[key], value) if key in out else value
 
 
-def by(out: Dict[str, Any], key: str, value: Any, reduce: str) -> None:
+def by(out: Dict[str, Any], key: str, value: Any, reduce: Reduce) -> None:
     """``add``, ``maximum`` or ``minimum`` as a state declares it (``"sum"``, ``"max"``,
-    ``"min"``): folds many states' contributions, each by its own reduction."""
+    ``"min"``; not a callable reduction): folds many states' contributions, each by its own."""
     _BY[reduce](out, key, value)
 
 
@@ -49,4 +51,4 @@ def _pair(tensor_op, number_op, a, b):
     return number_op(a, b)
 
 
-_BY = {"sum": add, "max": maximum, "min": minimum}
+_BY: Dict[Reduce, Callable[[Dict[str, Any], str, Any], None]] = {"sum": add, "max": maximum, "min": minimum}

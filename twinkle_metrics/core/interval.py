@@ -28,7 +28,7 @@ from twinkle_metrics.comm import pending
 from twinkle_metrics.comm.fused import plain_states, sync_states
 from twinkle_metrics.comm.transport import Transport, on_twins
 from twinkle_metrics.core import slicing, staging
-from twinkle_metrics.core.state import interval_of, move_states
+from twinkle_metrics.core.state import State, interval_of, move_states
 
 __all__ = ["Interval", "calculate", "calculate_async", "computing", "end", "results", "sync_and_compute"]
 
@@ -39,9 +39,10 @@ class Interval:
     __slots__ = ("owner", "specs", "states", "device", "touched", "origins", "number", "handoffs",
                  "followed", "last_host")
 
-    def __init__(self, owner, specs: Dict[str, Any], states: Dict[str, torch.Tensor], device: torch.device,
+    def __init__(self, owner: Any, specs: Dict[str, State], states: Dict[str, torch.Tensor], device: torch.device,
                  *, origins: Optional[Dict[str, Any]] = None, touched: Optional[Set[str]] = None, number: int = 0,
-                 handoffs=None, followed: frozenset = frozenset(), last_host: Optional[Dict[str, Any]] = None):
+                 handoffs: Optional[pending.HandOffs] = None, followed: frozenset = frozenset(),
+                 last_host: Optional[Dict[str, Any]] = None) -> None:
         self.owner = owner  # the metric: its configuration (``compute``, slicing), never its states
         self.specs, self.states, self.device = specs, states, device
         self.touched: Set[str] = set() if touched is None else touched
@@ -67,11 +68,11 @@ class Interval:
         """``max_slices`` of a sliced metric, else None."""
         return self.owner.max_slices if self.owner.slice_by is not None else None
 
-    def dynamic_spec(self, name: str):
+    def dynamic_spec(self, name: str) -> Optional[State]:
         """The declaration of a state created on the fly under ``name``, else None."""
         return self.owner.state_spec(name)
 
-    def spec_of(self, name: str):
+    def spec_of(self, name: str) -> Optional[State]:
         """The declaration of ``name``: held, or one the metric creates on the fly (None: neither)."""
         spec = self.specs.get(name)
         return spec if spec is not None else self.owner.state_spec(name)
@@ -112,7 +113,7 @@ class Interval:
         # a kept state of this interval started from earlier's value (``end``): it holds both
         first = {k: self.states[k] if spec.keep and k in self.states else earlier.states.get(k)
                  for k, spec in specs.items()}
-        base = move_states({k: spec.new("cpu") if first[k] is None else first[k].clone()
+        base = move_states({k: spec.new("cpu") if (t := first[k]) is None else t.clone()
                             for k, spec in specs.items()}, self.device)  # earlier may go under others too
         later = {k: self.states[k] for k in self.touched if k in self.states and not specs[k].keep}
         saved = self.specs, self.states
@@ -128,7 +129,7 @@ class Interval:
 
 
 # ------------------------------------------------------------- calculate, over intervals
-def end(metric) -> None:
+def end(metric: Any) -> None:
     """``reset()`` after a ``calculate()`` or at a hand-off: it ends the interval (the next
     one is numbered on), and intervals given back (``comm.pending``), now or later, stay
     for the next one."""
@@ -145,7 +146,7 @@ def end(metric) -> None:
             new.states[name] = ended.states[name].clone()
 
 
-def computing(interval: Interval):
+def computing(interval: Interval) -> Any:
     """The metric of ``interval`` as ``compute`` must see it: with ``interval`` as its own
     (``compute`` may read its declarations, ``self.declarations``), itself when it is."""
     metric = interval.owner
@@ -194,7 +195,7 @@ def _key_matcher(declared: Tuple[str, ...]) -> Callable[[str], bool]:
     return lambda key: key in exact or (pattern is not None and pattern.fullmatch(key) is not None)
 
 
-def sync_and_compute(metrics: Sequence) -> List[Dict[str, Any]]:
+def sync_and_compute(metrics: Sequence[Any]) -> List[Dict[str, Any]]:
     """Reduce the current intervals of ``metrics`` globally and return each one's results.
     Metrics that share the same data and TP x PP groups sync together in one pass
     (``comm.fused.sync_states``)."""
@@ -235,7 +236,8 @@ def _sync_and_compute(places: Sequence[tuple], intervals: Sequence[Interval]) ->
     return out
 
 
-def calculate(metrics: Sequence, reset: bool, finish: Callable[[List[Dict[str, Any]]], Dict[str, Any]]):
+def calculate(metrics: Sequence[Any], reset: bool, finish: Callable[[List[Dict[str, Any]]], Dict[str, Any]]
+              ) -> Dict[str, Any]:
     """The synchronous ``calculate()`` of ``metrics``: intervals given back first, then the
     sync; the intervals end only once every metric computed (an error keeps them all)."""
     for m in metrics:
@@ -248,7 +250,7 @@ def calculate(metrics: Sequence, reset: bool, finish: Callable[[List[Dict[str, A
     return out
 
 
-def calculate_async(metrics: Sequence, reset: bool, finish: Callable[[List[Dict[str, Any]]], Dict[str, Any]]
+def calculate_async(metrics: Sequence[Any], reset: bool, finish: Callable[[List[Dict[str, Any]]], Dict[str, Any]]
                     ) -> pending.CalculateHandle:
     """``calculate(async_op=True)``: each interval is handed off (``reset``: the states move
     and the metric starts a new interval; else a copy), then synced on the worker."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -219,10 +219,10 @@ def _select(group: List[Entry], need: str, sizes, rows: Rows, table: torch.Tenso
             shards = []
             for d in range(data_size):
                 tps = [t] if t is not None else range(tp_size)
-                e = next((by_place[(d, x, p)] for x in tps if (d, x, p) in by_place), None)
-                if e is None:
+                shard = next((by_place[(d, x, p)] for x in tps if (d, x, p) in by_place), None)
+                if shard is None:
                     raise ValueError(_missing(rows.metric, need, label, d, t, p, data_size, group, what))
-                shards.append(e)
+                shards.append(shard)
             out[(p, 0 if t is None else t)] = shards
     return out
 
@@ -246,7 +246,7 @@ def _missing(metric, need: str, label: str, d: int, t, p: int, data_size: int, g
 def _fold(scratch, entries: List[Entry]) -> Dict[str, List[Any]]:
     """One place's intervals folded in order, as one long interval: each later interval
     goes on top of the earlier ones by the metric's own fold (``Interval.fold_under``)."""
-    acc = None
+    acc: Optional[Interval] = None
     for e in entries:
         snap = scratch.copy(states={}, touched=set(e.touched))
         snap.states = {n: (torch.tensor(e.values[n], dtype=spec.dtype).reshape(spec.shape) if n in e.values
@@ -254,7 +254,7 @@ def _fold(scratch, entries: List[Entry]) -> Dict[str, List[Any]]:
         if acc is not None:
             snap.fold_under(acc)
         acc = snap
-    return {n: t.reshape(-1).tolist() for n, t in acc.states.items()}
+    return {} if acc is None else {n: t.reshape(-1).tolist() for n, t in acc.states.items()}
 
 
 # ---------------------------------------------------------------------- already reduced

@@ -32,12 +32,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 from types import MappingProxyType
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, ClassVar, Dict, List, Literal, Mapping, Optional, Sequence, TypeVar, Union, overload
 
 import torch
 
-from parallel import DeviceMesh, as_device_mesh, dist_ready, group_size
-from parallel.groups import group_ranks
+from parallel import DeviceMesh, MeshLike, as_device_mesh, dist_ready, group_size
+from parallel.groups import ProcessGroup, group_ranks
 from twinkle_metrics.comm import pending
 from twinkle_metrics.core import checkpoint, config, interval, slicing, staging
 from twinkle_metrics.core.config import Schema, UnknownArgumentWarning, constructor_keywords
@@ -46,11 +46,13 @@ from twinkle_metrics.core.interval import Interval
 from twinkle_metrics.core.merge import merge_exports
 from twinkle_metrics.core.state import Origin, State, move_states, new_states
 from twinkle_metrics.inputs import fields
+from twinkle_metrics.inputs.data_format import Inputs, Outputs
 
 __all__ = ["Metric", "UnknownArgumentWarning", "constructor_keywords", "FINGERPRINT_KEY"]
 #: key of the schema fingerprint in a metric's ``state_dict()``
 FINGERPRINT_KEY = checkpoint.FINGERPRINT_KEY
 _AXES = ("tp", "cp", "data")
+_M = TypeVar("_M", bound="Metric")  # the class of a metric whose verbs return it
 
 class Metric:
     """Base class of every metric, with Twinkle's constructor and verbs.
@@ -117,7 +119,7 @@ class Metric:
     #: what ``slice_by`` cannot mean for this metric (None: it can be sliced)
     unsliceable: ClassVar[Optional[str]] = None
     #: states kept for the whole call only, not per slice (e.g. records with global indices)
-    unsliced_states: ClassVar[Sequence[str]] = ()
+    unsliced_states: Sequence[str] = ()
     #: mesh axes ``update`` communicates over, in the order it agrees on them: ``"tp"``
     #: (the TP group), ``"cp"`` (``sequence_group()``), ``"data"`` (``data_group()``); each
     #: counts only with more than one rank (see ``twinkle_metrics.comm.agreement``)
@@ -125,7 +127,7 @@ class Metric:
     #: why TP replicas may disagree on a state, told when ``calculate()`` finds they do
     tp_mismatch_hint: Optional[str] = None
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         states: Dict[str, State] = {}
         origins: Dict[str, Origin] = {}
@@ -144,8 +146,8 @@ class Metric:
         fields.records(cls)  # an author's mistake in ``reads`` raises here
         config.record_arguments(cls)
 
-    def __init__(self, device_mesh: Optional[DeviceMesh] = None, process_group=None, *,
-                 slice_by: Optional[str] = None, max_slices: int = 16, **kwargs):
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *,
+                 slice_by: Optional[str] = None, max_slices: int = 16, **kwargs: Any) -> None:
         if kwargs:
             config.warn_unknown_arguments(self, kwargs)
         slicing.check_config(self, slice_by, max_slices)
@@ -192,7 +194,7 @@ class Metric:
             return slicing.state_spec(self, name)
         return self.dynamic_state(name)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> torch.Tensor:
         iv = self.__dict__.get("_Metric__interval")
         if iv is not None and name in iv.states:
             return iv.states[name]
@@ -238,7 +240,7 @@ class Metric:
     def _settle(self) -> None:
         pending.settle(self.__interval.handoffs, self.__interval)
 
-    def reset(self) -> "Metric":
+    def reset(self: _M) -> _M:
         """Restore every state to its default; a new interval starts (its origins are read)."""
         iv = self.__interval
         self.__interval = Interval(self, dict(iv.specs), new_states(iv.specs, iv.device), iv.device,
@@ -248,7 +250,7 @@ class Metric:
         pending.drop_returned(iv.handoffs)
         return self
 
-    def to(self, device) -> "Metric":
+    def to(self: _M, device: Union[torch.device, str, int]) -> _M:
         """Move the states to ``device``.
 
         Onto an accelerator the copy is asynchronous; back to the CPU it is a blocking
@@ -301,7 +303,7 @@ class Metric:
         return out
 
     # ------------------------------------------------------------------ verbs
-    def accumulate(self, inputs=None, outputs=None, **kwargs) -> "Metric":
+    def accumulate(self: _M, inputs: Inputs = None, outputs: Outputs = None, **kwargs: Any) -> _M:
         """Fold one batch (or a list of pipeline microbatches) into the states.
 
         Never waits for the device and never keeps the autograd graph. All or
@@ -312,15 +314,24 @@ class Metric:
             staged.apply()
         return self
 
-    def update(self, inputs, outputs, **kwargs) -> Optional[Mapping[str, Any]]:
-        """Return ``{state name: contribution}`` for one call; must not read or change states."""
+    def update(self, inputs: Inputs, outputs: Outputs, **kwargs: Any) -> Dict[str, Any]:
+        """Return ``{state name: contribution}`` for one call (``{}``: nothing); must not read or
+        change states."""
         raise NotImplementedError(f"{type(self).__name__} must implement update()")
 
-    def compute(self, s: Dict[str, Any]) -> Dict[str, Any]:
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         """Turn reduced states (plain numbers/lists keyed by state name) into results."""
         raise NotImplementedError(f"{type(self).__name__} must implement compute()")
 
-    def calculate(self, reset: bool = True, async_op: bool = False):
+    @overload
+    def calculate(self, reset: bool = ..., async_op: Literal[False] = ...) -> Dict[str, Any]: ...
+    @overload
+    def calculate(self, reset: bool = ..., *, async_op: Literal[True]) -> pending.CalculateHandle: ...
+    @overload
+    def calculate(self, reset: bool = ..., async_op: bool = ...) -> Union[Dict[str, Any], pending.CalculateHandle]: ...
+
+    def calculate(self, reset: bool = True, async_op: bool = False
+                  ) -> Union[Dict[str, Any], pending.CalculateHandle]:
         """Reduce over the data group and return plain numbers, the same on every rank.
 
         Collective over the mesh: every rank calls it, pipeline stages included.
@@ -382,13 +393,13 @@ class Metric:
             self.device_mesh = DeviceMesh.current(self.process_group)
         return self.device_mesh
 
-    def data_group(self):
+    def data_group(self) -> ProcessGroup:
         """The group the states are reduced over: ``process_group`` or the mesh's DP x CP."""
         if self.process_group is not None:
             return self.process_group if group_size(self.process_group) > 1 else None
         return self.resolve_mesh().data_group
 
-    def sequence_group(self):
+    def sequence_group(self) -> ProcessGroup:
         """The mesh's CP group when context parallelism splits sequences (> 1 rank), else
         None. The CP rules (sequence sums completed over it, each sequence counted by its
         CP rank 0) follow the mesh, also when ``process_group`` replaces the data group;
@@ -431,7 +442,7 @@ class Metric:
             out[checkpoint.FOLLOWED_KEY] = dict(self.__interval.last_host)
         return out
 
-    def load_state_dict(self, state_dict: Union[Mapping[str, Any], Sequence[Mapping[str, Any]]]) -> "Metric":
+    def load_state_dict(self: _M, state_dict: Union[Mapping[str, Any], Sequence[Mapping[str, Any]]]) -> _M:
         """Restore saved states; all or nothing. The interval's origins are taken at the load.
 
         Given a list of state dicts (those of several ranks of an earlier run), their
@@ -445,7 +456,7 @@ class Metric:
         checkpoint.commit_load(self, checkpoint.stage_load(self, state_dict))
         return self
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}(states={list(self.__interval.specs)})"
 
 

@@ -41,19 +41,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from twinkle_metrics.comm.agreement import begin
-from twinkle_metrics.core.state import interval_of
+from twinkle_metrics.core.state import State, interval_of
 from twinkle_metrics.inputs.checks import from_host
 from twinkle_metrics.inputs.microbatch import BATCH_KEYS, as_feature_list, split_by_sizes
 
 SEP = "@"  # state name separator: "{state}@{slice}"
 
 
-def check_config(metric, slice_by, max_slices: int) -> None:
+def check_config(metric: Any, slice_by: Optional[str], max_slices: int) -> None:
     """Raise on a ``slice_by`` / ``max_slices`` the metric cannot take."""
     name = type(metric).__name__
     if slice_by is not None:
@@ -66,27 +66,27 @@ def check_config(metric, slice_by, max_slices: int) -> None:
         raise ValueError(f"{name}: max_slices must be an int >= 1, got {max_slices!r}")
 
 
-def over_bound(metric, slices, bound: int, where: str) -> Optional[str]:
+def over_bound(metric: Any, slices: Iterable[str], bound: int, where: str) -> Optional[str]:
     """Why ``slices`` (names) are more than ``bound`` allows, said for ``where``
     (``"accumulate"``, ``"sync"``, ``"load"``); None when within it. The one check of
     ``max_slices``."""
-    slices = sorted(slices)
-    if len(slices) <= bound:
+    names = sorted(slices)
+    if len(names) <= bound:
         return None
     name, field = type(metric).__name__, metric.slice_by
     if where == "accumulate":
-        return (f"{name}: {len(slices)} slices of {field!r} ({slices[:20]}) exceed max_slices={bound}; "
+        return (f"{name}: {len(names)} slices of {field!r} ({names[:20]}) exceed max_slices={bound}; "
                 "raise max_slices, or slice by a field with fewer values")
     if where == "load":
-        return (f"{name}.load_state_dict: the state dicts hold {len(slices)} slices of {field!r} "
-                f"({slices[:20]}), more than max_slices={bound}; build the metric with a larger max_slices")
-    return (f"calculate(): {name} holds {len(slices)} slices of {field!r} over the data group "
-            f"({slices[:20]}), more than max_slices={bound}: each rank stayed within it, their slices "
+        return (f"{name}.load_state_dict: the state dicts hold {len(names)} slices of {field!r} "
+                f"({names[:20]}), more than max_slices={bound}; build the metric with a larger max_slices")
+    return (f"calculate(): {name} holds {len(names)} slices of {field!r} over the data group "
+            f"({names[:20]}), more than max_slices={bound}: each rank stayed within it, their slices "
             "together do not; raise max_slices on every rank, or slice by a field with fewer values. "
             "Nothing was merged or reset")
 
 
-def state_spec(metric, name: str):
+def state_spec(metric: Any, name: str) -> Optional[State]:
     """The declaration of ``"{state}@{slice}"``: a copy of the state's, or None (not a
     sliced state's name, or a state kept for the whole call only)."""
     base = name.rpartition(SEP)[0]
@@ -96,7 +96,8 @@ def state_spec(metric, name: str):
     return None if spec is None else dataclasses.replace(spec)
 
 
-def contributions(metric, whole, inputs, outputs, kwargs) -> Dict[str, Any]:
+def contributions(metric: Any, whole: Optional[Mapping[str, Any]], inputs: Any, outputs: Any,
+                  kwargs: Mapping[str, Any]) -> Dict[str, Any]:
     """The whole call's contributions plus each slice's, under ``"{state}@{slice}"``."""
     name = type(metric).__name__
     out = dict(whole or {})
@@ -118,7 +119,7 @@ def contributions(metric, whole, inputs, outputs, kwargs) -> Dict[str, Any]:
     return out
 
 
-def results(metric, states: Dict[str, Any], defaults: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+def results(metric: Any, states: Mapping[str, Any], defaults: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
     """``compute`` of the reduced states, with each slice's keys as ``"{key}/{slice}"``;
     ``defaults()``: every unsliced state at its identity, as plain values."""
     whole = {k: v for k, v in states.items() if SEP not in k}
@@ -137,7 +138,7 @@ def results(metric, states: Dict[str, Any], defaults: Callable[[], Dict[str, Any
     return out
 
 
-def held(state_names) -> List[str]:
+def held(state_names: Iterable[str]) -> List[str]:
     """The slice values a metric's states hold (``"{state}@{slice}"`` names), sorted."""
     return sorted({n.rpartition(SEP)[2] for n in state_names if SEP in n})
 
@@ -195,7 +196,7 @@ def _host_list(t: torch.Tensor) -> list:
         return t.tolist()
 
 
-def split(metric: str, field: str, inputs, outputs, kwargs: Mapping[str, Any]
+def split(metric: str, field: str, inputs: Any, outputs: Any, kwargs: Mapping[str, Any]
           ) -> List[Tuple[str, Any, Any, Dict[str, Any]]]:
     """``[(slice name, inputs, outputs, kwargs)]`` of one call, slices in order of first
     appearance."""
@@ -209,7 +210,7 @@ def split(metric: str, field: str, inputs, outputs, kwargs: Mapping[str, Any]
     out_parts = _output_parts(metric, outputs, feats, sizes)
     flat = [n for per in names for n in per]
     order = list(dict.fromkeys(flat))
-    result = []
+    result: List[Tuple[str, Any, Any, Dict[str, Any]]] = []
     for s in order:
         rows = [[r for r, n in enumerate(per) if n == s] for per in names]
         keep = [i for i, r in enumerate(rows) if r]
@@ -236,11 +237,12 @@ def _split_sides(metric: str, field: str, kwargs: Mapping[str, Any]) -> List[tup
     sides = [k for k in pairs if not (k.startswith("ref_") and k[4:] in pairs)]  # not a side's references
     if not sides:
         return []
-    split_sides, order = {}, None
+    split_sides: Dict[str, Dict[str, tuple]] = {}
+    order: List[str] = []
     for side in sides:
         s_in, s_out = kwargs[side]
         names = sum(slice_values(metric, field, as_feature_list(metric, s_in)), [])
-        if order is None:
+        if side == sides[0]:
             order = names
         elif names != order:
             raise ValueError(f"{metric}: slice_by={field!r}: the {sides[0]} sequences are in slices {order[:8]} "
@@ -344,7 +346,7 @@ def _select_kwarg(metric, key, value, rows, keep, global_rows, sizes):
                      f"sequence ({n})")
 
 
-def is_reading(value) -> bool:
+def is_reading(value: Any) -> bool:
     """Whether a keyword value is a per-call reading (a number, a 0-d tensor; or None),
     which belongs to the whole call, not to its slices."""
     if isinstance(value, bool):
@@ -352,7 +354,7 @@ def is_reading(value) -> bool:
     return value is None or isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0)
 
 
-def holds_data(outputs) -> bool:
+def holds_data(outputs: Any) -> bool:
     """Whether outputs (a dict or a list of them) hold a value: not None, not empty."""
     items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
     return any(isinstance(o, Mapping) and any(_full(v) for v in o.values()) for o in items)
@@ -368,13 +370,13 @@ def _full(v) -> bool:
     return True
 
 
-def is_setting(value) -> bool:
+def is_setting(value: Any) -> bool:
     """Whether a keyword value is a setting of the call (a string or a bool, such as
     ``loss_reduction``), which goes to every slice as it is."""
     return isinstance(value, (str, bool))
 
 
-def is_data(value) -> bool:
+def is_data(value: Any) -> bool:
     """Whether a keyword value holds per-sequence data: neither a reading nor a setting."""
     return not (is_reading(value) or is_setting(value))
 

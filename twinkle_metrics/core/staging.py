@@ -8,7 +8,7 @@ asynchronous interval back under the next one (``Interval.fold_under``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
@@ -19,7 +19,7 @@ from twinkle_metrics.core.state import interval_of, move_states, new_states
 from twinkle_metrics.inputs import fields
 
 
-def stage(metric, inputs, outputs, kwargs: Optional[Mapping[str, Any]], checked: bool = False
+def stage(metric: Any, inputs: Any, outputs: Any, kwargs: Optional[Mapping[str, Any]], checked: bool = False
           ) -> Optional["Staged"]:
     """Run ``metric.update`` on one call (and on each slice of it) and stage its fold;
     change nothing. None when the call contributes nothing. The call is first checked
@@ -32,7 +32,7 @@ def stage(metric, inputs, outputs, kwargs: Optional[Mapping[str, Any]], checked:
     begin(metric)
     try:
         if not checked:
-            kwargs = fields.check_call([metric], inputs, outputs, kwargs)[0]
+            kwargs = fields.check_call([metric], inputs, outputs, kwargs or {})[0]
         if kwargs is None:
             if not metric.exchange_groups():
                 return None
@@ -48,7 +48,7 @@ def stage(metric, inputs, outputs, kwargs: Optional[Mapping[str, Any]], checked:
         raise
 
 
-def plan(interval, contributions: Mapping[str, Any]) -> "Staged":
+def plan(interval: Any, contributions: Mapping[str, Any]) -> "Staged":
     """Validate and stage ``{state: contribution}`` into ``interval`` (``core.interval``);
     nothing changes until ``apply()``.
 
@@ -130,7 +130,8 @@ def plan(interval, contributions: Mapping[str, Any]) -> "Staged":
         copies.extend(zip(names, merged.unbind()))
     return Staged(interval, contributions, groups, copies, install, device, new_specs)
 
-def fold_value(owner: str, name: str, op, state: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def fold_value(owner: str, name: str, op: Callable[[torch.Tensor, torch.Tensor], Any], state: torch.Tensor,
+               value: torch.Tensor) -> torch.Tensor:
     """``op(state, value)``, a local merge, checked to keep the state's shape (pure: it
     runs before any state changes)."""
     value = _as_tensor(op(state, value), state).detach()
@@ -148,7 +149,9 @@ class Staged:
 
     __slots__ = ("interval", "contributions", "groups", "copies", "install", "device", "new_specs")
 
-    def __init__(self, interval, contributions, groups, copies, install, device, new_specs):
+    def __init__(self, interval: Any, contributions: Mapping[str, Any], groups: Dict[Any, tuple],
+                 copies: List[tuple], install: Optional[Dict[str, torch.Tensor]], device: torch.device,
+                 new_specs: Dict[str, Any]) -> None:
         self.interval, self.contributions = interval, contributions
         self.groups, self.copies = groups, copies
         self.install, self.device, self.new_specs = install, device, new_specs

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union, overload
 
 import torch
 
@@ -72,7 +72,7 @@ class State:
     scope: str = "data"
     keep: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not callable(self.reduce) and self.reduce not in _OPS:
             raise ValueError(f"State: reduce must be one of {_OPS} or a callable, got {self.reduce!r}")
         if callable(self.reduce) and (self.default is None or self.local is None):
@@ -93,15 +93,20 @@ class State:
         self.shape = tuple(int(s) for s in self.shape)
         self.name = ""  # the attribute it is declared as, or the name add_state gives it
 
-    def __set_name__(self, owner, name):
+    def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, obj, owner=None):
+    @overload
+    def __get__(self, obj: None, owner: Optional[type] = None) -> "State": ...
+    @overload
+    def __get__(self, obj: object, owner: Optional[type] = None) -> torch.Tensor: ...
+
+    def __get__(self, obj: Optional[object], owner: Optional[type] = None) -> Union["State", torch.Tensor]:
         if obj is None:
             return self
         return interval_of(obj).states[self.name]
 
-    def __set__(self, obj, value):
+    def __set__(self, obj: object, value: Any) -> None:
         raise AttributeError(f"{type(obj).__name__}.{self.name} is a metric state; change it "
                              "through accumulate(), reset() or load_state_dict()")
 
@@ -125,7 +130,7 @@ class State:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def new(self, device) -> torch.Tensor:
+    def new(self, device: Union[torch.device, str]) -> torch.Tensor:
         """A fresh tensor holding the default (a fill kernel: no host-device copy)."""
         return torch.full(self.shape, self.identity, dtype=self.dtype, device=device)
 
@@ -169,7 +174,7 @@ class Origin:
                 return {"rate": (s["step"] - s["first_step"]) / (s["ended"] - s["began"])}
     """
 
-    def __init__(self, reading: Union[Callable[[], Any], str]):
+    def __init__(self, reading: Union[Callable[[], Any], str]) -> None:
         if not (callable(reading) or (isinstance(reading, str) and reading)):
             raise TypeError(f"Origin: reading must be a callable (a clock) or the name of a state, got {reading!r}")
         self.reading = reading
@@ -180,10 +185,10 @@ class Origin:
         """The state whose newest host number this origin takes, or None (a clock)."""
         return None if callable(self.reading) else self.reading
 
-    def __set_name__(self, owner, name):
+    def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, obj, owner=None):
+    def __get__(self, obj: Optional[object], owner: Optional[type] = None) -> Any:
         if obj is None:
             return self
         return interval_of(obj).origins[self.name]
@@ -196,7 +201,7 @@ class Origin:
         return last_host.get(self.reading, 0)
 
 
-def interval_of(metric):
+def interval_of(metric: Any) -> Any:
     """The metric's current ``core.interval.Interval``: the one place that reads it off the
     metric, for the machinery that moves its states (``Metric`` keeps it name-mangled, so that
     no subclass attribute can clash with it)."""
@@ -207,11 +212,11 @@ def batched(fold: Callable) -> Callable:
     """Mark a local merge ``(old, new) -> merged`` as elementwise over a leading dim: given
     ``[k, *shape]`` stacks it returns the ``k`` merges stacked. ``accumulate`` then folds
     every state that uses it (same dtype and shape) in one call instead of one each."""
-    fold.batched = True
+    fold.batched = True  # type: ignore[attr-defined]  # a mark on the function, read by accumulate
     return fold
 
 
-def new_states(specs: Dict[str, "State"], device) -> Dict[str, torch.Tensor]:
+def new_states(specs: Dict[str, "State"], device: Union[torch.device, str]) -> Dict[str, torch.Tensor]:
     """Every state of ``specs`` at its default on ``device``: one copy per dtype of a host
     block of the defaults (kept per set of states), each state a view of its dtype's block.
     A metric's ~15 states cost two copies, not ~15 fills (``reset()`` after every
@@ -232,13 +237,13 @@ class _Defaults:
 
     __slots__ = ("specs", "names", "blocks", "order")
 
-    def __init__(self, specs: Dict[str, "State"]):
+    def __init__(self, specs: Dict[str, "State"]) -> None:
         self.specs, self.names = tuple(specs.values()), list(specs)
         by_dtype: Dict[torch.dtype, list] = {}
         for name, spec in specs.items():
             by_dtype.setdefault(spec.dtype, []).append((name, spec))
         #: per dtype: (block of defaults, scalars at its start, sizes and shapes of the others)
-        self.blocks = []
+        self.blocks: list = []
         placed = []
         for entries in by_dtype.values():
             entries.sort(key=lambda e: e[1].shape != ())  # stable: scalars first, then in order
@@ -265,11 +270,12 @@ class _Defaults:
 _DEFAULTS: Dict[tuple, _Defaults] = {}
 
 
-def move_states(states: Dict[str, torch.Tensor], device) -> Dict[str, torch.Tensor]:
+def move_states(states: Dict[str, torch.Tensor], device: Union[torch.device, str]) -> Dict[str, torch.Tensor]:
     """``states`` on ``device``: the host ones moved in one non-blocking copy per dtype
     (each state a view of its dtype's block), the others with ``.to``."""
     device = torch.device(device)
-    out, host = {}, {}
+    out: Dict[str, torch.Tensor] = {}
+    host: Dict[torch.dtype, list] = {}
     for name, t in states.items():
         if t.device == device:
             out[name] = t
@@ -282,7 +288,7 @@ def move_states(states: Dict[str, torch.Tensor], device) -> Dict[str, torch.Tens
     return {name: out[name] for name in states}
 
 
-def as_tensor(value, like: torch.Tensor) -> torch.Tensor:
+def as_tensor(value: Any, like: torch.Tensor) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.device != like.device:
             # Host to device: asynchronous. Device to host only happens for a state that

@@ -6,9 +6,10 @@ import contextlib
 import math
 import numbers
 import threading
-from typing import Any, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Union
 
 import torch
+from torch.types import Device
 
 _state = threading.local()
 
@@ -18,7 +19,7 @@ def host_reads_active() -> bool:
 
 
 @contextlib.contextmanager
-def host_reads():
+def host_reads() -> Iterator[None]:
     """Marks reads of CPU tensors that only ever held host-known values (a count built on
     the host, sizes exchanged over gloo): no device is involved, so
     ``testing.forbid_device_waits`` lets them through."""
@@ -29,11 +30,11 @@ def host_reads():
         _state.depth -= 1
 
 
-def shape(x) -> list:
+def shape(x: Any) -> list:
     return list(x.shape) if isinstance(x, torch.Tensor) else [len(x)] if isinstance(x, (list, tuple)) else []
 
 
-def int_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
+def int_tensor(metric: str, field: str, value: Any, device: Device = None) -> torch.Tensor:
     """``value`` (tensor or nested list of ints) as an integer tensor on ``device``."""
     if not isinstance(value, torch.Tensor):
         try:
@@ -49,7 +50,7 @@ def int_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
     return value
 
 
-def as_tensor(value, device=None, dtype=None) -> torch.Tensor:
+def as_tensor(value: Any, device: Device = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``torch.as_tensor`` that keeps device tensors where they are (asynchronous move)."""
     if isinstance(value, torch.Tensor):
         if device is not None and value.device != torch.device(device):
@@ -58,7 +59,7 @@ def as_tensor(value, device=None, dtype=None) -> torch.Tensor:
     return from_host(torch.as_tensor(value, dtype=dtype), device)
 
 
-def from_host(t: torch.Tensor, device=None) -> torch.Tensor:
+def from_host(t: torch.Tensor, device: Device = None) -> torch.Tensor:
     """A tensor built from host data, moved to ``device`` without waiting.
 
     ``torch.tensor(data, device=cuda)`` copies and then synchronises the stream;
@@ -70,14 +71,14 @@ def from_host(t: torch.Tensor, device=None) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def from_host_all(tensors: Sequence[torch.Tensor], device) -> List[torch.Tensor]:
+def from_host_all(tensors: Sequence[torch.Tensor], device: Device) -> List[torch.Tensor]:
     """Host tensors of one dtype moved to ``device`` in one non-blocking copy (``from_host``):
     each a view of the moved block, shaped as it was, in order."""
     block = from_host(torch.cat([t.reshape(-1) for t in tensors]), device)
     return [piece.view(t.shape) for t, piece in zip(tensors, torch.split(block, [t.numel() for t in tensors]))]
 
 
-def real_values(metric: str, field: str, value, allow_bool: bool = False):
+def real_values(metric: str, field: str, value: Any, allow_bool: bool = False) -> Any:
     """``value`` unchanged, after refusing complex tensors (a cast would drop the imaginary
     part and give finite, wrong numbers) and, unless ``allow_bool``, bool ones (flags are
     not log-probs or values); a list is checked entry by entry."""
@@ -90,7 +91,7 @@ def real_values(metric: str, field: str, value, allow_bool: bool = False):
     return value
 
 
-def float_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
+def float_tensor(metric: str, field: str, value: Any, device: Device = None) -> torch.Tensor:
     """``value`` as a tensor: tensors as they are, other numbers as float64.
 
     Python floats are float64 already; ``torch.as_tensor`` would round them to
@@ -106,7 +107,7 @@ def float_tensor(metric: str, field: str, value, device=None) -> torch.Tensor:
                         f"got {type(value).__name__} ({e}); pass a [batch, seq] tensor") from None
 
 
-def floating_tensor(metric: str, field: str, value) -> torch.Tensor:
+def floating_tensor(metric: str, field: str, value: Any) -> torch.Tensor:
     """``value`` itself, which must be a floating-point tensor (model outputs such as logits)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{metric}: outputs[{field!r}] must be a tensor, got {type(value).__name__}")
@@ -119,14 +120,14 @@ def floating_tensor(metric: str, field: str, value) -> torch.Tensor:
 def right_align(metric: str, field: str, value: torch.Tensor, target: Sequence[int], what: str) -> torch.Tensor:
     """Keep the last ``target[-1]`` positions of ``value`` (Twinkle aligns labels to the right
     when logits are shorter); raise when the shapes cannot be aligned."""
-    target = list(target)
+    want = list(target)
     got = list(value.shape)
-    if got == target:
+    if got == want:
         return value
-    if len(got) == len(target) and len(got) >= 1 and got[:-1] == target[:-1] and got[-1] >= target[-1]:
-        return value[..., got[-1] - target[-1]:]
-    raise ValueError(f"{metric}: {field} {got} do not match {what}; expected {target} (or the same "
-                     f"leading dims and at least {target[-1] if target else 0} positions, aligned to the "
+    if len(got) == len(want) and len(got) >= 1 and got[:-1] == want[:-1] and got[-1] >= want[-1]:
+        return value[..., got[-1] - want[-1]:]
+    raise ValueError(f"{metric}: {field} {got} do not match {what}; expected {want} (or the same "
+                     f"leading dims and at least {want[-1] if want else 0} positions, aligned to the "
                      f"right); pass {field} aligned to the outputs")
 
 
@@ -142,7 +143,7 @@ def fits_int64(metric: str, field: str, value: int) -> int:
     return value
 
 
-def scalar(metric: str, field: str, value, numel: int = 1):
+def scalar(metric: str, field: str, value: Any, numel: int = 1) -> Any:
     """A Python number or a tensor with ``numel`` elements, returned as is (no read)."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
         got = "a complex number" if isinstance(value, numbers.Complex) else type(value).__name__
@@ -160,7 +161,7 @@ def scalar(metric: str, field: str, value, numel: int = 1):
     return value
 
 
-def count(metric: str, field: str, value):
+def count(metric: str, field: str, value: Any) -> Any:
     """A count given by the user (tokens, samples, a completion's length): a non-negative
     integer, returned as given (a tensor as its one element, not read from a device).
 
@@ -215,7 +216,7 @@ def counts(metric: str, field: str, values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def _check_count(metric: str, field: str, number) -> None:
+def _check_count(metric: str, field: str, number: Any) -> None:
     if isinstance(number, numbers.Integral):
         bad = number < 0
     else:
@@ -225,7 +226,7 @@ def _check_count(metric: str, field: str, number) -> None:
                          "tokens / samples / positions it counts)")
 
 
-def negative_count(metric: str, field: str, total, interval: int) -> None:
+def negative_count(metric: str, field: str, total: Any, interval: int) -> None:
     """Raise ``ValueError`` when the reduced ``total`` (or smallest value) of counts given as
     device tensors is negative or not whole: every rank holds the same reduced value, so
     every rank raises the same."""
@@ -236,7 +237,7 @@ def negative_count(metric: str, field: str, total, interval: int) -> None:
                          "fix the counts, then reset() this metric")
 
 
-def f64(value) -> Any:
+def f64(value: Any) -> Any:
     """A number or tensor as float64 (tensors stay on their device)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to(torch.float64)
@@ -251,7 +252,7 @@ def plus(total: Optional[Any], value: Any) -> Any:
 NAN_POLICIES = ("propagate", "skip")
 
 
-def nan_policy(metric: str, value) -> str:
+def nan_policy(metric: str, value: Any) -> str:
     """Check a ``nan_policy`` constructor argument.
 
     ``"propagate"``: a non-finite value flows into every result it feeds (NaN/inf shows,
@@ -272,22 +273,24 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(x)
 
 
-def is_bad(x):
+def is_bad(x: Any) -> Union[bool, torch.Tensor]:
     """Whether ``x`` (None, a number or a 0-d tensor) is NaN/inf: a bool or a bool tensor."""
     if x is None:
         return False
     return nonfinite(x) if isinstance(x, torch.Tensor) else not math.isfinite(x)
 
 
-def as_count(flag):
+def as_count(flag: Union[bool, torch.Tensor]) -> Union[int, torch.Tensor]:
     """An ``is_bad`` flag (a host bool or a bool tensor) as a count to add: 0 or 1."""
     return flag.to(torch.int64) if isinstance(flag, torch.Tensor) else int(flag)
 
 
-def pick(cond, a, b, dtype=torch.float64):
+def pick(cond: Union[bool, torch.Tensor], a: Any, b: Any, dtype: torch.dtype = torch.float64) -> Any:
     """``a if cond else b`` for a host bool; ``torch.where`` (on the device) for a tensor."""
     if not isinstance(cond, torch.Tensor):
         return a if cond else b
-    def t(x):  # a fill kernel for numbers: no host-to-device copy
-        return x if isinstance(x, torch.Tensor) else torch.full((), x, dtype=dtype, device=cond.device)
+    device = cond.device
+
+    def t(x: Any) -> torch.Tensor:  # a fill kernel for numbers: no host-to-device copy
+        return x if isinstance(x, torch.Tensor) else torch.full((), x, dtype=dtype, device=device)
     return torch.where(cond, t(a), t(b))

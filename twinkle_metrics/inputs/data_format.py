@@ -1,10 +1,11 @@
-"""Input and output records, as in Twinkle's ``twinkle.data_format``.
+"""Input and output records, as in Twinkle's ``twinkle.data_format``, and what a call carries.
 
-Both are ``TypedDict``s with every field optional: plain dicts work.
+Both records are ``TypedDict``s with every field optional: plain dicts work. ``Inputs`` and
+``Outputs`` are what ``Metric.accumulate`` and ``Metric.update`` take.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, TypedDict, Union
+from typing import Any, List, Mapping, Optional, Sequence, TypedDict, Union
 
 import torch
 
@@ -37,3 +38,14 @@ class ModelOutput(TypedDict, total=False):
     values: Optional[OutputType]
     num_tokens: Optional[OutputType]
     embeddings: Optional[OutputType]
+
+
+#: ``inputs`` of a call: one record, a list of them (one per pipeline microbatch; ``[]`` on a
+#: stage without the loss), or None
+Inputs = Union[InputFeature, Mapping[str, Any], Sequence[Mapping[str, Any]], None]
+#: ``outputs`` of a call: one record, a list of them (None for a microbatch without outputs),
+#: or None
+Outputs = Union[ModelOutput, Mapping[str, Any], Sequence[Optional[Mapping[str, Any]]], None]
+#: a keyword side input (log-probs, advantages, rewards, ids, versions): a tensor, or a list (of
+#: numbers, of ids, or one entry per microbatch), or None
+SideInput = Union[torch.Tensor, Sequence[Any], None]

@@ -37,13 +37,20 @@ import functools
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, TypeVar, cast
 
 #: keywords Twinkle passes to every metric (``accumulate_metrics``): accepted by each,
 #: handed to those whose ``update`` takes ``**kwargs`` or names them
 COMMON_KEYWORDS = frozenset({"lr", "step", "gradient_accumulation_steps", "grad_norm", "loss_reduction"})
 SIDES = ("inputs", "outputs", "keyword")
 _WHERE = {"inputs": "inputs", "outputs": "outputs", "keyword": "keyword arguments"}
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def per_class(fn: _F) -> _F:
+    """``functools.lru_cache(maxsize=None)`` for a function of a class, typed as ``fn`` (mypy takes
+    a ``type[X]`` for unhashable, so it would refuse every call of the plain wrapper)."""
+    return cast(_F, functools.lru_cache(maxsize=None)(fn))
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class Field:
     carries: bool = True  # False: context, read with the record but not a sign of it
     setting: Optional[str] = None  # the metric's setting the first name is taken from ("{loss_key}")
 
-    def resolved(self, metric) -> "Field":
+    def resolved(self, metric: Any) -> "Field":
         if not any("{" in n for n in self.names):
             return self
         setting = self.names[0][1:-1] if self.names[0].startswith("{") and self.names[0].endswith("}") else None
@@ -70,11 +77,11 @@ class Field:
 
 
 class _Attributes(dict):
-    def __init__(self, metric):
+    def __init__(self, metric: Any) -> None:
         super().__init__()
         self.metric = metric
 
-    def __missing__(self, key):
+    def __missing__(self, key: str) -> str:
         value = getattr(self.metric, key, None)
         if not isinstance(value, str):
             raise TypeError(f"{type(self.metric).__name__}: a field named {{{key}}} needs a string attribute "
@@ -95,7 +102,7 @@ class Reads:
     """
 
     def __init__(self, inputs: Sequence[str] = (), outputs: Sequence[str] = (), keywords: Sequence[str] = (),
-                 context: Optional["Reads"] = None):
+                 context: Optional["Reads"] = None) -> None:
         if context is not None and not isinstance(context, Reads):
             raise TypeError(f"Reads: context must be a Reads(...), got {type(context).__name__}")
         fields = []
@@ -113,13 +120,13 @@ class Reads:
     def required(self) -> List[str]:
         return [f"{f.side}[{'|'.join(f.names)}]" for f in self.fields if f.required]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         shown = [f"{f.side}:{'|'.join(f.names)}" + ("" if f.required else "?") for f in self.fields]
         return f"Reads({', '.join(shown)})"
 
 
-@functools.lru_cache(maxsize=None)
-def records(cls) -> Tuple[Reads, ...]:
+@per_class
+def records(cls: Any) -> Tuple[Reads, ...]:
     """``cls.reads`` as a tuple; raises ``TypeError`` for the author when it is not one
     ``Reads`` or a tuple of them, or names a keyword ``update`` does not take."""
     reads = getattr(cls, "reads", ())
@@ -135,8 +142,8 @@ def records(cls) -> Tuple[Reads, ...]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def update_keywords(cls) -> Tuple[FrozenSet[str], bool]:
+@per_class
+def update_keywords(cls: Any) -> Tuple[FrozenSet[str], bool]:
     """The keywords ``cls.update`` names, and whether it also takes ``**kwargs``."""
     params = list(inspect.signature(cls.update).parameters.values())[3:]
     named = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
@@ -144,7 +151,7 @@ def update_keywords(cls) -> Tuple[FrozenSet[str], bool]:
 
 
 # ------------------------------------------------------------------------ the check
-def present(value) -> bool:
+def present(value: Any) -> bool:
     """Whether a field's value holds something: not None, not a list of nothing (``[]``, or
     ``None`` per microbatch, as a pipeline stage without the loss passes)."""
     if isinstance(value, (list, tuple)):
@@ -198,13 +205,13 @@ class _Call:
 
 
 class _Verdict:
-    def __init__(self, metric, call: "_Call"):
+    def __init__(self, metric: Any, call: "_Call") -> None:
         self.metric = metric
         self.name = type(metric).__name__
         self.complete: set = set()  # (side, name) read by a complete record
-        self.partial: List[Tuple[Field, List[Field]]] = []  # (missing field, carried fields)
+        self.partial: List[Tuple[List[Field], List[Field]]] = []  # (missing fields, carried fields)
         self.absent: List[Field] = []  # fields of this metric the call does not carry
-        self.known = {side: set() for side in SIDES}
+        self.known: Dict[str, set] = {side: set() for side in SIDES}
         slice_by = getattr(metric, "slice_by", None)
         if slice_by:
             self.known["inputs"].add(slice_by)
@@ -226,7 +233,8 @@ class _Verdict:
                 self.complete.update((f.side, n) for f in carried for n in f.names if n in call.names[f.side])
 
 
-def check_call(metrics: Sequence, inputs, outputs, kwargs: Mapping[str, Any]) -> List[Optional[Dict[str, Any]]]:
+def check_call(metrics: Sequence[Any], inputs: Any, outputs: Any, kwargs: Mapping[str, Any]
+               ) -> List[Optional[Dict[str, Any]]]:
     """Check one call of ``metrics`` (a metric alone, or the members of a collection) against
     what they read; return each member's own keywords, or None for a member the call carries
     part of a record for that another member reads whole (the call is not for it: it adds
@@ -268,7 +276,7 @@ def _judge(metrics, call: "_Call") -> Tuple[str, FrozenSet[int]]:
     return _typos(verdicts, call) or _entries(verdicts, call), frozenset(excused)
 
 
-def own_keywords(metric, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+def own_keywords(metric: Any, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
     """The keywords of a call ``metric.update`` takes: those it names, and the common ones
     when it takes ``**kwargs``."""
     named, rest = update_keywords(type(metric))
@@ -301,7 +309,8 @@ def typo_of(a: str, b: str) -> bool:
     if abs(len(x) - len(y)) > 2:
         return False
     limit = 1 if min(len(x), len(y)) <= 5 else 2
-    prev2, prev = None, list(range(len(y) + 1))
+    prev2: List[int] = []
+    prev = list(range(len(y) + 1))
     for i in range(1, len(x) + 1):
         row = [i] + [0] * len(y)
         for j in range(1, len(y) + 1):

@@ -29,7 +29,7 @@ def batch_size(metric: str, feature: Mapping[str, Any]) -> int:
                      f"(or input_ids) so the batch size is known; got keys {sorted(feature)}")
 
 
-def host_array(metric: str, field: str, value) -> torch.Tensor:
+def host_array(metric: str, field: str, value: Any) -> torch.Tensor:
     """A feature field as a tensor: a tensor as it is; a host list (of lists) of numbers
     converted, or a TypeError naming the field: ragged rows (sequences of different
     lengths) and strings are not arrays."""
@@ -45,7 +45,7 @@ def host_array(metric: str, field: str, value) -> torch.Tensor:
     return t
 
 
-def _nothing_without_inputs(metric: str, outputs, fields: Sequence[str]) -> None:
+def _nothing_without_inputs(metric: str, outputs: Any, fields: Sequence[str]) -> None:
     """No input features (``[]``: a stage without the loss) come with no data: outputs that
     hold some would be dropped silently."""
     if not isinstance(outputs, Mapping):
@@ -59,14 +59,14 @@ def _nothing_without_inputs(metric: str, outputs, fields: Sequence[str]) -> None
                              "features (labels / masks) of those outputs, one per microbatch")
 
 
-def has_field(outputs, *fields: str) -> bool:
+def has_field(outputs: Any, *fields: str) -> bool:
     """Whether ``outputs`` (one dict or a list of them) holds a value for any of ``fields``;
     metrics use it to reject per-token outputs that came without their inputs."""
     items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
     return any(isinstance(o, Mapping) and any(o.get(f) is not None for f in fields) for o in items)
 
 
-def as_feature_list(metric: str, inputs) -> List[Dict[str, Any]]:
+def as_feature_list(metric: str, inputs: Any) -> List[Dict[str, Any]]:
     """``None`` / one ``InputFeature`` / a list of them, as a list."""
     if inputs is None:
         return []
@@ -88,7 +88,7 @@ def join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
-def microbatches(metric: str, inputs, outputs, fields: Sequence[str]) -> List[Pair]:
+def microbatches(metric: str, inputs: Any, outputs: Any, fields: Sequence[str]) -> List[Pair]:
     """Aligned ``(input feature, {field: value})`` pairs, one per microbatch.
 
     ``fields`` are the output fields the metric reads; missing or ``None`` fields are
@@ -129,7 +129,7 @@ def microbatches(metric: str, inputs, outputs, fields: Sequence[str]) -> List[Pa
     return pairs
 
 
-def split_by_sizes(metric: str, key: str, value, sizes: List[int]) -> List[Optional[Any]]:
+def split_by_sizes(metric: str, key: str, value: Any, sizes: List[int]) -> List[Optional[Any]]:
     n = len(sizes)
     if isinstance(value, (list, tuple)):
         if n == 1 and len(value) != 1 and all(not isinstance(v, torch.Tensor) for v in value):

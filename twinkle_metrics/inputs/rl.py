@@ -12,13 +12,15 @@ from numbers import Number
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from torch.types import Device
 
 from parallel import comm_device, group_size
+from parallel.groups import ProcessGroup
 from twinkle_metrics.inputs.checks import as_tensor, float_tensor, from_host, nonfinite, real_values
 from twinkle_metrics.inputs.microbatch import has_field, host_array, join, microbatches
 
 
-def token_mask(metric: str, feat, ignore_index: int, device=None) -> torch.Tensor:
+def token_mask(metric: str, feat: Mapping[str, Any], ignore_index: int, device: Device = None) -> torch.Tensor:
     """``[b, s]`` bool mask: ``completion_mask`` when given, else ``labels != ignore_index``."""
     if feat.get("completion_mask") is not None:
         mask = _ne(as_tensor(host_array(metric, "completion_mask", feat["completion_mask"]), device), 0)
@@ -56,8 +58,8 @@ def _ne(x: torch.Tensor, value) -> torch.Tensor:
     return torch.ne(x, value, out=out).view(torch.bool)
 
 
-def per_token(metric: str, field: str, value, mask: torch.Tensor, full_len: int,
-              dtype=None, per_sequence: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def per_token(metric: str, field: str, value: Any, mask: torch.Tensor, full_len: int,
+              dtype: Optional[torch.dtype] = None, per_sequence: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """One microbatch's per-token side input aligned to ``mask`` ([b, s]).
 
     Returns ``(values, has)``: ``values`` is ``[b, s]``, or ``[b, 1]`` (broadcasting
@@ -197,7 +199,7 @@ def _is_scalar(v) -> bool:
     return isinstance(v, Number) or (isinstance(v, torch.Tensor) and v.dim() == 0)
 
 
-def split_side_input(metric: str, field: str, value, sizes: Sequence[int]) -> List[Any]:
+def split_side_input(metric: str, field: str, value: Any, sizes: Sequence[int]) -> List[Any]:
     """Split a side input (``old_logps``, ``advantages``, ...) into one entry per microbatch.
 
     ``value`` may be:
@@ -258,7 +260,7 @@ def _sequence_entry(v):
     return [v]
 
 
-def aligned_microbatches(metric: str, inputs, outputs, field: str, ignore_index: int,
+def aligned_microbatches(metric: str, inputs: Any, outputs: Any, field: str, ignore_index: int,
                          sides: Mapping[str, Tuple[Any, bool]]) -> List[Dict[str, Any]]:
     """One per-token output and its side inputs, validated and aligned per microbatch.
 
@@ -360,7 +362,7 @@ def nonfinite_tokens(x: torch.Tensor, m: torch.Tensor,
     return bad
 
 
-def cp_sum(t: torch.Tensor, group) -> torch.Tensor:
+def cp_sum(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Sum ``t`` over the CP group on the device (one all_reduce; none for one rank).
 
     Every rank of the group must call it with the same shape.
@@ -375,7 +377,7 @@ def cp_sum(t: torch.Tensor, group) -> torch.Tensor:
     return x.to(t.device, non_blocking=True) if x.device != t.device else x
 
 
-def cp_lead(metric) -> bool:
+def cp_lead(metric: Any) -> bool:
     """True unless this rank is a non-first rank of its CP group.
 
     Sequence-level quantities (rewards, DPO pairs, GSPO sequence ratios) are the
@@ -385,7 +387,8 @@ def cp_lead(metric) -> bool:
     return metric.sequence_group() is None or metric.resolve_mesh().cp_rank == 0
 
 
-def common_length(metric: str, field: str, values: torch.Tensor, mask: torch.Tensor):
+def common_length(metric: str, field: str, values: torch.Tensor, mask: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Truncate ``values`` ([b, s']) and ``mask`` ([b, s]) to a common length (Twinkle
     trims off-by-one differences from packing/SP the same way); ``values`` must be 2-D
     with the mask's batch size. ``field`` names the input in errors, e.g.

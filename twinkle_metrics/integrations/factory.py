@@ -31,9 +31,9 @@ import importlib
 import inspect
 import json
 import os
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Type
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
-from parallel import DeviceMesh
+from parallel import MeshLike
 from twinkle_metrics.core.collection import MetricCollection
 from twinkle_metrics.core.metric import Metric, constructor_keywords
 from twinkle_metrics.metrics import SHIPPED
@@ -92,7 +92,7 @@ def metric_kwargs(cls: Type[Metric]) -> Optional[List[str]]:
     return constructor_keywords(cls)
 
 
-def build_metric(entry: Mapping[str, Any], device_mesh: Optional[DeviceMesh] = None) -> Metric:
+def build_metric(entry: Mapping[str, Any], device_mesh: MeshLike = None) -> Metric:
     """One metric from ``{"type": ..., "kwargs": {...}}`` with ``device_mesh`` handed in."""
     if isinstance(entry, str):
         entry = {"type": entry}
@@ -121,7 +121,8 @@ def build_metric(entry: Mapping[str, Any], device_mesh: Optional[DeviceMesh] = N
     return cls(device_mesh=device_mesh, **kwargs)
 
 
-def build_metrics(entries: Sequence[Any], device_mesh: Optional[DeviceMesh] = None) -> MetricCollection:
+def build_metrics(entries: Union[Sequence[Any], Mapping[str, Any]], device_mesh: MeshLike = None
+                  ) -> MetricCollection:
     """A ``MetricCollection`` of every entry, all sharing ``device_mesh``.
 
     Raises:
@@ -136,7 +137,7 @@ def build_metrics(entries: Sequence[Any], device_mesh: Optional[DeviceMesh] = No
     metrics = [build_metric(e, device_mesh) for e in entries]
     for e in entries:
         feed_of(e)  # a bad 'feed' is a config error too
-    names = [e.get("name") if isinstance(e, Mapping) else None for e in entries]
+    names: List[Any] = [e.get("name") if isinstance(e, Mapping) else None for e in entries]
     if all(n is None for n in names):
         return MetricCollection(metrics, device_mesh=device_mesh)
     if any(n is None for n in names):
@@ -166,7 +167,8 @@ def feed_of(entry: Any) -> str:
     return feed
 
 
-def split_feeds(entries: Sequence[Any], collection: MetricCollection):
+def split_feeds(entries: Union[Sequence[Any], Mapping[str, Any]], collection: MetricCollection
+                ) -> Tuple[MetricCollection, MetricCollection]:
     """``(step_metrics, microbatch_metrics)``: the collection's metrics grouped by ``feed_of``,
     each a ``MetricCollection`` to feed one shared call (each member takes its keywords).
 
@@ -176,11 +178,12 @@ def split_feeds(entries: Sequence[Any], collection: MetricCollection):
         entries = entries["metrics"]
     if len(entries) != len(collection):
         raise ValueError(f"split_feeds: {len(entries)} entries but {len(collection)} metrics")
-    step, micro = [], []
+    step: List[Tuple[str, Metric]] = []
+    micro: List[Tuple[str, Metric]] = []
     for entry, item in zip(entries, collection.members()):
         (step if feed_of(entry) == "step" else micro).append(item)
 
-    def part(items):
+    def part(items: List[Tuple[str, Metric]]) -> MetricCollection:
         return MetricCollection(dict(items) if any(name for name, _ in items) else [m for _, m in items])
 
     return part(step), part(micro)

@@ -29,9 +29,12 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, TextIO, TypeVar, Union
+
+from twinkle_metrics.comm.pending import CalculateHandle
 
 SINKS = ("console", "jsonl", "tensorboard", "wandb")
+_L = TypeVar("_L", bound="Logger")
 
 
 class Logger:
@@ -43,10 +46,10 @@ class Logger:
     def close(self) -> None:
         pass
 
-    def __enter__(self):
+    def __enter__(self: _L) -> _L:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         self.close()
 
 
@@ -86,14 +89,14 @@ def format_line(results: Mapping[str, Any], step: int, prefix: str = "") -> str:
 class ConsoleLogger(Logger):
     """A compact line per interval (through the progress bar when one is active)."""
 
-    def __init__(self, stream=None, prefix: str = "", progress: Optional["Progress"] = None,
-                 keys: Optional[Sequence[str]] = None):
+    def __init__(self, stream: Optional[TextIO] = None, prefix: str = "", progress: Optional["Progress"] = None,
+                 keys: Optional[Sequence[str]] = None) -> None:
         self.stream = stream or sys.stdout
         self.prefix = prefix
         self.progress = progress
         self.keys = list(keys) if keys else None  # None: every key
 
-    def log(self, results, step):
+    def log(self, results: Mapping[str, Any], step: int) -> None:
         results = numeric(results)
         if self.keys is not None:
             results = {k: results[k] for k in self.keys if k in results}
@@ -112,13 +115,13 @@ class JsonlLogger(Logger):
     Non-finite numbers are written as ``null`` (strict JSON has no NaN).
     """
 
-    def __init__(self, path: str, records_path: Optional[str] = None):
+    def __init__(self, path: str, records_path: Optional[str] = None) -> None:
         self.path, self.records_path = path, records_path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(path, "a", encoding="utf-8")
-        self._records = None
+        self._records: Optional[TextIO] = None
 
-    def log(self, results, step):
+    def log(self, results: Mapping[str, Any], step: int) -> None:
         head = {"step": step, "time": time.time()}
         self._file.write(json.dumps(_plain_json({**head, **numeric(results)})) + "\n")
         self._file.flush()
@@ -129,7 +132,7 @@ class JsonlLogger(Logger):
             self._records.write(json.dumps(_plain_json({**head, **others})) + "\n")
             self._records.flush()
 
-    def close(self):
+    def close(self) -> None:
         for f in (self._file, self._records):
             if f is not None and not f.closed:
                 f.close()
@@ -138,7 +141,7 @@ class JsonlLogger(Logger):
 class TensorBoardLogger(Logger):
     """Scalars to TensorBoard event files (needs the ``tensorboard`` package)."""
 
-    def __init__(self, log_dir: str):
+    def __init__(self, log_dir: str) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # torch raises ImportError when tensorboard is missing
@@ -147,12 +150,12 @@ class TensorBoardLogger(Logger):
         self.log_dir = log_dir
         self._writer = SummaryWriter(log_dir=log_dir)
 
-    def log(self, results, step):
+    def log(self, results: Mapping[str, Any], step: int) -> None:
         for key, value in numeric(results).items():
             self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
-    def close(self):
+    def close(self) -> None:
         self._writer.close()
 
 
@@ -160,16 +163,17 @@ class WandbLogger(Logger):
     """Weights & Biases (offline unless ``mode`` says otherwise). Needs ``wandb``."""
 
     def __init__(self, run_dir: str, project: str = "twinkle-metrics", mode: str = "offline",
-                 config: Optional[Mapping[str, Any]] = None, name: Optional[str] = None):
+                 config: Optional[Mapping[str, Any]] = None, name: Optional[str] = None) -> None:
         import wandb  # ImportError is handled by build_loggers
 
-        self._run = wandb.init(project=project, dir=run_dir, mode=mode, name=name,
-                               config=dict(config or {}), reinit=True)
+        settings: Dict[str, Any] = dict(project=project, dir=run_dir, mode=mode, name=name,  # mode: checked by wandb
+                                        config=dict(config or {}), reinit=True)
+        self._run = wandb.init(**settings)
 
-    def log(self, results, step):
+    def log(self, results: Mapping[str, Any], step: int) -> None:
         self._run.log(numeric(results), step=step)
 
-    def close(self):
+    def close(self) -> None:
         self._run.finish()
 
 
@@ -179,11 +183,11 @@ class MonitorLogger(Logger):
     Duck-typed: anything with ``write_events([(name, value, step)])`` and ``enabled``.
     """
 
-    def __init__(self, monitor, prefix: str = "Train/Metrics/"):
+    def __init__(self, monitor: Any, prefix: str = "Train/Metrics/") -> None:
         self.monitor = monitor
         self.prefix = prefix
 
-    def log(self, results, step):
+    def log(self, results: Mapping[str, Any], step: int) -> None:
         if not getattr(self.monitor, "enabled", True):
             return
         events = [(self.prefix + key, value, step) for key, value in numeric(results).items()]
@@ -203,7 +207,7 @@ class LoggerGroup(Logger):
     it can, closes the loggers, then raises the first such error.
     """
 
-    def __init__(self, loggers: Iterable[Logger] = ()):
+    def __init__(self, loggers: Iterable[Logger] = ()) -> None:
         self.loggers: List[Logger] = list(loggers)
         self._queue: List[tuple] = []  # (results or handle, step), in call order
 
@@ -211,7 +215,7 @@ class LoggerGroup(Logger):
         self.loggers.append(logger)
         return self
 
-    def log(self, results, step):
+    def log(self, results: Union[Mapping[str, Any], CalculateHandle], step: int) -> None:
         self._queue.append((results, step))
         self.flush(wait=False)
 
@@ -230,7 +234,7 @@ class LoggerGroup(Logger):
             for logger in self.loggers:
                 logger.log(item, step)
 
-    def close(self):
+    def close(self) -> None:
         first: Optional[BaseException] = None
         try:
             while self._queue:
@@ -288,7 +292,7 @@ class Progress:
     """
 
     def __init__(self, total: int, *, enabled: bool = True, desc: str = "train",
-                 use_tqdm: Optional[bool] = None, stream=None, every: Optional[int] = None):
+                 use_tqdm: Optional[bool] = None, stream: Optional[TextIO] = None, every: Optional[int] = None) -> None:
         self.total, self.enabled, self.desc = total, enabled, desc
         self.stream = stream or sys.stderr
         self.n = 0

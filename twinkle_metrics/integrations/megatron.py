@@ -18,9 +18,15 @@ Nothing here imports megatron: the helpers work on the modules and tensors they 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+from twinkle_metrics.core.collection import MetricCollection
+from twinkle_metrics.core.metric import Metric
+
+#: what the hooks feed: a metric, or a collection of them
+Accumulates = Union[Metric, MetricCollection]
 
 _HOOK = "LogitsHook"
 _LOSS = "twinkle_metrics.integrations.megatron.loss_func"
@@ -77,7 +83,7 @@ class LogitsHook:
     ``hook.remove()`` (or ``with LogitsHook(...)``) removes the hooks.
     """
 
-    def __init__(self, model, *metrics):
+    def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]], *metrics: Accumulates) -> None:
         for m in metrics:
             if not callable(getattr(m, "accumulate", None)):
                 raise TypeError(f"{_HOOK}: expected metrics with accumulate(inputs, outputs), got "
@@ -159,7 +165,7 @@ class LogitsHook:
         self.remove()
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, metric=None,
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, metric: Optional[Accumulates] = None,
               key: str = "lm loss") -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
     """Megatron's ``loss_func`` for per-token losses, optionally feeding a ``LossMetric``.
 

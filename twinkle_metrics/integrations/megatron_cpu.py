@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+from typing import Dict, Iterator, Mapping
 
 import torch
 
@@ -123,30 +124,30 @@ class CpuRngTracker:
     Megatron's semantics (TP ranks share the model-parallel stream) without CUDA.
     """
 
-    def __init__(self):
-        self.states_ = {}
+    def __init__(self) -> None:
+        self.states_: Dict[str, torch.Tensor] = {}
         self._current_state_name = "default-rng"
 
-    def is_initialized(self):
+    def is_initialized(self) -> bool:
         return bool(self.states_)
 
-    def reset(self):
+    def reset(self) -> None:
         self.states_ = {}
 
-    def get_states(self):
+    def get_states(self) -> Dict[str, torch.Tensor]:
         return dict(self.states_)
 
-    def set_states(self, states):
+    def set_states(self, states: Mapping[str, torch.Tensor]) -> None:
         self.states_ = dict(states)
 
-    def add(self, name, seed):
+    def add(self, name: str, seed: int) -> None:
         if name in self.states_:
             raise Exception(f"rng state {name} already exists")
         gen = torch.Generator().manual_seed(int(seed))
         self.states_[name] = gen.get_state()
 
     @contextlib.contextmanager
-    def fork(self, name="model-parallel-rng"):
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
         saved = torch.get_rng_state()
         if name in self.states_:
             torch.set_rng_state(self.states_[name])
@@ -180,10 +181,10 @@ def enable(force: bool = False) -> bool:
     proxy = _CpuTorch()
     for name in _PATCHED_MODULES:
         module = importlib.import_module(name)
-        module.torch = proxy
+        module.torch = proxy  # type: ignore[attr-defined]  # the shim: a megatron-core module's torch
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]  # a name megatron-core reads, absent on CPU
     _local_hybrid_norm()
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -202,7 +203,7 @@ def _local_hybrid_norm() -> None:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     if not HAVE_TE:
-        hybrid_block.TENorm = WrappedTorchNorm
+        hybrid_block.TENorm = WrappedTorchNorm  # type: ignore[attr-defined]  # megatron-core's name, without TE
 
 
 def is_enabled() -> bool:

@@ -5,7 +5,7 @@ is called."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence, Union
 
 import torch
 
@@ -22,7 +22,7 @@ class MTPHooks:
     Set ``hooks.enabled = False`` around forwards that must not count.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.enabled = True
         self._undo: List[Any] = []
 
@@ -43,7 +43,8 @@ class MTPHooks:
         self.remove()
 
 
-def register_mtp_hooks(model, metric: MTPMetric, *, when: str = "train") -> MTPHooks:
+def register_mtp_hooks(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], metric: MTPMetric, *,
+                       when: str = "train") -> MTPHooks:
     """Feed ``metric`` from every MTP depth of ``model``'s forwards (one line, every rank).
 
     megatron-core computes the MTP losses on the last pipeline stage (``process_mtp_loss``):
@@ -125,10 +126,11 @@ def _hook_model(gpt, metric: MTPMetric, hooks: MTPHooks, when: str, roll_tensor)
             return
         bound = sig.bind_partial(*args, **kwargs).arguments
         labels, ids = bound.get("labels"), bound.get("input_ids")
-        if labels is None and ids is None:
+        tokens = labels if labels is not None else ids
+        if tokens is None:
             return  # megatron-core computes no MTP loss
         mask = bound.get("loss_mask")
-        mask = torch.ones_like(labels if labels is not None else ids) if mask is None else mask
+        mask = torch.ones_like(tokens) if mask is None else mask
         packed = bound.get("packed_seq_params")
         if labels is None:  # labels rolled from input_ids (0.19): their last one is masked too
             mask, _ = roll_tensor(mask, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed)

@@ -82,7 +82,7 @@ def plot(jsonl_path: str, out_path: Optional[str] = None, keys: Optional[Sequenc
     return out_path
 
 
-def main(argv=None) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("jsonl", help="RUN_DIR/metrics.jsonl")
     parser.add_argument("-o", "--out", default=None, help="PNG path (default: metrics.png beside it)")

@@ -3,7 +3,7 @@
 and z losses the router computed). megatron-core is imported only when it is called."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence, Union
 
 import torch
 
@@ -23,7 +23,7 @@ class RouterHooks:
         layers: the layer index of each hooked router, in module order.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.layers: List[int] = []
         self._undo: List[Any] = []
 
@@ -32,14 +32,15 @@ class RouterHooks:
             undo()
         self._undo.clear()
 
-    def __enter__(self):
+    def __enter__(self) -> "RouterHooks":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         self.remove()
 
 
-def register_router_hooks(model, metric: MoERoutingMetric, *, when: str = "train") -> RouterHooks:
+def register_router_hooks(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], metric: MoERoutingMetric, *,
+                          when: str = "train") -> RouterHooks:
     """Feed ``metric`` from every megatron-core ``TopKRouter`` of ``model`` (one line).
 
     For each router call: the ``routing_map`` it returns (after capacity dropping;
@@ -85,7 +86,7 @@ def register_router_hooks(model, metric: MoERoutingMetric, *, when: str = "train
                         f"{type(metric).__name__}")
     if when not in _WHEN:
         raise ValueError(f"register_router_hooks: when must be one of {list(_WHEN)}, got {when!r}")
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
     if not routers:
         raise ValueError("register_router_hooks: no megatron-core TopKRouter in the model; build it with "

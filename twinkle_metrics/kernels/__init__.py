@@ -35,7 +35,7 @@ or a context manager for a block (the parity tests run each pair through it)::
 from __future__ import annotations
 
 import importlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from twinkle_metrics.kernels.dispatch import BACKENDS, backend
 
@@ -49,7 +49,7 @@ class KernelPair(NamedTuple):
     torch: str
     triton: str
 
-    def load(self, side: str):
+    def load(self, side: str) -> Any:
         """The object ``side`` (``'torch'`` or ``'triton'``) names (imports its module)."""
         module, _, qualname = getattr(self, side).partition(":")
         obj = importlib.import_module(module)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm_device
+from parallel.groups import ProcessGroup
 from twinkle_metrics.comm.order import ordered_f32 as _ordered_f32
 from twinkle_metrics.comm.order import ordered_f64 as _ordered_f64
 from twinkle_metrics.inputs.microbatch import join
@@ -69,7 +70,8 @@ def joined_hits(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
     return join([argmax_hits(x, labels) for x, labels in pairs])
 
 
-def vocab_parallel_argmax(logits: List[torch.Tensor], group, tp_rank: int, tp_size: int) -> List[torch.Tensor]:
+def vocab_parallel_argmax(logits: List[torch.Tensor], group: ProcessGroup, tp_rank: int,
+                          tp_size: int) -> List[torch.Tensor]:
     """Global ``argmax(-1)`` of vocab-sharded logits, exactly as ``torch.argmax`` on the full vocab.
 
     Each rank holds ``[..., V / tp]`` (shard ``tp_rank`` of equal shards). Ties go to

@@ -20,7 +20,7 @@ import os
 import re
 import subprocess
 import tempfile
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, cast
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -35,7 +35,7 @@ class Variant(NamedTuple):
     label: str
     kernel: object
     types: Dict[str, str]
-    const: Dict[str, object]
+    const: Mapping[str, Any]
     warps: int
     fp_fusion: bool = False
     #: a kernel that streams its inputs (judged on its load widths); False for one-program
@@ -46,7 +46,8 @@ class Variant(NamedTuple):
     narrow_ok: int = 0
 
 
-def compile_for(kernel, target, types, constexprs, num_warps=4, contiguous=True, fp_fusion=False):
+def compile_for(kernel: Any, target: Any, types: Mapping[str, str], constexprs: Mapping[str, object],
+                num_warps: int = 4, contiguous: bool = True, fp_fusion: bool = False) -> Any:
     """Compile ``kernel`` ahead of time to a cubin for ``target`` (triton's own LLVM and
     ptxas; no GPU involved): what the first launch on that GPU would do.
 
@@ -68,7 +69,7 @@ def compile_for(kernel, target, types, constexprs, num_warps=4, contiguous=True,
     return triton.compile(src, target=target, options={"num_warps": num_warps, "enable_fp_fusion": fp_fusion})
 
 
-def compile_variant(v: Variant, target, contiguous=True):
+def compile_variant(v: Variant, target: Any, contiguous: bool = True) -> Any:
     return compile_for(v.kernel, target, v.types, v.const, v.warps, contiguous, v.fp_fusion)
 
 
@@ -118,7 +119,7 @@ def loop_instructions(ptx: str) -> Optional[Tuple[int, int]]:
                 n = len(blocks[t][1])
                 old = best.get(t)
                 best[t] = (low + n, high + n) if old is None else (min(old[0], low + n), max(old[1], high + n))
-    head_label = blocks[head][0]
+    head_label = cast(str, blocks[head][0])  # a backward branch's target: labelled
     ends = [best[i] for i in best if any(re.search(r"bra(?:\.uni)?\s+" + re.escape(head_label) + ";", ins)
                                          for ins in blocks[i][1])]  # blocks that start the next iteration
     return min(e[0] for e in ends), max(e[1] for e in ends)
@@ -138,7 +139,7 @@ def narrow_loads(ptx: str) -> Dict[str, int]:
     return {k: n for k, n in global_loads(ptx).items() if not k.startswith("v") and int(k[1:]) < 32}
 
 
-def variants():
+def variants() -> List[Variant]:
     """(label, kernel, argument types, constexprs, warps): the variants the metrics launch
     (their default tile widths and warps), in each input dtype they accept, both NaN
     policies, every flag that changes the code."""
@@ -270,7 +271,7 @@ def ptxas_report(ptx: str, arch: int) -> Dict[str, int]:
     return {}
 
 
-def report(archs=(90, 80)) -> Dict[str, Dict[str, object]]:
+def report(archs: Sequence[int] = (90, 80)) -> Dict[str, Dict[str, object]]:
     """What ptxas reports for every variant on each of ``archs`` (registers, spill bytes),
     with its warps, tile, PTX global loads by kind and main-loop instructions per element,
     keyed ``"sm_<arch> <label>"``."""
@@ -279,7 +280,8 @@ def report(archs=(90, 80)) -> Dict[str, Dict[str, object]]:
         target = GPUTarget("cuda", arch, 32)
         for v in variants():
             ptx = compile_variant(v, target).asm["ptx"]
-            row = dict(ptxas_report(ptx, arch), warps=v.warps, block=v.const.get("BLOCK"), loads=global_loads(ptx))
+            row: Dict[str, Any] = dict(ptxas_report(ptx, arch), warps=v.warps, block=v.const.get("BLOCK"),
+                                       loads=global_loads(ptx))
             loop = loop_instructions(ptx)
             if loop is not None and v.const.get("BLOCK"):  # per element a thread handles in one iteration
                 per = v.const["BLOCK"] / (32 * v.warps)

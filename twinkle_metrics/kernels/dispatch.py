@@ -94,7 +94,7 @@ class backend:
         RuntimeError: ``"triton"`` where triton is not installed.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str) -> None:
         global _choice, failed
         if name not in BACKENDS:
             raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {name!r}")

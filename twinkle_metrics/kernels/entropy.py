@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm_device
+from parallel.groups import ProcessGroup
 from twinkle_metrics.kernels import dispatch as _triton
 
 
@@ -68,7 +69,7 @@ def partials(c: torch.Tensor, t: float, zmax: Optional[torch.Tensor]) -> torch.T
 
 
 def token_entropy(chunks: Sequence[torch.Tensor], shapes: Sequence[torch.Size], temperature: float,
-                  tp_group, device) -> List[torch.Tensor]:
+                  tp_group: ProcessGroup, device: torch.device) -> List[torch.Tensor]:
     """Per-token entropy (float64), one tensor of each shape in ``shapes``, from the row
     ``chunks`` of their logits in order; vocab-parallel over ``tp_group`` (every rank
     of it must hold the same rows, agreed before: ``None`` for whole-vocab logits).

@@ -179,8 +179,9 @@ def _rows(x: Optional[torch.Tensor], e: int) -> Optional[torch.Tensor]:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def layer_rows(*, layers: int, layer: int, experts: int, device, routing_map: Optional[torch.Tensor] = None,
-               scores: Optional[torch.Tensor] = None, from_logits: bool = True,
+def layer_rows(*, layers: int, layer: int, experts: int, device: torch.device,
+               routing_map: Optional[torch.Tensor] = None, scores: Optional[torch.Tensor] = None,
+               from_logits: bool = True,
                token_mask: Optional[torch.Tensor] = None, aux: Optional[torch.Tensor] = None,
                z: Optional[torch.Tensor] = None, dropped: Union[None, int, torch.Tensor] = None,
                skip: bool = False, tile: int = 0) -> Dict[str, torch.Tensor]:
@@ -214,10 +215,11 @@ def layer_rows(*, layers: int, layer: int, experts: int, device, routing_map: Op
             F64=f64, HAS_MASK=mask is not None, SKIP=skip,
             BLOCK_T=block_t, num_warps=4, enable_fp_fusion=False)
     drop_mode = DROP_NONE if dropped is None else DROP_TENSOR if isinstance(dropped, torch.Tensor) else DROP_INT
+    drop_int = 0 if dropped is None or isinstance(dropped, torch.Tensor) else int(dropped)  # DROP_INT's
     _rows_kernel[(1,)](
         part, aux if aux is not None else f, z if z is not None else f,
         dropped if drop_mode == DROP_TENSOR else i, counts, f, i, n_parts, layer,
-        int(dropped) if drop_mode == DROP_INT else 0,
+        drop_int,
         L=layers, E=experts, E_PAD=e_pad, HAS_MAP=m is not None, HAS_X=x is not None, HAS_AUX=aux is not None,
         HAS_Z=z is not None, DROP=drop_mode, SKIP=skip, L_PAD=triton.next_power_of_2(layers),
         PB=max(1, ROWS_TILE // e_pad), num_warps=4, enable_fp_fusion=False)

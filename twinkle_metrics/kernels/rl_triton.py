@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -230,7 +230,7 @@ def _rl_kernel(lp_ptr, m_ptr, old_ptr, adv_ptr, ref_ptr, ent_ptr, tok_ptr, pos_p
 
 
 
-def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, columns: Sequence[Column],
+def token_stats(batches: Sequence[Mapping[str, Any]], *, columns: Sequence[Column],
                 lo: float = -math.inf,
                 hi: float = math.inf, token_clip: bool = True, by_sign: bool = True, skip: bool = False,
                 want_key: bool = False, want_rows: bool = False, block: int = 0) -> Tuple[
@@ -277,12 +277,12 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, colu
     records = torch.empty(len(RECORD_ROWS), tokens, dtype=torch.float64, device=device) if tokens else None
     for mb, (off, b, s, blk, n_blk, tok) in zip(batches, plans):
         lp, m, old = mb["lp"], mb["m"], mb.get("old")
-        args = []
+        args: List[Any] = []
         for x in (lp, m.view(torch.uint8) if m.dtype == torch.bool else m, old, mb.get("adv"), mb.get("ref"),
                   mb.get("ent"), mb.get("tok"), mb.get("pos")):
             args.extend(arg_strides(x, lp))
         ptrs, strides = args[0::3], [v for i, v in enumerate(args) if i % 3]
-        rec = part if tok is None else records[:, tok:]
+        rec = part if tok is None or records is None else records[:, tok:]  # records: made when a batch is keyed
         _rl_kernel[(b, n_blk)](*ptrs, part[off:], rec, s, max(tokens, 1), int(mb.get("seq0", 0)), *strides,
                                LO=float(lo), HI=float(hi), HAS_TOK=mb.get("tok") is not None,
                                HAS_POS=mb.get("pos") is not None, HAS_OLD=old is not None,
@@ -294,8 +294,8 @@ def token_stats(batches: Sequence[Mapping[str, Optional[torch.Tensor]]], *, colu
     f, i, _ = column_totals(part, ext0=_N_SUM + len(EXTREMES), flag0=_N_SUM, per_ext=True,
                             neg=sum(1 << e for e, name in enumerate(EXTREMES) if name.endswith("_min")))
     # 0-d views, made by two unbinds rather than one indexing call per state
-    f, i = f.unbind(), i.unbind()
-    out = {name: (i if dtype == torch.int64 else f)[at] for name, at, dtype in _layout(tuple(columns))}
+    floats, ints = f.unbind(), i.unbind()
+    out = {name: (ints if dtype == torch.int64 else floats)[at] for name, at, dtype in _layout(tuple(columns))}
     rows: List[Optional[torch.Tensor]] = []
     for off, b, _, _, n_blk, _ in plans:
         if not want_rows:

@@ -146,7 +146,7 @@ def column_totals(part: torch.Tensor, *, ext0: int, flag0: int, per_ext: bool, n
 
 
 
-def arg_strides(x: Optional[torch.Tensor], like: torch.Tensor):
+def arg_strides(x: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tensor, int, int]:
     """``(x, row stride, column stride)`` as a token kernel takes an optional input:
     ``like`` with zero strides where ``x`` is absent, a zero column stride for a
     ``[b, 1]`` input (one value per sequence, read for each of its tokens)."""

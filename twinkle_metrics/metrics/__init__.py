@@ -14,7 +14,7 @@ Each metric is ``State`` declarations plus ``update`` and ``compute`` (see
 every shipped metric class: what a config's ``{"type": "LossMetric"}`` builds
 (``integrations.factory``).
 """
-from typing import Dict, Tuple, Type
+from typing import Any, Dict, Mapping, Sequence, Tuple, Type, Union
 
 from twinkle_metrics.core.collection import MetricCollection
 from twinkle_metrics.core.export import decode
@@ -42,7 +42,7 @@ SHIPPED: Dict[str, Type[Metric]] = {cls.__name__: cls for cls in sorted((
     StalenessMetric, StepGuard, TrainMetric), key=lambda cls: cls.__name__)}
 
 
-def from_export(export) -> MetricCollection:
+def from_export(export: Union[Mapping[str, Any], Sequence[Mapping[str, Any]]]) -> MetricCollection:
     """The driver's metrics for ``export`` (or a list of exports: every metric any of them
     carries), built from the exported class names and constructor arguments, with no mesh.
 

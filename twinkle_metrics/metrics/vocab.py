@@ -11,11 +11,12 @@ computed from them is right, whether or not the TP replicas' counts happen to ag
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from parallel.groups import ProcessGroup
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.microbatch import join
@@ -42,7 +43,7 @@ def reach(labels: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], widths:
     return {"label_reach": counted.amax(), "vocab_width": max(widths)}
 
 
-def check_reach(metric: str, s, vocab_parallel: bool, tp_size: int, what: str) -> None:
+def check_reach(metric: str, s: Mapping[str, Any], vocab_parallel: bool, tp_size: int, what: str) -> None:
     """Raise when the counted labels run past the logits' vocab (on every rank: ``s`` is
     the reduced states). ``what`` names the number that would be wrong."""
     top, width = s.get("label_reach"), s.get("vocab_width")
@@ -58,7 +59,7 @@ def check_reach(metric: str, s, vocab_parallel: bool, tp_size: int, what: str) -
                      f"{what} cannot be right; {fix}. The interval is kept")
 
 
-def agree_shards(metric, group, logits: Sequence[torch.Tensor]) -> None:
+def agree_shards(metric: Any, group: ProcessGroup, logits: Sequence[torch.Tensor]) -> None:
     """Agree over the TP ``group`` before a vocab-parallel argmax: TP peers must hold the same
     tokens, vocab shard width and precision, or every one of them raises (the collective
     would mismatch). ``logits``: this call's shards (none: 0 tokens of width 0)."""

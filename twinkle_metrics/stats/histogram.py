@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from decimal import Decimal
 from fractions import Fraction
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -62,7 +62,7 @@ class Histogram:
         signed: buckets for negative values too (else negatives count as zero).
     """
 
-    def __init__(self, lo: float = 1e-6, hi: float = 1e9, rel_error: float = 0.01, signed: bool = True):
+    def __init__(self, lo: float = 1e-6, hi: float = 1e9, rel_error: float = 0.01, signed: bool = True) -> None:
         lo, hi, rel_error = float(lo), float(hi), float(rel_error)
         if not (0 < lo < hi < math.inf):
             raise ValueError(f"Histogram: need 0 < lo < hi < inf, got lo={lo}, hi={hi}")
@@ -86,7 +86,7 @@ class Histogram:
         self.nan = self.n_buckets - 1
         self._values: Optional[List[float]] = None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"Histogram(lo={self.lo:g}, hi={self.hi:g}, rel_error={self.rel_error:g}, "
                 f"signed={self.signed}, n_buckets={self.n_buckets})")
 
@@ -166,7 +166,7 @@ def nearest_rank(q: float, n: int) -> int:
     return max(1, min(n, math.ceil(Fraction(repr(float(q))) * n)))
 
 
-def check_quantiles(metric: str, quantiles) -> Optional[Tuple[float, ...]]:
+def check_quantiles(metric: str, quantiles: Any) -> Optional[Tuple[float, ...]]:
     """A ``quantiles`` constructor argument as a tuple of floats in (0, 1), or None."""
     if quantiles is None:
         return None

@@ -1,7 +1,7 @@
 """``CollectiveCounter``: counts the torch.distributed collectives made inside it."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, Optional
 
 # torch's documented way to see every operator a block runs (the ``__torch_dispatch__``
 # extension point); every collective runs one c10d operator
@@ -36,11 +36,12 @@ class CollectiveCounter(TorchDispatchMode):
         assert counter.total <= 2
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.wire: Dict[str, int] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[Dict[str, Any]] = None
+                           ) -> Any:
         if func.namespace == "c10d":
             kind = _OPS.get(func._overloadpacket.__name__)
             if kind is not None:
@@ -51,7 +52,7 @@ class CollectiveCounter(TorchDispatchMode):
     def api(self) -> Dict[str, int]:
         return self.wire
 
-    def reset(self):
+    def reset(self) -> None:
         self.wire.clear()
 
     @property

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -27,7 +27,7 @@ def _names_host(device) -> bool:
 
 
 @contextlib.contextmanager
-def intercept_device_waits(on_wait: Callable[[str], None]):
+def intercept_device_waits(on_wait: Callable[[str], None]) -> Iterator[None]:
     """Call ``on_wait(label)`` before every Python-level call that waits for the device.
 
     ``label`` names the call (``item``, ``bool``, ``nonzero``, ``bool_mask_index``, ...).
@@ -111,7 +111,7 @@ def intercept_device_waits(on_wait: Callable[[str], None]):
 
 
 @contextlib.contextmanager
-def forbid_device_waits():
+def forbid_device_waits() -> Iterator[None]:
     """Make every host-device synchronising Python call raise ``DeviceWaitError``."""
     def forbid(label):
         if host_reads_active():  # a CPU tensor of host-known values: no device involved

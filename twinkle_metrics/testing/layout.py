@@ -183,7 +183,11 @@ def _default_start_method() -> str:
     return "spawn"
 
 
-def _ignored(ignore) -> Callable[[str], bool]:
+#: result keys a comparison leaves out: names, or a predicate on the key
+Ignore = Union[None, Collection[str], Callable[[str], bool]]
+
+
+def _ignored(ignore: Ignore) -> Callable[[str], bool]:
     if ignore is None:
         return lambda key: False
     if callable(ignore):
@@ -192,8 +196,8 @@ def _ignored(ignore) -> Callable[[str], bool]:
     return lambda key: key in names
 
 
-def check_results(name: str, rank: int, interval: int, got: Dict[str, Any], want: Dict[str, Any],
-                  rel: float = 1e-9, abs_tol: float = 1e-12, ignore=None) -> None:
+def check_results(name: str, rank: Union[int, str], interval: Union[int, str], got: Dict[str, Any],
+                  want: Dict[str, Any], rel: float = 1e-9, abs_tol: float = 1e-12, ignore: Ignore = None) -> None:
     """``AssertionError`` naming the layout, the rank, the interval and the key when a rank's
     results differ from the reference (keys only one side has are differences too)."""
     skip = _ignored(ignore)
@@ -225,7 +229,7 @@ def check_collectives(name: str, rank: int, counts: Sequence[int], budget: int) 
 def assert_layout_invariant(make_metric: Callable, feed: Callable,
                             layouts: Union[str, Sequence[str]] = DEFAULT_LAYOUTS, *,
                             intervals: int = 2, rel: float = 1e-9, abs_tol: float = 1e-12,
-                            ignore: Union[None, Collection[str], Callable[[str], bool]] = None,
+                            ignore: Ignore = None,
                             max_collectives: Optional[int] = None, exports: bool = True,
                             pool: Optional[DistPool] = None, start_method: Optional[str] = None,
                             timeout_s: float = 60, job_timeout_s: float = 300,
@@ -309,7 +313,7 @@ def assert_layout_invariant(make_metric: Callable, feed: Callable,
 
 def check_exports(name: str, make_metric: Callable, sent: List[List[Dict[str, Any]]],
                   reference: List[Dict[str, Any]], whole: Dict[str, Any], rel: float, abs_tol: float,
-                  ignore) -> None:
+                  ignore: Ignore) -> None:
     """``AssertionError`` naming the layout and the exports a driver merged when its
     ``calculate_from`` differs from the single process (``reference``: per interval), or,
     merging every interval, from the ranks' own calculate() of one interval spanning them

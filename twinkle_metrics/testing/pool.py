@@ -28,6 +28,7 @@ import queue
 import time
 import traceback
 from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from twinkle_metrics.testing import standin
 from twinkle_metrics.testing.rendezvous import Rendezvous
@@ -114,17 +115,18 @@ class DistPool:
     """
 
     def __init__(self, world: int = WORLD, timeout_s: float = COLLECTIVE_TIMEOUT_S, *,
-                 start_method: str = "spawn", restart_on_failure: bool = True):
+                 start_method: str = "spawn", restart_on_failure: bool = True) -> None:
         self.world = world
         self.timeout_s = timeout_s
         self.start_method = start_method
         self.restart_on_failure = restart_on_failure
-        self._procs = []
+        self._procs: List[Any] = []
+        self._rendezvous: Optional[Rendezvous] = None
         self._job = 0
         self._start()
 
-    def _start(self):
-        ctx = mp.get_context(self.start_method)
+    def _start(self) -> None:
+        ctx: Any = mp.get_context(self.start_method)  # BaseContext's stub lacks Process, which every context has
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, args=(r, self.world, self._tasks[r], self._results,
@@ -147,7 +149,7 @@ class DistPool:
     def _ready(self, timeout):
         """Wait until every rank has connected to the store; a rank that died on the way
         fails the wait at once, naming its exit code."""
-        got = set()
+        got: Set[int] = set()
         deadline = time.monotonic() + timeout
         while len(got) < self.world:
             try:
@@ -170,7 +172,7 @@ class DistPool:
         """``{rank: (ok, value)}`` of job ``job_id``. ``grace``: once a rank failed, how long
         to wait for the others (ranks left waiting in a collective for the failed one would
         answer only at the collective timeout); the missing ranks are left out."""
-        got = {}
+        got: Dict[int, Tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
         failed_at = None
         while len(got) < self.world:
@@ -192,7 +194,8 @@ class DistPool:
                 got[rank] = (ok, value)
         return got
 
-    def run(self, fn, *args, timeout: float = 240, failure_grace: float = 2, backend: str = "gloo"):
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 240, failure_grace: float = 2,
+            backend: str = "gloo") -> List[Any]:
         """Run ``fn(*args)`` on every rank; return ``[result of rank 0, ...]``.
 
         ``backend``: the default group's backend, ``"gloo"`` or ``"standin"``
@@ -228,11 +231,11 @@ class DistPool:
         else:
             self.close()
 
-    def restart(self):
+    def restart(self) -> None:
         self.close()
         self._start()
 
-    def close(self):
+    def close(self) -> None:
         """Kill the ranks (also after a failure: nothing is left running)."""
         for p in self._procs:
             if p.is_alive():
@@ -240,12 +243,12 @@ class DistPool:
         for p in self._procs:
             p.join(timeout=10)
         self._procs = []
-        if getattr(self, "_rendezvous", None) is not None:
+        if self._rendezvous is not None:
             self._rendezvous.close()
             self._rendezvous = None
 
-    def __enter__(self):
+    def __enter__(self) -> "DistPool":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         self.close()

@@ -26,7 +26,7 @@ rank=0, world_size=1)``.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Dict
+from typing import Dict, Optional
 
 HOST = "127.0.0.1"
 #: torch's contract between its launcher and ``env://``: with it set, rank 0 connects to the
@@ -43,11 +43,11 @@ class Rendezvous:
         timeout_s: how long this process's own store operations wait.
     """
 
-    def __init__(self, timeout_s: float = 300):
+    def __init__(self, timeout_s: float = 300) -> None:
         import torch.distributed as dist
 
         self.host = HOST
-        self._store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
+        self._store: Optional[dist.TCPStore] = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=timeout_s))
         self.port = self._store.port
 

@@ -25,7 +25,8 @@ import sys
 import threading
 import warnings
 from datetime import timedelta
-from typing import List, NamedTuple
+from types import FrameType
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ def clear() -> None:
 def _library_frame():
     """``file:line`` of the innermost frame of the library's own code on this stack (the
     harness in ``twinkle_metrics/testing`` excluded), or None."""
-    frame = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(_LIBRARY) and not name.startswith(_HARNESS):
@@ -125,9 +126,9 @@ def _delegate(name: str):
 class _StandIn(dist.ProcessGroup):
     """A group of the ``"standin"`` backend: gloo inside, another name outside."""
 
-    def __init__(self, options):
+    def __init__(self, options: Any) -> None:
         store, rank, size = options.store, options.group_rank, options.group_size
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch's stub lacks the (rank, size) overload
         inner = c10d.ProcessGroup(store, rank, size)
         gloo = c10d.ProcessGroupGloo(store, rank, size, options.timeout)
         for pg in (inner, self):  # self holds it too: torch keeps a group's name in its backend
@@ -143,7 +144,7 @@ class _StandIn(dist.ProcessGroup):
 
     def monitored_barrier(self, *args, **kwargs):
         _record("monitored_barrier", self._ranks)
-        return self._inner.monitored_barrier(*args, **kwargs)
+        return self._inner.monitored_barrier(*args, **kwargs)  # type: ignore[attr-defined]  # not in torch's stub
 
     def abort(self) -> None:
         _record("abort", self._ranks)

@@ -1,14 +1,17 @@
 """``Accuracy``: token accuracy, exact under data, context and tensor (vocab) parallelism."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
+from parallel import MeshLike
+from parallel.groups import ProcessGroup
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import floating_tensor, int_tensor, right_align
+from twinkle_metrics.inputs.data_format import Inputs, Outputs
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import has_field, host_array, join, microbatches
 from twinkle_metrics.kernels.argmax import joined_hits, vocab_parallel_argmax
@@ -79,8 +82,9 @@ class Accuracy(Metric):
     vocab_width = State("max", torch.int64)  # the logits' last dimension
     unsliced_states = ("label_reach", "vocab_width")  # checked in compute (metrics.vocab)
 
-    def __init__(self, device_mesh=None, process_group=None, *, vocab_parallel: bool = False,
-                 ignore_index: int = -100, align: str = "exact", **kwargs):
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None,
+                 *, vocab_parallel: bool = False, ignore_index: int = -100, align: str = "exact",
+                 **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.vocab_parallel = bool(vocab_parallel)
         self.ignore_index = ignore_index
@@ -92,17 +96,17 @@ class Accuracy(Metric):
         if not self.vocab_parallel:  # why TP replicas' counts could differ
             self.tp_mismatch_hint = "logits look vocab-sharded over the TP group: pass vocab_parallel=True"
 
-    def update(self, inputs, outputs, **kwargs):
+    def update(self, inputs: Inputs, outputs: Outputs, **kwargs: Any) -> Dict[str, Any]:
         with exchange.guard(self):
             work = self._validate(inputs, outputs)
             for group in self.exchange_groups():
                 agree_shards(self, group, [w[0] for w in work])
         hits = self._hits(work)
-        if not work:
-            return None
+        if hits is None:  # no work
+            return {}
         # every microbatch's tokens at once: a fixed number of launches beyond the kernels
         mask = join([m for _, _, m in work])
-        out = {"correct": (hits & mask).sum(), "total": mask.sum()}
+        out: Dict[str, Any] = {"correct": (hits & mask).sum(), "total": mask.sum()}
         out.update(reach([lab for _, lab, _ in work], [m for _, _, m in work],
                          [int(x.shape[-1]) for x, _, _ in work], self.vocab_parallel) or {})
         return out
@@ -165,7 +169,7 @@ class Accuracy(Metric):
         preds = vocab_parallel_argmax([w[0] for w in work], mesh.tp_group, mesh.tp_rank, mesh.tp_size)
         return join([pred == labels for pred, (_, labels, _) in zip(preds, work)]) if work else None
 
-    def compute(self, s):
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         check_reach(_NAME, s, self.vocab_parallel, self.resolve_mesh().tp_size, "the accuracy")
         if not s["total"]:
             return {}

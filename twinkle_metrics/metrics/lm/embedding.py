@@ -1,19 +1,20 @@
 """``EmbeddingMetric``: InfoNCE similarity statistics over the whole data group."""
 from __future__ import annotations
 
-from typing import Any, List, Mapping
+from typing import Any, Dict, List, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from parallel import comm_device
-from parallel.groups import all_gather_rows, group_rank, group_size
+from parallel import MeshLike, comm_device
+from parallel.groups import ProcessGroup, all_gather_rows, group_rank, group_size
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import as_count, f64, int_tensor, is_bad, nonfinite, pick, plus, scalar
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.data_format import Inputs, Outputs
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import as_feature_list, has_field, microbatches
 from twinkle_metrics.inputs.rl import cp_lead
@@ -117,17 +118,18 @@ class EmbeddingMetric(Metric):
     n_bad = State("sum", torch.int64)  # non-finite rows
     loss_bad = State("sum", torch.int64)  # non-finite loss entries
 
-    def __init__(self, device_mesh=None, process_group=None, *, size_group=None, eps: float = 1e-8,
-                 nan_policy: str = "propagate", **kwargs):
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *,
+                 size_group: ProcessGroup = None, eps: float = 1e-8, nan_policy: str = "propagate",
+                 **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.size_group = size_group
         self.eps = eps
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
 
-    def update(self, inputs, outputs, *, grad_norm=None, **kwargs):
+    def update(self, inputs: Inputs, outputs: Outputs, *, grad_norm: Any = None, **kwargs: Any) -> Dict[str, Any]:
         with exchange.guard(self):
             emb, labels, losses = self._rows(inputs, outputs)
-            out = {}
+            out: Dict[str, Any] = {}
             if grad_norm is not None:
                 out["grad_norm"] = f64(scalar(_NAME, "grad_norm", grad_norm))
             skip = self.nan_policy == "skip"
@@ -234,7 +236,9 @@ class EmbeddingMetric(Metric):
         if n_max == 0:
             return {}  # nobody holds rows: every rank knows it and skips the gather alike
         device = rows[0].device if rows is not None else comm_device(group)
-        anchor_vec = pos_local = valid = None
+        anchor_vec: Any = None  # tensors when this rank holds rows (n > 0)
+        pos_local: Any = None
+        valid: Any = None
         if n:
             emb, nxt = rows
             anchor_vec = F.normalize(emb.to(torch.float64), dim=-1, eps=self.eps)
@@ -289,8 +293,8 @@ class EmbeddingMetric(Metric):
             "margin_count": has_neg.sum(),
         }
 
-    def compute(self, s):
-        out = {}
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
         if s["pos_count"]:
             # 0, or NaN when a NaN row fed the comparisons ('propagate'; NaN > x is False)
             poison = (s["pos_sum"] + s["neg_sum"] + s["margin_sum"]) * 0.0

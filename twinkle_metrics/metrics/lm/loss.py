@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from parallel import MeshLike
+from parallel.groups import ProcessGroup
 from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
@@ -24,13 +26,14 @@ from twinkle_metrics.inputs.checks import (
     scalar,
 )
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.data_format import Inputs, Outputs
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import as_feature_list
 
 _NAME = "LossMetric"
 _REDUCTIONS = ("mean", "sum")
 # loss, num_tokens (or None), the features to count tokens from, where (for errors), is a Megatron pair
-Entry = Tuple[Any, Optional[Any], List[Mapping[str, Any]], str, bool]
+Entry = Tuple[Any, Optional[Any], Sequence[Mapping[str, Any]], str, bool]
 
 
 class LossMetric(Metric):
@@ -114,9 +117,9 @@ class LossMetric(Metric):
     grad_norm = State("max", local="last")
     nonfinite = State("sum", torch.int64)
 
-    def __init__(self, device_mesh=None, process_group=None, *, loss_reduction: str = "mean",
-                 loss_key: str = "lm loss", ignore_index: int = -100, nan_policy: str = "propagate",
-                 ppl: bool = False, **kwargs):
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *,
+                 loss_reduction: str = "mean", loss_key: str = "lm loss", ignore_index: int = -100,
+                 nan_policy: str = "propagate", ppl: bool = False, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.loss_reduction = _check_reduction(loss_reduction)
         self.loss_key = loss_key
@@ -126,10 +129,11 @@ class LossMetric(Metric):
             raise TypeError(f"{_NAME}: ppl must be True or False, got {ppl!r}")
         self.ppl = ppl
 
-    def update(self, inputs, outputs, *, loss_reduction: Optional[str] = None, grad_norm=None, **kwargs):
+    def update(self, inputs: Inputs, outputs: Outputs, *, loss_reduction: Optional[str] = None, grad_norm: Any = None,
+               **kwargs: Any) -> Dict[str, Any]:
         reduction = _check_reduction(loss_reduction or self.loss_reduction)
         skip = self.nan_policy == "skip"
-        out = {}
+        out: Dict[str, Any] = {}
         if grad_norm is not None:
             out["grad_norm"] = f64(scalar(_NAME, "grad_norm", grad_norm))
         loss_total = entries = sum_entries = tokens = bad_total = None
@@ -192,11 +196,11 @@ class LossMetric(Metric):
         if not isinstance(outputs, Mapping):
             raise TypeError(f"{_NAME}: outputs must be a dict or a list of dicts, got {type(outputs).__name__}")
         loss, n = outputs.get("loss"), outputs.get("num_tokens")
-        if isinstance(loss, (list, tuple)) or (isinstance(n, (list, tuple)) and loss is not None):
-            losses = list(loss) if isinstance(loss, (list, tuple)) else None
-            if losses is None:
-                raise ValueError(f"{_NAME}: outputs['num_tokens'] is a list of {len(n)} but outputs['loss'] "
-                                 f"is a single value; pass one loss per microbatch")
+        if isinstance(n, (list, tuple)) and loss is not None and not isinstance(loss, (list, tuple)):
+            raise ValueError(f"{_NAME}: outputs['num_tokens'] is a list of {len(n)} but outputs['loss'] "
+                             f"is a single value; pass one loss per microbatch")
+        if isinstance(loss, (list, tuple)):
+            losses = list(loss)
             if feats and len(feats) != len(losses) and not (len(feats) == 1 and len(losses) == 1):
                 raise ValueError(f"{_NAME}: outputs['loss'] has {len(losses)} entries but there are "
                                  f"{len(feats)} input microbatches; pass one loss per microbatch")
@@ -290,8 +294,8 @@ class LossMetric(Metric):
             total = plus(total, (labels != self.ignore_index).sum())
         return total
 
-    def compute(self, s):
-        out = {}
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
         tokens = s["num_tokens"]
         negative_count(_NAME, "num_tokens", tokens, self.intervals)
         total, means = s["loss_total"], s["entries"] - s["sum_entries"]

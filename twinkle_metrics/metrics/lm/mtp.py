@@ -9,11 +9,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from parallel import MeshLike
+from parallel.groups import ProcessGroup
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import count, f64, floating_tensor, int_tensor, negative_count, plus, scalar
+from twinkle_metrics.inputs.data_format import Inputs, Outputs
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import as_feature_list, host_array, join
 from twinkle_metrics.kernels.argmax import joined_hits, vocab_parallel_argmax
@@ -88,16 +91,19 @@ class MTPMetric(Metric):
     vocab_width = State("max", torch.int64)  # the logits' last dimension
     unsliced_states = ("label_reach", "vocab_width")
 
-    def __init__(self, device_mesh=None, process_group=None, *, depths: int = 1, vocab_parallel: bool = False,
-                 ignore_index: int = -100, megatron_keys: bool = False, **kwargs):
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *, depths: int = 1,
+                 vocab_parallel: bool = False, ignore_index: int = -100, megatron_keys: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         if isinstance(depths, bool) or not isinstance(depths, numbers.Integral) or depths < 1:
             raise ValueError(f"{_NAME}: depths must be an int >= 1 (megatron-core's mtp_num_layers), got {depths!r}")
         for flag, value in (("vocab_parallel", vocab_parallel), ("megatron_keys", megatron_keys)):
             if not isinstance(value, bool):
                 raise TypeError(f"{_NAME}: {flag} must be True or False, got {value!r}")
-        self.depths, self.vocab_parallel, self.ignore_index = int(depths), vocab_parallel, ignore_index
-        self.megatron_keys = megatron_keys
+        self.depths: int = int(depths)
+        self.vocab_parallel: bool = vocab_parallel
+        self.ignore_index: int = ignore_index
+        self.megatron_keys: bool = megatron_keys
         for k in range(1, self.depths + 1):
             self.add_state(f"correct_{k}", State("sum", torch.int64))
             self.add_state(f"total_{k}", State("sum", torch.int64))
@@ -109,7 +115,8 @@ class MTPMetric(Metric):
         if not vocab_parallel:
             self.tp_mismatch_hint = "mtp_logits look vocab-sharded over the TP group: pass vocab_parallel=True"
 
-    def update(self, inputs, outputs, *, depth: Optional[int] = None, **kwargs):
+    def update(self, inputs: Inputs, outputs: Outputs, *, depth: Optional[int] = None,
+               **kwargs: Any) -> Dict[str, Any]:
         with exchange.guard(self):
             work = [w for w in (self._checked(f, o) for f, o in _pairs(inputs, outputs)) if w]
             k = self._depth(depth) if work else 0
@@ -117,7 +124,7 @@ class MTPMetric(Metric):
             for group in self.exchange_groups():
                 agree_shards(self, group, logits)
         if not work:
-            return None
+            return {}
         out: Dict[str, Any] = {}
         if logits:  # the peers agreed: every TP rank holds as many tokens here
             labels = [w["labels"] for w in work if "logits" in w]
@@ -170,7 +177,10 @@ class MTPMetric(Metric):
                 raise ValueError(f"{_NAME}: labels missing: outputs have {what} but the inputs hold no labels "
                                  f"(got keys {sorted(inputs)}); pass the depth's labels of shape {target} "
                                  "aligned to them")
-            valid = mask != 0 if mask is not None else labels != self.ignore_index
+            if mask is not None:
+                valid = mask != 0
+            elif labels is not None:  # one of the two: the check above raised otherwise
+                valid = labels != self.ignore_index
             if "logits" in work:
                 work["labels"], work["valid"] = labels, valid
             if "losses" in work:
@@ -180,14 +190,15 @@ class MTPMetric(Metric):
             work["num_tokens"] = count(_NAME, "outputs['mtp_num_tokens']", outputs["mtp_num_tokens"])
         return work
 
-    def _depth(self, depth) -> int:
+    def _depth(self, depth: Any) -> int:
         if isinstance(depth, bool) or not isinstance(depth, numbers.Integral):
             raise TypeError(f"{_NAME}: depth must be the MTP depth as an int from 1 to {self.depths}, got "
                             f"{depth!r}; pass accumulate(..., depth=k)")
-        if not 1 <= depth <= self.depths:
+        k = int(depth)
+        if not 1 <= k <= self.depths:
             raise ValueError(f"{_NAME}: depth {depth} is out of range: this metric has depths={self.depths} "
                              f"(1 to {self.depths}); build it with depths=mtp_num_layers")
-        return int(depth)
+        return k
 
     @staticmethod
     def _aligned(field: str, value, target, device, convert) -> Optional[torch.Tensor]:
@@ -203,7 +214,7 @@ class MTPMetric(Metric):
                              "the main labels rolled left by k, the last k positions masked)")
         return value.to(device, non_blocking=True)
 
-    def compute(self, s):
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         check_reach(_NAME, s, self.vocab_parallel, self.resolve_mesh().tp_size, "the acceptance rate")
         out: Dict[str, Any] = {}
         for k in range(1, self.depths + 1):

@@ -1,15 +1,18 @@
 """``DPOMetric``: TRL-style preference statistics from per-token log-probs."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from parallel import MeshLike
+from parallel.groups import ProcessGroup
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import float_tensor
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.data_format import Inputs, Outputs
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import has_field, microbatches
 from twinkle_metrics.inputs.rl import common_length, cp_lead, cp_sum, keep_bits, masked, token_mask
@@ -111,9 +114,9 @@ class DPOMetric(Metric):
     correct = State("sum", torch.int64)
     n_bad = State("sum", torch.int64)  # non-finite pairs
 
-    def __init__(self, device_mesh=None, process_group=None, *, beta: float = 0.1,
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *, beta: float = 0.1,
                  ignore_index: int = -100, nan_policy: str = "propagate",
-                 quantiles: Optional[Sequence[float]] = None, **kwargs):
+                 quantiles: Optional[Sequence[float]] = None, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.beta = float(beta)
         self.ignore_index = ignore_index
@@ -122,8 +125,9 @@ class DPOMetric(Metric):
         if self.quantiles:
             self.add_state("hist_margin", MARGIN_HISTOGRAM.state())
 
-    def update(self, inputs=None, outputs=None, *, ref_outputs=None, chosen=None, rejected=None,
-               ref_chosen=None, ref_rejected=None, **kwargs) -> Dict[str, Any]:
+    def update(self, inputs: Inputs = None, outputs: Outputs = None, *, ref_outputs: Outputs = None,
+               chosen: Optional[Tuple[Inputs, Outputs]] = None, rejected: Optional[Tuple[Inputs, Outputs]] = None,
+               ref_chosen: Outputs = None, ref_rejected: Outputs = None, **kwargs: Any) -> Dict[str, Any]:
         with exchange.guard(self):
             mode, t, split = self._local(inputs, outputs, ref_outputs, chosen, rejected, ref_chosen,
                                          ref_rejected)
@@ -245,11 +249,12 @@ class DPOMetric(Metric):
             # Masked bitwise (NaN/-inf padding at masked positions is dropped; a 0/1 multiplier,
             # as Twinkle uses, would carry it into the sums), summed in float64.
             cols = [c if c.is_floating_point() else c.to(torch.float64) for c in cols]
-            bits = {c.element_size(): None for c in cols}
-            for width in bits:
-                bits[width] = keep_bits(mask, next(c.dtype for c in cols if c.element_size() == width))
-            sums = [masked(c, bits[c.element_size()]).sum(-1, dtype=torch.float64) for c in cols]
-            rows.append(torch.stack(sums, 1) if len(sums) > 1 else sums[0][:, None])
+            bits: Dict[int, torch.Tensor] = {}  # per element width: the mask as bits of that width
+            for c in cols:
+                if c.element_size() not in bits:
+                    bits[c.element_size()] = keep_bits(mask, c.dtype)
+            col_sums = [masked(c, bits[c.element_size()]).sum(-1, dtype=torch.float64) for c in cols]
+            rows.append(torch.stack(col_sums, 1) if len(col_sums) > 1 else col_sums[0][:, None])
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def _complete(self, sums: torch.Tensor) -> torch.Tensor:
@@ -266,11 +271,11 @@ class DPOMetric(Metric):
     def _stats(self, x: torch.Tensor) -> Dict[str, Any]:
         """Contributions of ``x`` = [pairs, (chosen, [ref_chosen], rejected, [ref_rejected])]."""
         if _triton.device_ok(x) and x.dtype == torch.float64:
-            out = _triton.attempt("DPO pair statistics", _pair_stats, x, self.beta, self.nan_policy == "skip")
-            if out is not None:  # one kernel for every state; the histogram (if any) on torch
+            fused = _triton.attempt("DPO pair statistics", _pair_stats, x, self.beta, self.nan_policy == "skip")
+            if fused is not None:  # one kernel for every state; the histogram (if any) on torch
                 if self.quantiles and x.shape[1] == 4:
-                    out["hist_margin"] = self._margin_counts(x)
-                return out
+                    fused["hist_margin"] = self._margin_counts(x)
+                return fused
         n = x.shape[0]
         bad = torch.isnan((x * 0.0).sum(1))  # a pair with a NaN/inf sequence log-prob (inf * 0 is NaN)
         out: Dict[str, Any] = {"n_bad": bad.sum()}
@@ -309,7 +314,7 @@ class DPOMetric(Metric):
         margins = pair_rewards[:, 0] - pair_rewards[:, 1]
         return MARGIN_HISTOGRAM.counts(margins, ~bad if self.nan_policy == "skip" else None)
 
-    def compute(self, s):
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         out: Dict[str, Any] = {"logps/nonfinite_pairs": int(s["n_bad"])} if s["n_bad"] else {}
         if not s["pairs"]:
             return out
@@ -423,7 +428,7 @@ def _pair_column(field: str, value) -> torch.Tensor:
     return t.reshape(-1).to(torch.float64)
 
 
-def _pair(name: str, value):
+def _pair(name: str, value: Any) -> Tuple[Any, Any]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError(f"{_NAME}: {name}= must be an (inputs, outputs) pair, got "
                         f"{type(value).__name__}")

@@ -9,7 +9,7 @@ several calls or ranks. ``PassAtKMetric`` keeps its states in these tables.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -37,7 +37,7 @@ def _blake(tag: bytes, text: str) -> int:
     return int.from_bytes(digest, "little")
 
 
-def id_key(v) -> int:
+def id_key(v: Union[int, str]) -> int:
     """The int64 key (> 0) of a host id (an int or a str). Key 0 marks an empty row.
 
     Ints in [0, 2**62 - 1) map exactly to ``2 v + 2`` (even keys). Other ints in the int64

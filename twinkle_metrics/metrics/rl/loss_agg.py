@@ -17,7 +17,7 @@ the number of sequences with n_i > 0,
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,7 +25,7 @@ import torch
 #: sum over the batch's tokens: a logged statistic that grows with the batch is not offered.)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
-def check_loss_agg(name: str, mode, norm) -> Tuple[str, Optional[float]]:
+def check_loss_agg(name: str, mode: Any, norm: Any) -> Tuple[str, Optional[float]]:
     """``(loss_agg_mode, loss_agg_norm)`` validated; raises ``ValueError`` naming the metric."""
     if not isinstance(mode, str) or mode not in LOSS_AGG_MODES:
         raise ValueError(f"{name}: loss_agg_mode must be one of {', '.join(map(repr, LOSS_AGG_MODES))}, "
@@ -64,7 +64,7 @@ def sequence_table(sums: torch.Tensor, counts: torch.Tensor, width: torch.Tensor
     return torch.where(c > 0, per, 0.0).sum(0), live.sum(0)
 
 
-def sequence_mean(total: float, sequences) -> float:
+def sequence_mean(total: float, sequences: float) -> float:
     """A key's value from its reduced ``sequence_table`` sums: the mean over the sequences
     that have a counted token (every sequence mode divides by their number, as verl 0.9.1's
     ``agg_loss`` divides by ``global_batch_size``)."""

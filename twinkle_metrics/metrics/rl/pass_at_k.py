@@ -8,13 +8,16 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from parallel import MeshLike
+from parallel.groups import ProcessGroup
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import from_host
+from twinkle_metrics.inputs.data_format import Inputs, Outputs, SideInput
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.rl import cp_lead
 from twinkle_metrics.metrics.rl.keyed_tables import fold_tables, id_key, merge_rows, tensor_keys
@@ -112,9 +115,10 @@ class PassAtKMetric(Metric):
     result_keys = ('pass@*', 'pass^*', 'maj@*', 'best@*', 'worst@*', '*_ci_low', '*_ci_high', 'num_prompts',
                    'num_samples',)
 
-    def __init__(self, device_mesh=None, process_group=None, *, k=(1,), max_prompts: int = 1024,
-                 max_samples: int = 16384, with_answers: bool = False, with_rewards: bool = False,
-                 num_bootstrap: int = 1000, bootstrap_seed: int = 0, confidence: float = 0.95, **kwargs):
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *,
+                 k: Union[int, Sequence[int]] = (1,), max_prompts: int = 1024, max_samples: int = 16384,
+                 with_answers: bool = False, with_rewards: bool = False, num_bootstrap: int = 1000,
+                 bootstrap_seed: int = 0, confidence: float = 0.95, **kwargs: Any) -> None:
         ks = (k,) if isinstance(k, numbers.Integral) and not isinstance(k, bool) else k
         if isinstance(ks, (str, bytes)) or not isinstance(ks, (list, tuple)) or not ks:
             raise TypeError(f"{_NAME}: k must be an int >= 1 or a non-empty list of them, got {k!r}")
@@ -163,8 +167,9 @@ class PassAtKMetric(Metric):
         return fold_tables(torch.stack([old, new]), 1, False)
 
     # ----------------------------------------------------------------- update
-    def update(self, inputs=None, outputs=None, *, prompt_ids=None, correct=None, answers=None,
-               rewards=None) -> Dict[str, Any]:
+    def update(self, inputs: Inputs = None, outputs: Outputs = None, *, prompt_ids: SideInput = None,
+               correct: SideInput = None, answers: SideInput = None, rewards: SideInput = None,
+               **kwargs: Any) -> Dict[str, Any]:
         if prompt_ids is None:
             given = [f for f, v in (("correct", correct), ("answers", answers), ("rewards", rewards))
                      if v is not None]
@@ -178,7 +183,8 @@ class PassAtKMetric(Metric):
             raise ValueError(f"{_NAME}: correct is required with prompt_ids (pass@k counts correct "
                              f"samples); pass one bool or 0/1 per sample ({n})")
         flags = _flags(correct, n)
-        answer_keys = reward_values = None
+        answer_keys: Any = None
+        reward_values: Any = None
         answers_keyed = False
         if self.with_answers:
             if answers is None:
@@ -219,7 +225,7 @@ class PassAtKMetric(Metric):
         return out
 
     # ---------------------------------------------------------------- compute
-    def compute(self, s):
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         p, q = self.max_prompts, self.max_samples
         bounds = [("prompts", "max_prompts", p, "distinct prompts")]
         if self.with_answers:
@@ -390,7 +396,7 @@ def _flags(value, n: int):
     flags = []
     for i, v in enumerate(value):
         if isinstance(v, numbers.Real) and v in (0, 1):
-            flags.append(int(v))
+            flags.append(1 if v == 1 else 0)
         else:
             raise ValueError(f"{_NAME}: correct[{i}] is {v!r}; expected a bool or 0/1 per sample")
     return flags

@@ -1,14 +1,17 @@
 """``PPOValueMetric``: PPO critic statistics (Twinkle's keys), exact over the data group."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
+from parallel import MeshLike
+from parallel.groups import ProcessGroup
 from twinkle_metrics.core import fold
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.data_format import Inputs, Outputs, SideInput
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import has_field
 from twinkle_metrics.inputs.rl import aligned_microbatches, joined_microbatches, nonfinite_tokens
@@ -97,8 +100,9 @@ class PPOValueMetric(Metric):
     adv_moments = moments_state()
     n_bad = State("sum", torch.int64)
 
-    def __init__(self, device_mesh=None, process_group=None, epsilon: float = 0.2, ignore_index: int = -100,
-                 *, nan_policy: str = "propagate", **kwargs):
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None,
+                 epsilon: float = 0.2, ignore_index: int = -100, *, nan_policy: str = "propagate",
+                 **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.nan_policy = check_nan_policy(name, nan_policy)
@@ -107,8 +111,8 @@ class PPOValueMetric(Metric):
         self.epsilon = float(epsilon)
         self.ignore_index = ignore_index
 
-    def update(self, inputs, outputs, *, old_values=None, returns=None, advantages=None,
-               **kwargs) -> Dict[str, Any]:
+    def update(self, inputs: Inputs, outputs: Outputs, *, old_values: SideInput = None, returns: SideInput = None,
+               advantages: SideInput = None, **kwargs: Any) -> Dict[str, Any]:
         if old_values is None and returns is None and not has_field(outputs, "values"):
             # a call for other metrics of a collection (a policy step sharing advantages)
             return {}
@@ -168,7 +172,7 @@ class PPOValueMetric(Metric):
         return _triton.attempt("PPO value statistics", _token_stats, items, epsilon=self.epsilon,
                                skip=self.nan_policy == "skip")
 
-    def compute(self, s):
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         out: Dict[str, Any] = {"train/nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
         if s["n_tok"]:
             out["train/value_mean"] = s["sum_value"] / s["n_tok"]

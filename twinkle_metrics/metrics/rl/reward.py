@@ -3,16 +3,19 @@ from __future__ import annotations
 
 import math
 from numbers import Number
-from typing import Any, Dict, Hashable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, SupportsFloat, Union, cast
 
 import torch
 
+from parallel import MeshLike
+from parallel.groups import ProcessGroup
 from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.slicing import SEP
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import counts, negative_count, nonfinite, real_values
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.data_format import Inputs, Outputs, SideInput
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.rl import cp_lead
 from twinkle_metrics.stats.histogram import Histogram, check_quantiles, quantile_keys
@@ -132,12 +135,12 @@ class CompletionRewardMetric(Metric):
     n_bad = State("sum", torch.int64)  # non-finite rewards
     zero_std_nan = State("sum")  # 0, or NaN when a group's total was non-finite ('propagate')
 
-    def __init__(self, device_mesh=None, process_group=None, *,
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *,
                  reward_names: Optional[Sequence[str]] = None,
                  max_completion_length: Optional[int] = None,
                  num_generations: Optional[int] = None,
                  zero_std_reward: Optional[str] = None,
-                 nan_policy: str = "skip", quantiles: Optional[Sequence[float]] = None, **kwargs):
+                 nan_policy: str = "skip", quantiles: Optional[Sequence[float]] = None, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.nan_policy = check_nan_policy(_NAME, nan_policy)
         self.quantiles = check_quantiles(_NAME, quantiles)
@@ -165,13 +168,16 @@ class CompletionRewardMetric(Metric):
                 self.add_state(_HIST + name, REWARD_HISTOGRAM.state())
 
     @property
-    def reward_names(self):
+    def reward_names(self) -> List[str]:
         return sorted(k[len(_PREFIX):] for k in self.declarations if k.startswith(_PREFIX) and SEP not in k)
 
     # ----------------------------------------------------------------- update
-    def update(self, inputs=None, outputs=None, *, rewards=None, completion_lengths=None,
-               completions=None, generate_time=None, generation_time=None,
-               weight_sync_time=None, group_ids=None, **kwargs) -> Dict[str, Any]:
+    def update(self, inputs: Inputs = None, outputs: Outputs = None, *,
+               rewards: Union[Mapping[str, SideInput], SideInput] = None, completion_lengths: SideInput = None,
+               completions: SideInput = None, generate_time: Union[float, torch.Tensor, None] = None,
+               generation_time: Union[float, torch.Tensor, None] = None,
+               weight_sync_time: Union[float, torch.Tensor, None] = None, group_ids: SideInput = None,
+               **kwargs: Any) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
         lead = cp_lead(self)
         per_name = self._rewards_dict(rewards)
@@ -289,7 +295,7 @@ class CompletionRewardMetric(Metric):
             first = (same & earlier).sum(1) == 0
             out.update(groups=first.sum(), groups_zero_std=(first & (std <= _ZERO_STD)).sum())
             return out
-        g = self.num_generations
+        g = cast(int, self.num_generations)  # set: the caller comes here with group_ids or num_generations
         if n % g:
             raise ValueError(f"{_NAME}: {n} rewards are not a multiple of num_generations={g}; "
                              "pass whole prompt groups to each accumulate call, or group_ids")
@@ -306,7 +312,7 @@ class CompletionRewardMetric(Metric):
         return out
 
     # ---------------------------------------------------------------- compute
-    def compute(self, s):
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
         if s["len_count"]:
             negative_count(_NAME, "completion_lengths (the smallest)", float(s["len_min"]), self.intervals)
@@ -347,7 +353,7 @@ def _as_1d(field: str, value) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.reshape(-1).to(torch.float64)
     if isinstance(value, Number):
-        return torch.tensor([float(value)], dtype=torch.float64)
+        return torch.tensor([float(cast(SupportsFloat, value))], dtype=torch.float64)  # a complex raises
     if isinstance(value, (list, tuple)):
         if any(isinstance(v, torch.Tensor) for v in value):
             items = []
@@ -404,15 +410,13 @@ def _reward_values(field: str, value) -> torch.Tensor:
     """Values of one reward function (or the completion lengths): ``[n]``, ``[n, 1]``, a list
     of numbers, or one number; anything else would be flattened into a wrong mean."""
     shape = list(value.shape) if isinstance(value, torch.Tensor) else None
-    t = _as_1d(field, value) if shape is not None else None
-    if shape is None:
-        if isinstance(value, (list, tuple)) and not any(isinstance(v, torch.Tensor) for v in value):
-            try:
-                shape = list(torch.tensor([float("nan") if v is None else v for v in value],
-                                          dtype=torch.float64).shape)
-            except (TypeError, ValueError):
-                shape = None  # _as_1d raises its TypeError below
-        t = _as_1d(field, value)
+    if shape is None and isinstance(value, (list, tuple)) and not any(isinstance(v, torch.Tensor) for v in value):
+        try:
+            shape = list(torch.tensor([float("nan") if v is None else v for v in value],
+                                      dtype=torch.float64).shape)
+        except (TypeError, ValueError):
+            shape = None  # _as_1d raises its TypeError below
+    t = _as_1d(field, value)
     if shape is not None and not (len(shape) <= 1 or (len(shape) == 2 and shape[1] == 1)):
         raise ValueError(f"{_NAME}: {field} has shape {shape}; expected one value per completion: [n] or "
                          f"[n, 1] (or a list of numbers); pass one reward function's values per name "

@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
-from parallel import group_rank
+from parallel import MeshLike, group_rank
+from parallel.groups import ProcessGroup
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core import fold
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.data_format import Inputs, Outputs, SideInput
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.rl import aligned_microbatches, cp_sum, nonfinite_tokens
 from twinkle_metrics.kernels import dispatch as _triton
@@ -183,10 +185,10 @@ class RolloutMismatchMetric(Metric):
     seq_ess = State(_ess_merge, torch.float64, shape=(3,), default=0.0, local=_ess_fold)
     n_bad = State("sum", torch.int64)
 
-    def __init__(self, device_mesh=None, process_group=None, *, is_threshold: float = 2.0,
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *, is_threshold: float = 2.0,
                  is_threshold_low: Optional[float] = None, ignore_index: int = -100,
                  nan_policy: str = "propagate", loss_agg_mode: str = "token-mean",
-                 loss_agg_norm: Optional[float] = None, **kwargs):
+                 loss_agg_norm: Optional[float] = None, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.loss_agg_mode, self.loss_agg_norm = check_loss_agg(name, loss_agg_mode, loss_agg_norm)
@@ -211,7 +213,8 @@ class RolloutMismatchMetric(Metric):
     def _sequence_group(self):
         return self.sequence_group()
 
-    def update(self, inputs, outputs, *, rollout_logps=None, **kwargs) -> Dict[str, Any]:
+    def update(self, inputs: Inputs, outputs: Outputs, *, rollout_logps: SideInput = None,
+               **kwargs: Any) -> Dict[str, Any]:
         name = type(self).__name__
         group = self._sequence_group()
         with exchange.guard(self):
@@ -333,7 +336,7 @@ class RolloutMismatchMetric(Metric):
                     "seq_ess": ess})
         return out
 
-    def compute(self, s):
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         out: Dict[str, Any] = {"rollout/nonfinite_tokens": int(s["n_bad"])} if s["n_bad"] else {}
         n = s["n_tok"]
         if n:

@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from parallel import comm_device, group_rank
-from parallel.groups import all_gather_rows
+from parallel import MeshLike, comm_device, group_rank
+from parallel.groups import ProcessGroup, all_gather_rows
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core import fold
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import from_host
+from twinkle_metrics.inputs.data_format import Inputs, Outputs, SideInput
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.inputs.microbatch import as_feature_list, batch_size, host_array
 from twinkle_metrics.inputs.rl import token_mask
@@ -124,9 +125,9 @@ class StalenessMetric(Metric):
     in_flight = State("max", scope="model")
     queued = State("max", scope="model")
 
-    def __init__(self, device_mesh=None, process_group=None, *, max_staleness: Optional[int] = None,
-                 quantiles: Optional[Sequence[float]] = (0.5, 0.9, 0.99), ignore_index: int = -100,
-                 **kwargs):
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *,
+                 max_staleness: Optional[int] = None, quantiles: Optional[Sequence[float]] = (0.5, 0.9, 0.99),
+                 ignore_index: int = -100, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, Integral)
                                           or max_staleness < 0):
@@ -138,8 +139,9 @@ class StalenessMetric(Metric):
         self.ignore_index = ignore_index
 
     # ----------------------------------------------------------------- update
-    def update(self, inputs, outputs, *, policy_version=None, rollout_versions=None, in_flight=None,
-               queued=None) -> Dict[str, Any]:
+    def update(self, inputs: Inputs, outputs: Outputs, *, policy_version: Union[int, torch.Tensor, None] = None,
+               rollout_versions: SideInput = None, in_flight: Union[float, torch.Tensor, None] = None,
+               queued: Union[float, torch.Tensor, None] = None, **kwargs: Any) -> Dict[str, Any]:
         group = self.sequence_group()
         with exchange.guard(self):
             out: Dict[str, Any] = {}
@@ -272,7 +274,7 @@ class StalenessMetric(Metric):
         return out
 
     # ---------------------------------------------------------------- compute
-    def compute(self, s):
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         if s["n_neg"]:
             raise ValueError(f"{_NAME}: {_FIELD} gave {int(s['n_neg'])} counted tokens a version newer than "
                              "policy_version in this interval (negative staleness); pass the version of the "
@@ -350,7 +352,8 @@ def _split(versions, sizes: List[int]) -> List[Any]:
         if len(versions) != total:
             raise ValueError(f"{_NAME}: {_FIELD} has {len(versions)} versions but the batch has {total} "
                              f"sequences ({sizes} per microbatch); expected {total}, one per sequence")
-        out, start = [], 0
+        out: List[Any] = []
+        start = 0
         for n in sizes:
             out.append([int(x) for x in versions[start:start + n]])
             start += n

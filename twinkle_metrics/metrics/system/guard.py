@@ -33,12 +33,14 @@ import os
 import socket
 import weakref
 import zlib
-from typing import Any, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from parallel import MeshLike
 from parallel import groups as G
+from parallel.groups import ProcessGroup
 from twinkle_metrics.comm.plan import MetricSyncError
 from twinkle_metrics.comm.transport import Transport
 from twinkle_metrics.comm.waits import ranges
@@ -46,6 +48,7 @@ from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import host_reads, nonfinite, scalar
+from twinkle_metrics.inputs.data_format import Inputs, Outputs
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.metrics.system.verdict import (
     CHECKS,
@@ -137,10 +140,10 @@ class StepGuard(Metric):
     base_var = State("max", default=0.0, local="last", keep=True)
     base_n = State("max", torch.int64, default=0, local="last", keep=True)
 
-    def __init__(self, device_mesh=None, process_group=None, *, checks=CHECKS, on_nonfinite: str = "skip",
-                 on_spike: str = "skip", max_skips: int = 3, spike_z: Optional[float] = 6.0,
-                 spike_ratio: Optional[float] = 1.5, warmup: int = 50, ewma: float = 0.1,
-                 loss_key: str = "lm loss", **kwargs):
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *,
+                 checks: Tuple[str, ...] = CHECKS, on_nonfinite: str = "skip", on_spike: str = "skip",
+                 max_skips: int = 3, spike_z: Optional[float] = 6.0, spike_ratio: Optional[float] = 1.5,
+                 warmup: int = 50, ewma: float = 0.1, loss_key: str = "lm loss", **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.policy = GuardPolicy(checks, on_nonfinite, on_spike, max_skips, spike_z, spike_ratio, warmup, ewma)
         if not isinstance(loss_key, str):
@@ -152,13 +155,16 @@ class StepGuard(Metric):
         self._seen: Optional[BadRank] = None  # the first bad rank of the current run, with its host
 
     @classmethod
-    def from_policy(cls, policy: GuardPolicy, device_mesh=None, process_group=None, **kwargs) -> "StepGuard":
+    def from_policy(cls, policy: GuardPolicy, device_mesh: MeshLike = None,
+                    process_group: ProcessGroup = None, **kwargs: Any) -> "StepGuard":
         """A guard with ``policy`` (``GuardPolicy``)."""
         return cls(device_mesh, process_group, **policy.arguments(), **kwargs)
 
     # ------------------------------------------------------------------- the step
     @torch.no_grad()
-    def check(self, loss=None, *, grad_norm=None, values=None, step: Optional[int] = None) -> Verdict:
+    def check(self, loss: Union[float, torch.Tensor, Mapping[str, Any], Sequence[Any], None] = None, *,
+              grad_norm: Union[float, torch.Tensor, None] = None,
+              values: Union[torch.Tensor, Sequence[torch.Tensor], None] = None, step: Optional[int] = None) -> Verdict:
         """The verdict of this step, the same on every rank. Collective over every rank of
         the mesh: call it on every rank, once a step, with the same ``step`` (default: the
         steps this guard checked before, kept over a resume). Raises on every rank when a
@@ -176,9 +182,11 @@ class StepGuard(Metric):
             mine = torch.zeros(len(_LANES), dtype=torch.float64, device=t.device)
             mine[_AT["rejected"]] = 1.0
         head = all(G.group_rank(g) == 0 for g in groups)  # its kept values ride for every rank
-        states = self.states if head else None
-        kept = (torch.stack([states[k].to(t.device, torch.float64) for k in KEPT]) if head
-                else torch.zeros(len(KEPT), dtype=torch.float64, device=t.device))
+        if head:
+            states = self.states
+            kept = torch.stack([states[k].to(t.device, torch.float64) for k in KEPT])
+        else:
+            kept = torch.zeros(len(KEPT), dtype=torch.float64, device=t.device)
         buf = torch.cat([mine, kept])
         self._calls += 1
         for g in groups:
@@ -218,7 +226,7 @@ class StepGuard(Metric):
         """This rank's lanes (``_LANES``) on ``device``, and its bad flags per input (a
         tensor there), validated first; no device read."""
         if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
-                                 or not 0 <= step < MAX_STEP):
+                                 or not 0 <= int(step) < MAX_STEP):
             raise ValueError(f"{_WHAT}: step must be an int in [0, 2**{53 - RANK_BITS}), got {step!r}")
         checks = self.policy.checks
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -264,7 +272,7 @@ class StepGuard(Metric):
             with host_reads():
                 bad = [name for name, f in zip(CHECKS, flags.cpu().tolist()) if f]
             local = os.environ.get("LOCAL_RANK")
-            info = {"host": socket.gethostname(), "device": _device_of(loss, grad_norm, values),
+            info: Dict[str, Any] = {"host": socket.gethostname(), "device": _device_of(loss, grad_norm, values),
                     "local_rank": int(local) if local and local.isdigit() else None, "fields": bad}
             if store is not None:
                 try:
@@ -302,10 +310,10 @@ class StepGuard(Metric):
 
     def _disagree(self, t, groups, rank: int, step) -> None:
         """Every rank's guard and step, gathered (over each group in turn), then raised."""
-        held = [[rank, f"{self.sync_fingerprint()} at step {step}"]]
+        held: List[Any] = [[rank, f"{self.sync_fingerprint()} at step {step}"]]
         for g in groups:
             held = [x for part in t.gather_bytes(json.dumps(held).encode(), g) for x in json.loads(part)]
-        by_text = {}
+        by_text: Dict[str, List[int]] = {}
         for r, text in held:
             by_text.setdefault(text, []).append(r)
         said = "; ".join(f"ranks {ranges(rs)} hold {text}" if len(rs) > 1 else f"rank {rs[0]} holds {text}"
@@ -315,23 +323,24 @@ class StepGuard(Metric):
                               "once a step on every rank, with the same step. Nothing was folded")
 
     # ----------------------------------------------------------- the metric contract
-    def update(self, inputs, outputs, *, verdict: Optional[Verdict] = None, **kwargs):
+    def update(self, inputs: Inputs, outputs: Outputs, *, verdict: Optional[Verdict] = None,
+               **kwargs: Any) -> Dict[str, Any]:
         if verdict is None:
             return {}
         if not isinstance(verdict, Verdict):
             raise TypeError(f"{_NAME}: verdict must be a Verdict (StepGuard.check returns it), got "
                             f"{type(verdict).__name__}")
-        out = {"steps": 1, "skipped": int(verdict.skip), "stopped": int(verdict.stop),
+        out: Dict[str, Any] = {"steps": 1, "skipped": int(verdict.skip), "stopped": int(verdict.stop),
                "nonfinite_steps": int(verdict.reason == "nonfinite"), "spikes": int(verdict.spike)}
         if verdict.bad is not None:
             out["first_bad"] = verdict.bad.packed
         out.update({k: verdict.kept[k] for k in KEPT})
         return out
 
-    def compute(self, s):
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         if not s["steps"]:
             return {}
-        out = {"guard/steps": s["steps"], "guard/skipped": s["skipped"], "guard/stopped": s["stopped"],
+        out: Dict[str, Any] = {"guard/steps": s["steps"], "guard/skipped": s["skipped"], "guard/stopped": s["stopped"],
                "guard/nonfinite_steps": s["nonfinite_steps"], "guard/spikes": s["spikes"]}
         if s["first_bad"] != _NONE:
             out["guard/first_bad_rank"] = s["first_bad"] & RANK_MASK

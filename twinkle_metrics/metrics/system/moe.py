@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
+from parallel import MeshLike
+from parallel.groups import ProcessGroup
 from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import fits_int64
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.data_format import Inputs, Outputs
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.kernels import dispatch as _triton
 from twinkle_metrics.metrics.system.moe_stats import check_percentiles, summarize
@@ -133,9 +136,10 @@ class MoERoutingMetric(Metric):
     # percentiles are compute-only: ranks must agree on the keys, a checkpoint loads whatever it was
     schema = Schema(exclude=("per_layer",), sync_only=("percentiles",))
 
-    def __init__(self, device_mesh=None, process_group=None, *, num_layers: int, num_experts: int,
-                 sequence_parallel: bool = False, per_layer: bool = True,
-                 nan_policy: str = "propagate", percentiles=None, **kwargs):
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *, num_layers: int,
+                 num_experts: int, sequence_parallel: bool = False, per_layer: bool = True,
+                 nan_policy: str = "propagate", percentiles: Optional[Sequence[float]] = None,
+                 **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -162,18 +166,18 @@ class MoERoutingMetric(Metric):
         self.add_state("drop_reports", State("sum", torch.int64, scope=scope))
 
     # ------------------------------------------------------------------ input
-    def observe(self, layer: int, **fields) -> "MoERoutingMetric":
+    def observe(self, layer: int, **fields: Any) -> "MoERoutingMetric":
         """One layer's routing: ``observe(3, routing_map=m, router_logits=x, aux_loss=a)``."""
         return self.accumulate(None, fields, layer=layer)
 
-    def update(self, inputs, outputs, layer: Optional[int] = None):
+    def update(self, inputs: Inputs, outputs: Outputs, layer: Optional[int] = None, **kwargs: Any) -> Dict[str, Any]:
         if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)
                                   or not 0 <= layer < self.num_layers):
             raise ValueError(f"{_NAME}: layer must be an int in [0, {self.num_layers}), got {layer!r}; "
                              "pass the global 0-based MoE layer index (megatron-core: "
                              "layer_number - 1) and size num_layers to the whole model")
         if outputs is None:
-            return None
+            return {}
         items = outputs if isinstance(outputs, (list, tuple)) else [outputs]
         out: Dict[str, torch.Tensor] = {}
         for i, item in enumerate(items):
@@ -183,13 +187,13 @@ class MoERoutingMetric(Metric):
                                 f"got {type(item).__name__}")
             for name, value in self._one(item, layer, where).items():
                 out[name] = value if name not in out else out[name] + value
-        return out or None
+        return out
 
-    def _one(self, o: Mapping, layer: Optional[int], where: str) -> Dict[str, torch.Tensor]:
+    def _one(self, o: Mapping, layer: Optional[int], where: str) -> Dict[str, Any]:
         f = self._fields(o, layer, where)
         if f is None:
             return {}
-        out = None
+        out: Optional[Dict[str, Any]] = None
         if self._fuses(f, layer):
             out = _triton.attempt("MoE routing statistics", self._fused, f, layer)
         out = self._torch(f, layer) if out is None else out
@@ -248,10 +252,10 @@ class MoERoutingMetric(Metric):
                             f"{m.dtype}; pass the router's boolean routing_map")
         if "expert_counts" in fields:
             c = _tensor("expert_counts", fields["expert_counts"], where)
-            want = (E,) if layer is not None else (L, E)
-            if c.is_floating_point() or c.is_complex() or tuple(c.shape) != want:
+            counts_shape = (E,) if layer is not None else (L, E)
+            if c.is_floating_point() or c.is_complex() or tuple(c.shape) != counts_shape:
                 raise ValueError(f"{_NAME}: {where}['expert_counts'] must be an integer tensor of shape "
-                                 f"{list(want)} ({'one layer' if layer is not None else 'every layer'}), "
+                                 f"{list(counts_shape)} ({'one layer' if layer is not None else 'every layer'}), "
                                  f"got {c.dtype} {list(c.shape)}")
             fields["expert_counts"] = c
         if "router_logits" in fields and "router_probs" in fields:
@@ -263,8 +267,8 @@ class MoERoutingMetric(Metric):
         if "tokens_dropped" in fields:
             d = fields["tokens_dropped"]
             if isinstance(d, torch.Tensor):
-                want = () if layer is not None else (L,)
-                if d.is_floating_point() or d.is_complex() or tuple(d.shape) != want:
+                drop_shape = () if layer is not None else (L,)
+                if d.is_floating_point() or d.is_complex() or tuple(d.shape) != drop_shape:
                     raise ValueError(f"{_NAME}: {where}['tokens_dropped'] must be an integer "
                                      f"{'scalar' if layer is not None else f'tensor [{L}]'}, got "
                                      f"{d.dtype} {list(d.shape)}")
@@ -382,7 +386,7 @@ class MoERoutingMetric(Metric):
         return torch.full((), float(v), dtype=torch.float64, device=device)
 
     # ---------------------------------------------------------------- results
-    def compute(self, s):
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         return summarize(s, self.num_layers, self.num_experts, self.percentiles, self.per_layer)
 
 

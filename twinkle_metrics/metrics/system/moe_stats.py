@@ -4,10 +4,10 @@ reduced numbers (``compute`` runs after the sync), so nothing here touches a dev
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 
-def summarize(s: Dict[str, Any], num_layers: int, num_experts: int, percentiles: Optional[Tuple[float, ...]],
+def summarize(s: Mapping[str, Any], num_layers: int, num_experts: int, percentiles: Optional[Tuple[float, ...]],
               per_layer: bool) -> Dict[str, Any]:
     """The keys ``MoERoutingMetric`` reports from its merged states ``s`` (see its docstring):
     each ``moe/{name}`` over layers is written once below, from the per-layer ``name`` of
@@ -58,7 +58,7 @@ def summarize(s: Dict[str, Any], num_layers: int, num_experts: int, percentiles:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _layer_stats(s: Dict[str, Any], i: int, E: int) -> Dict[str, float]:
+def _layer_stats(s: Mapping[str, Any], i: int, E: int) -> Dict[str, float]:
     out: Dict[str, float] = {}
     c = s["counts"][i]
     total, dropped = sum(c), s["dropped"][i]
@@ -80,7 +80,7 @@ def _layer_stats(s: Dict[str, Any], i: int, E: int) -> Dict[str, float]:
     return out
 
 
-def check_percentiles(name: str, percentiles) -> Optional[Tuple[float, ...]]:
+def check_percentiles(name: str, percentiles: Any) -> Optional[Tuple[float, ...]]:
     """``percentiles`` as a tuple of numbers in [0, 100], or None."""
     if percentiles is None:
         return None

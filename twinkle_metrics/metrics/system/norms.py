@@ -6,12 +6,13 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from parallel import group_rank
-from parallel.groups import global_rank, group_ranks
+from parallel import MeshLike, group_rank
+from parallel.groups import ProcessGroup, global_rank, group_ranks
 from twinkle_metrics.core import compat as _compat
 from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
+from twinkle_metrics.inputs.data_format import Inputs, Outputs
 
 _NAME = "ModelNormMetric"
 _GRAD, _PARAM = "grad_sq/", "param_sq/"
@@ -128,9 +129,10 @@ class ModelNormMetric(Metric):
     grad_numel = _placed(torch.int64)
     seen = State("max", torch.int64, default=0, scope="model", local="last")  # 1: accumulated
 
-    def __init__(self, device_mesh=None, process_group=None, *, model=None,
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *,
+                 model: Union[torch.nn.Module, Sequence[torch.nn.Module], None] = None,
                  groups: Optional[Mapping[str, GroupRule]] = None,
-                 distributed_optimizer: Optional[bool] = None, count_zeros: bool = True, **kwargs):
+                 distributed_optimizer: Optional[bool] = None, count_zeros: bool = True, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         if groups is not None:
             if not isinstance(groups, Mapping):
@@ -158,7 +160,8 @@ class ModelNormMetric(Metric):
         self.add_state_family(_PARAM, _placed())
 
     # ----------------------------------------------------------------- update
-    def update(self, inputs=None, outputs=None, *, model=None):
+    def update(self, inputs: Inputs = None, outputs: Outputs = None, *,
+               model: Union[torch.nn.Module, Sequence[torch.nn.Module], None] = None, **kwargs: Any) -> Dict[str, Any]:
         chunks = _chunks(model) if model is not None else self.model
         if chunks is None:
             raise ValueError(f"{_NAME}.accumulate: no model; pass model=... to the constructor "
@@ -189,7 +192,7 @@ class ModelNormMetric(Metric):
             out["grad_zeros"] = 0
         return out
 
-    def compute(self, s: Dict[str, Any]) -> Dict[str, Any]:
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         if not s["seen"]:
             return {}
         out: Dict[str, Any] = {"norm/param": math.sqrt(s["param_sq"])}

@@ -5,15 +5,17 @@ import math
 import numbers
 import secrets
 import time
-from typing import Optional
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 
-from parallel.groups import global_rank, world_size
+from parallel import MeshLike
+from parallel.groups import ProcessGroup, global_rank, world_size
 from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import Origin, State
 from twinkle_metrics.inputs.checks import count, fits_int64, negative_count
+from twinkle_metrics.inputs.data_format import Inputs, Outputs
 
 _NAME = "TrainMetric"
 _COUNTS = ("global", "local")
@@ -146,9 +148,9 @@ class TrainMetric(Metric):
     peak_allocated = State("max", torch.int64, scope="model")
     peak_reserved = State("max", torch.int64, scope="model")
 
-    def __init__(self, device_mesh=None, process_group=None, *, counts: str = "global",
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *, counts: str = "global",
                  flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
-                 num_devices: Optional[int] = None, max_param_groups: int = 16, **kwargs):
+                 num_devices: Optional[int] = None, max_param_groups: int = 16, **kwargs: Any) -> None:
         if counts not in _COUNTS:
             raise ValueError(f"{_NAME}: counts must be one of {_COUNTS}, got {counts!r}")
         self._start = time.perf_counter()
@@ -169,10 +171,13 @@ class TrainMetric(Metric):
         self.default_peak_flops = peak_flops
         self.num_devices = num_devices
 
-    def update(self, inputs, outputs, *, lr=None, step=None, gradient_accumulation_steps=None,
-               tokens=None, samples=None, flops_per_token=None, peak_flops=None, **kwargs):
+    def update(self, inputs: Inputs, outputs: Outputs, *, lr: Union[float, Sequence[float], torch.Tensor, None] = None,
+               step: Optional[int] = None, gradient_accumulation_steps: Optional[int] = None,
+               tokens: Union[int, torch.Tensor, None] = None, samples: Union[int, torch.Tensor, None] = None,
+               flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
+               **kwargs: Any) -> Dict[str, Any]:
         now = time.perf_counter()
-        out = {"elapsed": now - self._start,
+        out: Dict[str, Any] = {"elapsed": now - self._start,
                "interval": torch.tensor([self._clock, self.interval_start, now], dtype=torch.float64)}
         lrs = [] if lr is None else list(lr) if isinstance(lr, (list, tuple)) else [lr]
         if lrs:  # [] (no optimizer, e.g. during evaluation) reports no lr, as in Twinkle
@@ -208,8 +213,8 @@ class TrainMetric(Metric):
         out.update(_memory_peaks())
         return out
 
-    def compute(self, s):
-        out = {}
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
         groups = s["lr_groups"]
         if groups > 0:
             if groups == 1:

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 _NAME = "StepGuard"
 #: what a guard can check for non-finite numbers
@@ -59,7 +59,7 @@ class GuardPolicy:
     warmup: int = 50
     ewma: float = 0.1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         checks = self.checks
         if isinstance(checks, str) or not isinstance(checks, (tuple, list)):
             raise TypeError(f"{_NAME}: checks must be a tuple of names from {CHECKS}, got {checks!r}")
@@ -78,7 +78,7 @@ class GuardPolicy:
         if not _real(self.ewma) or not 0 < self.ewma <= 1:
             raise ValueError(f"{_NAME}: ewma must be a number in (0, 1], got {self.ewma!r}")
 
-    def arguments(self) -> Dict[str, object]:
+    def arguments(self) -> Dict[str, Any]:
         """The policy as ``StepGuard``'s keyword arguments."""
         return dataclasses.asdict(self)
 
@@ -101,7 +101,7 @@ class BadRank:
     def packed(self) -> int:
         return (self.step << RANK_BITS) | self.rank
 
-    def __str__(self):
+    def __str__(self) -> str:
         where = ", ".join(x for x in (self.host and f"host {self.host}", self.device,
                                       self.local_rank is not None and f"local rank {self.local_rank}") if x)
         bad = f": non-finite {', '.join(self.fields)}" if self.fields else ""
@@ -154,7 +154,7 @@ class Verdict:
     def stop(self) -> bool:
         return self.action == "stop"
 
-    def __str__(self):
+    def __str__(self) -> str:
         text = f"step {self.step}: {self.action}"
         if self.reason == "nonfinite":
             where = ", ".join(f"{k} on {v}" for k, v in self.nonfinite.items() if k != "entries" and v)
@@ -184,7 +184,7 @@ def decide(policy: GuardPolicy, step: int, totals: Mapping[str, float], kept: Ma
     std = math.sqrt(var) if n else None
     z = ratio = None
     spike = False
-    if loss is not None and math.isfinite(loss) and n:
+    if loss is not None and math.isfinite(loss) and std is not None:  # n > 0
         z = (loss - mean) / std if std > 0 else (math.inf if loss > mean else 0.0)
         ratio = loss / mean if mean > 0 else None
         conditions = [] if n < policy.warmup else (

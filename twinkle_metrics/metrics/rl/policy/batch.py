@@ -4,11 +4,12 @@ one of them while ``sums.call_sums`` works through it."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, cast
 
 import torch
 
 from twinkle_metrics.inputs.checks import as_tensor, float_tensor, floating_tensor
+from twinkle_metrics.inputs.data_format import Inputs, Outputs, SideInput
 from twinkle_metrics.inputs.microbatch import has_field, microbatches
 from twinkle_metrics.inputs.rl import (
     common_length,
@@ -38,20 +39,26 @@ class Microbatch:
     """One prepared microbatch's tensors while ``call_sums`` works through it: the inputs
     (masks may be narrowed by the NaN policy) and values shared between its steps."""
 
-    def __init__(self, item: Dict[str, Any], logit_ent: Optional[torch.Tensor]):
+    def __init__(self, item: Dict[str, Any], logit_ent: Optional[torch.Tensor]) -> None:
         self.feat, self.lp, self.m = item["feat"], item["lp"], item["m"]
-        self.ent, self.em = (item["ent"], item["em"]) if logit_ent is None else (logit_ent, item["m"])
+        self.ent: Any = item["ent"] if logit_ent is None else logit_ent  # entropies and their mask, or None
+        self.em: Any = item["em"] if logit_ent is None else item["m"]
         self.adv, self.has_adv = item["adv"], item["has_adv"]
         self.ref, self.has_ref = item["ref"], item["has_ref"]
         self.old, self.has_old = item["old"], item["has_old"]
-        self.n_tok = self.lpm = self.lp64 = self.d = self.ratio_m1 = None
+        # tensors the steps of ``call_sums`` leave for the next ones (None until then)
+        self.n_tok: Any = None
+        self.lpm: Any = None
+        self.lp64: Any = None
+        self.d: Any = None
+        self.ratio_m1: Any = None
         self.seq0 = 0  # the index of its first sequence in the call
         self._bits: Dict[tuple, torch.Tensor] = {}
         #: per-sequence token sums and counts (``SEQ_SUMS``, ``SEQ_COUNTS``) under a
         #: sequence-aggregated loss_agg_mode, else None
         self.rows: Optional[Dict[str, torch.Tensor]] = None
 
-    def total(self, key: str, x: torch.Tensor, dtype=None) -> torch.Tensor:
+    def total(self, key: str, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``x.sum()``; under a sequence mode also its per-row sums as ``rows[key]``, the
         total taken from them (one [b, s] pass either way)."""
         if self.rows is None:
@@ -60,7 +67,7 @@ class Microbatch:
         self.rows[key] = per
         return per.sum()
 
-    def same(self, key: str, like: str, value):
+    def same(self, key: str, like: str, value: torch.Tensor) -> torch.Tensor:
         """``value``, a total already taken as ``rows[like]`` (the same mask): its rows too."""
         if self.rows is not None:
             self.rows[key] = self.rows[like]
@@ -72,7 +79,8 @@ class Microbatch:
         b, s = self.m.shape
         zero = torch.zeros(b, dtype=torch.float64, device=self.m.device)
         names = [c for c, _ in SEQ_SUMS] + list(SEQ_COUNTS)
-        cols = [self.rows.get(k, zero).to(torch.float64) for k in names]
+        rows = cast(Dict[str, torch.Tensor], self.rows)  # set: only a sequence mode asks for the table
+        cols = [rows.get(k, zero).to(torch.float64) for k in names]
         return torch.stack(cols + [torch.full_like(zero, float(s))], 1)
 
     def keep(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -83,7 +91,8 @@ class Microbatch:
         return masked(x, self._bits[key])
 
 
-def prepare(cfg: Config, inputs, outputs, old_logps, advantages, ref_logps, ref_outputs) -> Batch:
+def prepare(cfg: Config, inputs: Inputs, outputs: Outputs, old_logps: SideInput, advantages: SideInput,
+            ref_logps: Any, ref_outputs: Outputs) -> Batch:
     """This call's inputs, validated and aligned per microbatch; communicates nothing."""
     name = cfg.name
     if ref_outputs is not None:
@@ -162,7 +171,7 @@ def entropy_jobs(cfg: Config, batch: Batch) -> list:
             if item["ent"] is None and "logits" in item["o"]]
 
 
-def entropy_chunks(cfg: Config, jobs):
+def entropy_chunks(cfg: Config, jobs: list) -> Tuple[List[torch.Tensor], List[torch.Size]]:
     """(row chunks of every job's logits, job shapes): validated, no collective."""
     blocks, shapes = [], []
     for i, logits, m in jobs:
@@ -181,7 +190,7 @@ def entropy_chunks(cfg: Config, jobs):
     return chunks, shapes
 
 
-def label_reach(items, jobs):
+def label_reach(items: List[Dict[str, Any]], jobs: list) -> Dict[str, Any]:
     """How far the labels of the microbatches with logits reach (``metrics.vocab``)."""
     labels, masks = [], []
     for i, _, m in jobs:

@@ -7,16 +7,18 @@ result key once, on the line that divides its states.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 
-from parallel import group_rank, group_size
+from parallel import MeshLike, group_rank, group_size
+from parallel.groups import ProcessGroup
 from twinkle_metrics.comm import agreement as exchange
 from twinkle_metrics.core.config import Schema
 from twinkle_metrics.core.metric import Metric
 from twinkle_metrics.core.state import State
 from twinkle_metrics.inputs.checks import nan_policy as check_nan_policy
+from twinkle_metrics.inputs.data_format import Inputs, Outputs, SideInput
 from twinkle_metrics.inputs.fields import Reads
 from twinkle_metrics.kernels import entropy
 from twinkle_metrics.metrics.rl.loss_agg import check_loss_agg
@@ -216,7 +218,7 @@ class GRPOMetric(Metric):
                   '_high_kl_records',)
 
     #: the high-KL records carry global sequence indices: whole-call only
-    unsliced_states = ("topk",)
+    unsliced_states: Sequence[str] = ("topk",)
     #: clip statistics per sequence (GSPO) instead of per token
     sequence_level_clip = False
     #: clip counts gated by the advantage sign (GRPO/PPO); CISPO clips the weight itself
@@ -225,13 +227,13 @@ class GRPOMetric(Metric):
     #: written name a state's meaning, and a checkpoint without them held their defaults
     schema = Schema(exclude=("entropy_chunk_size", "entropy_chunk_bytes"))
 
-    def __init__(self, device_mesh=None, process_group=None, *, ignore_index: int = -100,
+    def __init__(self, device_mesh: MeshLike = None, process_group: ProcessGroup = None, *, ignore_index: int = -100,
                  temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
                  top_k_kl: int = 0, entropy_from_logits: bool = False, vocab_parallel: bool = False,
                  entropy_chunk_size: Optional[int] = None, entropy_chunk_bytes: Optional[int] = None,
                  nan_policy: str = "propagate", quantiles: Optional[Sequence[float]] = None,
                  loss_agg_mode: str = "token-mean", loss_agg_norm: Optional[float] = None,
-                 clip_ratio_c: Optional[float] = None, token_clip_ratio: bool = False, **kwargs):
+                 clip_ratio_c: Optional[float] = None, token_clip_ratio: bool = False, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         name = type(self).__name__
         self.loss_agg_mode, self.loss_agg_norm = check_loss_agg(name, loss_agg_mode, loss_agg_norm)
@@ -268,7 +270,7 @@ class GRPOMetric(Metric):
         if self.entropy_from_logits:  # labels past the logits' vocab: checked in compute
             for state_name, state in vocab_states().items():
                 self.add_state(state_name, state)
-            self.unsliced_states = type(self).unsliced_states + tuple(vocab_states())
+            self.unsliced_states = (*type(self).unsliced_states, *vocab_states())
         if self.entropy_from_logits and not self.vocab_parallel:  # why TP replicas could differ
             self.tp_mismatch_hint = ("with entropy_from_logits, logits that are vocab-sharded over the TP "
                                      "group need vocab_parallel=True")
@@ -305,8 +307,8 @@ class GRPOMetric(Metric):
         return records.fold_records(old, new, self.top_k_kl)
 
     # ----------------------------------------------------------------- update
-    def update(self, inputs, outputs, *, old_logps=None, advantages=None, ref_logps=None,
-               ref_outputs=None, **kwargs) -> Dict[str, Any]:
+    def update(self, inputs: Inputs, outputs: Outputs, *, old_logps: SideInput = None, advantages: SideInput = None,
+               ref_logps: SideInput = None, ref_outputs: Outputs = None, **kwargs: Any) -> Dict[str, Any]:
         cfg = self.config
         name = cfg.name
         tp_group = self.resolve_mesh().tp_group if cfg.entropy_from_logits and cfg.vocab_parallel else None
@@ -357,7 +359,7 @@ class GRPOMetric(Metric):
         return acc
 
     # ---------------------------------------------------------------- compute
-    def compute(self, s):
+    def compute(self, s: Mapping[str, Any]) -> Dict[str, Any]:
         cfg = self.config
         if cfg.entropy_from_logits:
             check_reach(cfg.name, s, cfg.vocab_parallel, self.resolve_mesh().tp_size, "the entropy from logits")

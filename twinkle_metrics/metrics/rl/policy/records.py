@@ -12,7 +12,7 @@ records carry sequence indices over the whole data group in DP-rank order.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,7 +80,7 @@ def merge_records(rows: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([topk_rows(records, k), head[None]])
 
 
-def as_records(rows, k: int) -> list:
+def as_records(rows: Sequence[Sequence[float]], k: int) -> list:
     """The reduced state's records (plain lists) as dicts, largest k3 first; empty rows left out."""
     out = []
     for row in rows[:k]:  # the last row is the header
@@ -90,7 +90,7 @@ def as_records(rows, k: int) -> list:
     return out
 
 
-def candidates(mb, key: torch.Tensor, k: int) -> torch.Tensor:
+def candidates(mb: Any, key: torch.Tensor, k: int) -> torch.Tensor:
     """A microbatch's top-``k`` rows [k, fields] in ``FIELDS`` order, with sequence indices
     counted from the call's start (``fold_records`` adds those before it); ``key`` [b, s]:
     each token's k3 where it has an old log-prob and k3 > 0, else -inf. Token and position
@@ -114,7 +114,7 @@ def fused_candidates(records: torch.Tensor, k: int) -> torch.Tensor:
     return records[:, _top(records[0], k)[1]].t()
 
 
-def feature_view(mb, field: str) -> Optional[torch.Tensor]:
+def feature_view(mb: Any, field: str) -> Optional[torch.Tensor]:
     """``field`` of the microbatch's features as a ``[b, s]`` view over its tokens (a 1-D
     one holds for every sequence), or None when absent."""
     x = mb.feat.get(field)

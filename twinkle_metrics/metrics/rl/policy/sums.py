@@ -11,11 +11,12 @@ d) and mean advantage), and by the dual clip (``clip_ratio_c`` = c > 1) when A <
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, cast
 
 import torch
 
 from parallel import group_rank
+from parallel.groups import ProcessGroup
 from twinkle_metrics.core import fold
 from twinkle_metrics.inputs.rl import cp_sum, nonfinite_tokens
 from twinkle_metrics.kernels import dispatch
@@ -35,7 +36,8 @@ from twinkle_metrics.metrics.rl.policy.table import (
 
 
 # -------------------------------------------------------------------- sums
-def call_sums(cfg: Config, batch: Batch, logit_ents, dp_rank: int, cp_rank: int):
+def call_sums(cfg: Config, batch: Batch, logit_ents: Mapping[int, torch.Tensor], dp_rank: int, cp_rank: int
+              ) -> Tuple[Dict[str, Any], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(contributions, GSPO's per-sequence parts or None, the per-sequence table of a
     sequence ``loss_agg_mode`` or None) of a prepared call; masked arithmetic only, nothing
     raises. ``logit_ents``: entropies computed from logits, by microbatch; ``dp_rank`` /
@@ -90,11 +92,11 @@ def call_sums(cfg: Config, batch: Batch, logit_ents, dp_rank: int, cp_rank: int)
             top = records.topk_rows(torch.cat(candidates), k)
         acc["topk"] = records.pack_records(top, sum(batch.sizes), dp_rank, cp_rank, k, len(records.FIELDS))
     parts = torch.cat(seq_parts) if cfg.sequence_level_clip and seq_parts else None
-    rows = torch.cat(tables) if cfg.per_sequence and sum(batch.sizes) else None
+    rows = torch.cat(tables) if cfg.per_sequence and sum(batch.sizes) > 0 else None
     return acc, parts, rows
 
 
-def count_nonfinite(cfg: Config, acc, mb: Microbatch) -> None:
+def count_nonfinite(cfg: Config, acc: Dict[str, Any], mb: Microbatch) -> None:
     """Count the tokens that count and hold a NaN/inf in any input (padding at masked
     positions is not counted: every term is gated by the tokens the value belongs to);
     under ``nan_policy='skip'`` drop them from every mask and zero their values."""
@@ -116,7 +118,7 @@ def count_nonfinite(cfg: Config, acc, mb: Microbatch) -> None:
                                                  for x in (mb.lp, mb.adv, mb.ref, mb.old, mb.ent))
 
 
-def token_sums(acc, mb: Microbatch) -> None:
+def token_sums(acc: Dict[str, Any], mb: Microbatch) -> None:
     """Token count, sum of new log-probs, entropy."""
     m = mb.m
     mb.n_tok = mb.total("n_tok", m)
@@ -132,7 +134,7 @@ def token_sums(acc, mb: Microbatch) -> None:
             fold.add(acc, "sum_ent", mb.total("sum_ent", torch.where(mb.em, mb.ent, 0.0), torch.float64))
 
 
-def advantage_sums(acc, mb: Microbatch) -> None:
+def advantage_sums(acc: Dict[str, Any], mb: Microbatch) -> None:
     """Advantage count, sum, extremes: per token, or one value per sequence."""
     adv, has_adv = mb.adv, mb.has_adv
     fold.add(acc, "n_adv", mb.same("n_adv", "n_tok", mb.n_tok) if has_adv is mb.m else
@@ -153,7 +155,7 @@ def advantage_sums(acc, mb: Microbatch) -> None:
     fold.maximum(acc, "adv_max", hi)
 
 
-def ref_sums(acc, mb: Microbatch) -> None:
+def ref_sums(acc: Dict[str, Any], mb: Microbatch) -> None:
     """k3 KL to the reference policy: sum of expm1(ref - logp) - (ref - logp)."""
     if mb.has_ref is mb.m:
         n_ref = mb.same("n_ref", "n_tok", mb.n_tok)
@@ -170,7 +172,7 @@ def ref_sums(acc, mb: Microbatch) -> None:
         mb.rows["sum_ref_kl"] = mb.rows["ref_e"] - mb.rows["ref_d"]
 
 
-def ratio_sums(cfg: Config, acc, mb: Microbatch, seq_parts: List[torch.Tensor]) -> None:
+def ratio_sums(cfg: Config, acc: Dict[str, Any], mb: Microbatch, seq_parts: List[torch.Tensor]) -> None:
     """Log-ratio d = logp - old_logp: its sums and extremes, clip counts (or GSPO's
     per-sequence parts), ratio and k3 KL sums."""
     m, adv, has_adv, has_old = mb.m, mb.adv, mb.has_adv, mb.has_old
@@ -236,7 +238,7 @@ def ratio_sums(cfg: Config, acc, mb: Microbatch, seq_parts: List[torch.Tensor]) 
     mb.d, mb.ratio_m1 = d, em
 
 
-def quantile_counts(acc, mb: Microbatch) -> None:
+def quantile_counts(acc: Dict[str, Any], mb: Microbatch) -> None:
     """Histogram counts of the per-token ratio r = 1 + (r - 1) and k3 = (r - 1) - d over
     the tokens with an old log-prob (after ``ratio_sums``), and of the entropy."""
     if mb.ratio_m1 is not None:
@@ -247,7 +249,8 @@ def quantile_counts(acc, mb: Microbatch) -> None:
 
 
 # -------------------------------------------------------------------- clips
-def clip_counts(cfg: Config, d, adv, gate=None, per_row=False):
+def clip_counts(cfg: Config, d: torch.Tensor, adv: torch.Tensor, gate: Optional[torch.Tensor] = None,
+                per_row: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Counts of clipped-low and clipped-high units from log-ratios d (r = e^d): r < 1 -
     epsilon (and A < 0), r > 1 + epsilon_high (and A > 0); ``per_row``: one count per row of
     a ``[b, s]`` d; ``gate`` applied when given."""
@@ -268,10 +271,10 @@ def clip_counts(cfg: Config, d, adv, gate=None, per_row=False):
     return total(low & (adv < 0)), total(high & (adv > 0))
 
 
-def dual_count(cfg: Config, d, adv, gate=None):
+def dual_count(cfg: Config, d: torch.Tensor, adv: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Tokens where the dual clip applies: A < 0 and r > ``clip_ratio_c`` (verl's
     ``pg_clipfrac_lower``); d and ``gate`` as in ``clip_counts`` (d = 0 is r = 1 < c)."""
-    over = d > math.log(cfg.clip_ratio_c)
+    over = d > math.log(cast(float, cfg.clip_ratio_c))  # set: only a dual-clip config counts it
     if gate is not None:
         over = over & gate
     if adv.dim() == 2 and adv.shape[1] == 1 and d.shape[1] != 1:
@@ -299,7 +302,7 @@ def sequence_clip(cfg: Config, parts: torch.Tensor) -> Dict[str, Any]:
 
 
 def sequence_stats(cfg: Config, parts: Optional[torch.Tensor], rows: Optional[torch.Tensor],
-                   group) -> Dict[str, Any]:
+                   group: ProcessGroup) -> Dict[str, Any]:
     """GSPO's clip counts and the sequence-aggregated sums, from this rank's parts of each
     sequence completed over the CP ``group``: one all_reduce for both (none without CP).
     Every CP rank then holds the same totals: only CP rank 0 returns them."""
@@ -339,7 +342,7 @@ def fuses(cfg: Config, mb: Microbatch) -> bool:
     return True
 
 
-def fused_sums(cfg: Config, acc, mbs: List[Microbatch]) -> Tuple[Dict[Microbatch, Any], Any]:
+def fused_sums(cfg: Config, acc: Dict[str, Any], mbs: List[Microbatch]) -> Tuple[Dict[Microbatch, Any], Any]:
     """Every per-token contribution of ``mbs`` from one kernel each, folded into ``acc``
     once by each column's declared reduction: the same states and values as the torch path.
     Returns ``({microbatch: GSPO rows or None}, the top-k record buffer or None)``."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -77,13 +77,13 @@ SEQ_COUNTS = ("n_tok", "n_ent", "n_adv", "n_ref", "n_old", "clip_n")
 SEQ_COUNT_OF = tuple(SEQ_COUNTS.index(count) for _, count in SEQ_SUMS)
 
 
-def token_means(s) -> Callable:
+def token_means(s: Mapping[str, Any]) -> Callable:
     """``mean(total, count)``: ``s[total] / s[count]``, ``total`` a column or a tuple of them
     (summed), from the reduced states ``s``."""
     return lambda total, count: _total(s, total) / s[count]
 
 
-def sequence_means(s) -> Callable:
+def sequence_means(s: Mapping[str, Any]) -> Callable:
     """``mean(total, count)`` under a sequence ``loss_agg_mode``: the mean over the sequences
     with a counted token of each one's value of ``total`` (columns of ``SEQ_SUMS``, reduced by
     ``loss_agg.sequence_table``; ``sum_ratio`` is its two parts)."""
@@ -157,7 +157,8 @@ class Config:
         return not (self.per_sequence or self.clip_ratio_c is not None or self.token_counts or self.quantiles)
 
 
-def check_clip(name: str, sequence_level_clip: bool, by_sign: bool, clip_ratio_c, token_clip_ratio):
+def check_clip(name: str, sequence_level_clip: bool, by_sign: bool, clip_ratio_c: Any, token_clip_ratio: Any
+               ) -> Tuple[Optional[float], bool]:
     """verl's extra clip keys' arguments, validated (their states come from the table)."""
     if clip_ratio_c is not None:
         if sequence_level_clip or not by_sign:
