@@ -27,7 +27,7 @@ class Codec:
     its four operations. ``fingerprints``: each metric's sync fingerprint (default empty),
     part of the layout's hash as in ``calculate()``."""
 
-    def __init__(self, intervals: Sequence, fingerprints: Optional[Sequence[str]] = None):
+    def __init__(self, intervals: Sequence, fingerprints: Optional[Sequence[str]] = None) -> None:
         self.intervals = list(intervals)
         names = [sorted(iv.specs) for iv in self.intervals]
         prints = tuple(fingerprints) if fingerprints is not None else ("",) * len(self.intervals)
