@@ -103,8 +103,8 @@ IN_SITU = [("twinkle_metrics.comm.fused", "", "_pack"), ("twinkle_metrics.comm.f
            ("twinkle_metrics.comm.fused", "", "_unpack"), ("twinkle_metrics.core.interval", "", "end"),
            ("twinkle_metrics.core.interval", "", "results"), ("twinkle_metrics.core.interval", "", "_places"),
            ("twinkle_metrics.comm.fused", "", "_data_phase"), ("twinkle_metrics.comm.fused", "", "sync_states"),
-           ("twinkle_metrics.comm.fused", "", "sync_groups"), ("twinkle_metrics.comm.waits", "Bound", "__init__"),
-           ("parallel.groups", "", "all_gather_rows")]
+           ("twinkle_metrics.comm.waits", "", "wait"), ("twinkle_metrics.comm.waits", "", "mesh_roll"),
+           ("twinkle_metrics.comm.transport", "Transport", "gather"), ("parallel.groups", "", "all_gather_rows")]
 
 
 def in_situ(prepare, calculate, n: int):
@@ -117,7 +117,7 @@ def in_situ(prepare, calculate, n: int):
     for module, cls, name in IN_SITU:
         owner = importlib.import_module(module)
         owner = getattr(owner, cls, None) if cls else owner
-        plain = getattr(owner, name, None)
+        plain = getattr(owner, name, None) if owner is not None else None
         if plain is None:
             continue
         label = f"{cls or module.rsplit('.', 1)[-1]}.{name}"
