@@ -18,7 +18,7 @@ Nothing here imports megatron: the helpers work on the modules and tensors they 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 
@@ -48,7 +48,39 @@ def _mtp_calls(model) -> int:
     return depth
 
 
-class LogitsHook:
+_H = TypeVar("_H", bound="Hooks")
+#: the ``when=`` of the hook installers: forwards in training mode only, or every forward
+WHEN = ("train", "always")
+
+
+def check_when(installer: str, when: str) -> str:
+    """``when`` if it is one of ``WHEN``, else ``ValueError`` naming ``installer``."""
+    if when not in WHEN:
+        raise ValueError(f"{installer}: when must be one of {list(WHEN)}, got {when!r}")
+    return when
+
+
+class Hooks:
+    """What a hook installer put on a model (``LogitsHook``, ``register_router_hooks``,
+    ``register_mtp_hooks``): ``remove()``, or the end of a ``with`` block, takes all of it
+    off, the last installed first."""
+
+    def __init__(self) -> None:
+        self._undo: List[Callable[[], None]] = []
+
+    def remove(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+    def __enter__(self: _H) -> _H:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+class LogitsHook(Hooks):
     """Feeds metrics the output layer's logits inside the model's forward, without a copy.
 
     megatron-core's ``GPTModel.output_layer`` (a ``ColumnParallelLinear``) returns
@@ -88,9 +120,9 @@ class LogitsHook:
             if not callable(getattr(m, "accumulate", None)):
                 raise TypeError(f"{_HOOK}: expected metrics with accumulate(inputs, outputs), got "
                                 f"{type(m).__name__}; pass e.g. Accuracy(mesh, vocab_parallel=True)")
+        super().__init__()
         self.metrics = list(metrics)
         self.enabled = True
-        self._handles: List[Any] = []
         self._pending: Optional[Dict[str, Any]] = None
         chunks = model if isinstance(model, (list, tuple)) else [model]
         for chunk in chunks:
@@ -99,14 +131,14 @@ class LogitsHook:
             if layer is None or not getattr(gpt, "post_process", True):
                 continue  # not the last pipeline stage
             sig = inspect.signature(gpt.forward)
-            self._handles.append(gpt.register_forward_pre_hook(self._pre_hook(sig, _mtp_calls(gpt)),
-                                                               with_kwargs=True))
-            self._handles.append(layer.register_forward_hook(self._on_logits(layer)))
+            self._undo.append(gpt.register_forward_pre_hook(self._pre_hook(sig, _mtp_calls(gpt)),
+                                                            with_kwargs=True).remove)
+            self._undo.append(layer.register_forward_hook(self._on_logits(layer)).remove)
 
     @property
     def active(self) -> bool:
         """Whether this rank holds an output layer (the last pipeline stage)."""
-        return bool(self._handles)
+        return bool(self._undo)
 
     def _pre_hook(self, sig, mtp_calls):
         def hook(module, args, kwargs):
@@ -153,16 +185,8 @@ class LogitsHook:
             m.accumulate(inputs, {"logits": view})
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        super().remove()
         self._pending = None
-
-    def __enter__(self) -> "LogitsHook":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, *, metric: Optional[Accumulates] = None,

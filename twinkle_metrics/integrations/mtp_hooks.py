@@ -5,42 +5,30 @@ is called."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Sequence, Union
+from typing import Any, Dict, Sequence, Union
 
 import torch
 
-from twinkle_metrics.integrations.megatron import _mtp_calls, _unwrap
+from twinkle_metrics.integrations.megatron import Hooks, _mtp_calls, _unwrap, check_when
 from twinkle_metrics.metrics.lm.mtp import MTPMetric
 
 _NAME = "register_mtp_hooks"
-_WHEN = ("train", "always")
 
 
-class MTPHooks:
+class MTPHooks(Hooks):
     """What ``register_mtp_hooks`` installed; ``remove()`` takes all of it off.
 
     Set ``hooks.enabled = False`` around forwards that must not count.
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self.enabled = True
-        self._undo: List[Any] = []
 
     @property
     def active(self) -> bool:
         """Whether this rank computes MTP losses (the last pipeline stage of an MTP model)."""
         return bool(self._undo)
-
-    def remove(self) -> None:
-        for undo in reversed(self._undo):
-            undo()
-        self._undo.clear()
-
-    def __enter__(self) -> "MTPHooks":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
 
 
 def register_mtp_hooks(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], metric: MTPMetric, *,
@@ -81,8 +69,7 @@ def register_mtp_hooks(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
 
     if not isinstance(metric, MTPMetric):
         raise TypeError(f"{_NAME}: metric must be an MTPMetric, got {type(metric).__name__}")
-    if when not in _WHEN:
-        raise ValueError(f"{_NAME}: when must be one of {list(_WHEN)}, got {when!r}")
+    check_when(_NAME, when)
     hooks = MTPHooks()
     try:
         for chunk in model if isinstance(model, (list, tuple)) else [model]:

@@ -7,16 +7,16 @@ from typing import Any, Dict, List, Sequence, Union
 
 import torch
 
+from twinkle_metrics.integrations.megatron import Hooks, check_when
 from twinkle_metrics.metrics.system.moe import MoERoutingMetric
 
 #: megatron-core's router load-balancing types -> (tracker name, group its value is a part of)
 _AUX_TYPES = {"aux_loss": ("load_balancing_loss", "tp_cp_group"),
               "seq_aux_loss": ("seq_load_balancing_loss", "tp_cp_group"),
               "global_aux_loss": ("global_load_balancing_loss", "tp_dp_cp_group")}
-_WHEN = ("train", "always")
 
 
-class RouterHooks:
+class RouterHooks(Hooks):
     """What ``register_router_hooks`` installed; ``remove()`` takes all of it off.
 
     Attributes:
@@ -24,19 +24,8 @@ class RouterHooks:
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self.layers: List[int] = []
-        self._undo: List[Any] = []
-
-    def remove(self) -> None:
-        for undo in reversed(self._undo):
-            undo()
-        self._undo.clear()
-
-    def __enter__(self) -> "RouterHooks":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
 
 
 def register_router_hooks(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], metric: MoERoutingMetric, *,
@@ -84,8 +73,7 @@ def register_router_hooks(model: Union[torch.nn.Module, Sequence[torch.nn.Module
     if not isinstance(metric, MoERoutingMetric):
         raise TypeError(f"register_router_hooks: metric must be a MoERoutingMetric, got "
                         f"{type(metric).__name__}")
-    if when not in _WHEN:
-        raise ValueError(f"register_router_hooks: when must be one of {list(_WHEN)}, got {when!r}")
+    check_when("register_router_hooks", when)
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
     if not routers:
