@@ -7,9 +7,28 @@ rank and returns the per-rank results in rank order.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from twinkle_metrics.testing.pool import COLLECTIVE_TIMEOUT_S, WORLD, DistPool
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "WORLD", "DistPool", "sync_error"]
+__all__ = ["COLLECTIVE_TIMEOUT_S", "WORLD", "DistPool", "megatron_tp2_pp2", "sync_error"]
+
+
+@contextmanager
+def megatron_tp2_pp2():
+    """megatron-core's parallel_state groups for TP2 x PP2 x DP2 (8 ranks, its gloo groups
+    off) inside a case, as ``DeviceMesh.from_megatron()``; destroyed after."""
+    from megatron.core import parallel_state as ps
+
+    from parallel import DeviceMesh
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                 create_gloo_process_groups=False)
+    mesh = DeviceMesh.from_megatron()
+    try:
+        yield mesh
+    finally:
+        ps.destroy_model_parallel()
 
 
 def sync_error(call):

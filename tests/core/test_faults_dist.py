@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import DeviceMesh
+from tests.dist import megatron_tp2_pp2
 from tests.refmetric import TokenStats, make_batch, shard_for_rank
 from twinkle_metrics import (
     Accuracy,
@@ -37,26 +38,10 @@ def _mesh(sizes):
     return DeviceMesh.from_sizes(**{f"{k}_size": v for k, v in sizes.items()})
 
 
-class _Megatron:
-    """megatron-core's parallel_state groups for TP2 x PP2 x DP2 inside a case."""
-
-    def __enter__(self):
-        from megatron.core import parallel_state as ps
-
-        ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                     create_gloo_process_groups=False)
-        return DeviceMesh.from_megatron()
-
-    def __exit__(self, *exc):
-        from megatron.core import parallel_state as ps
-
-        ps.destroy_model_parallel()
-
-
 def _with_source(source, fn):
     """``fn(mesh)`` on TP2 x PP2 x DP2 groups made by the library or by megatron-core."""
     if source == "megatron":
-        with _Megatron() as mesh:
+        with megatron_tp2_pp2() as mesh:
             return fn(mesh)
     return fn(_mesh(dict(tp=2, pp=2, dp=2)))
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import DeviceMesh
-from tests.dist import sync_error
+from tests.dist import megatron_tp2_pp2, sync_error
 from twinkle_metrics import LossMetric, MetricCollection, StepGuard
 from twinkle_metrics.testing import CollectiveCounter
 
@@ -23,22 +23,6 @@ pytestmark = [pytest.mark.xdist_group("dist"), pytest.mark.megatron]
 BACKENDS = ["gloo", "standin"]
 TOKENS = 40.0
 NAN = float("nan")
-
-
-class _Megatron:
-    """megatron-core's parallel_state groups for TP2 x PP2 x DP2 inside a case."""
-
-    def __enter__(self):
-        from megatron.core import parallel_state as ps
-
-        ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                     create_gloo_process_groups=False)
-        return DeviceMesh.from_megatron()
-
-    def __exit__(self, *exc):
-        from megatron.core import parallel_state as ps
-
-        ps.destroy_model_parallel()
 
 
 def _loss(step, dp_rank, spike_at=None):
@@ -66,7 +50,7 @@ def _step(mesh, step, nan=None, spike_at=None):
 def case_verdicts(nan, steps, spike_at=None, warmup=20):
     """Every verdict of a run on megatron-core's TP2 x PP2 x DP2, the interval's results, the
     collectives of a healthy step and of a bad one, and this host."""
-    with _Megatron() as mesh:
+    with megatron_tp2_pp2() as mesh:
         guard = StepGuard(mesh, warmup=warmup)
         metrics = MetricCollection([LossMetric(mesh, loss_reduction="sum"), guard], device_mesh=mesh)
         verdicts, counted = [], {}
@@ -122,7 +106,7 @@ def test_a_spike_in_every_ranks_loss_is_found_and_a_long_run_has_no_other_verdic
 
 
 def case_disagree(kind):
-    with _Megatron() as mesh:
+    with megatron_tp2_pp2() as mesh:
         rank = dist.get_rank()
         guard = StepGuard(mesh, warmup=6 if kind == "policy" and rank == 5 else 5)
         step = 4 if kind == "step" and rank == 2 else 3
@@ -175,7 +159,7 @@ def test_meshes_over_part_of_the_world_judge_their_own_ranks(dist_pool):
 
 
 def case_only_some_check():
-    with _Megatron():
+    with megatron_tp2_pp2():
         guard = StepGuard(DeviceMesh.from_megatron(timeout=3))
         if dist.get_rank() >= 4:
             return sync_error(lambda: guard.check(loss=None))
