@@ -33,12 +33,18 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core.
 VOCAB, SEQ, MBS, NUM_MB, STEPS, INTERVAL = 64, 16, 2, 2, 4, 2
 
 
+def section_blocks(path: str, heading: str):
+    """The ``python`` blocks of the ``## heading`` section of ``path`` (from the repository's
+    root), in order."""
+    with open(os.path.join(REPO, path)) as f:
+        text = f.read()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
 def readme_blocks():
     """The ``python`` blocks of the README's "## Megatron" section, in order."""
-    with open(os.path.join(REPO, "README.md")) as f:
-        text = f.read()
-    section = text.split("\n## Megatron\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+    return section_blocks("README.md", "Megatron")
 
 
 def microbatch(step: int, mb: int):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import socket
 import sys
 import warnings
@@ -26,16 +25,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core.*")
 
-from tests.megatron_loop_case import MBS, NUM_MB, SEQ, VOCAB, microbatch, readme_blocks  # noqa: E402
+from tests.megatron_loop_case import MBS, NUM_MB, SEQ, VOCAB, microbatch, readme_blocks, section_blocks  # noqa: E402
 
 STEPS, INTERVAL = 4, 2
-
-
-def guarded_loop() -> str:
-    """The ``python`` block of docs/megatron.md's "## Skipping a bad step" section."""
-    with open(os.path.join(REPO, "docs", "megatron.md")) as f:
-        section = f.read().split("\n## Skipping a bad step\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)[0]
 
 
 def main():
@@ -123,7 +115,8 @@ def main():
     ns.update(forward_backward_func=get_forward_backward_func(), train_iterator=Batches(), train_iters=STEPS,
               log_interval=INTERVAL, num_microbatches=NUM_MB, seq_length=SEQ, micro_batch_size=MBS,
               optimizer=Counted(params, lr=0.02), print=lambda *a: printed.append(" ".join(map(str, a))))
-    loop = guarded_loop().replace("metrics.calculate()", "Recording(metrics).calculate()")
+    loop = section_blocks("docs/megatron.md", "Skipping a bad step")[0]
+    loop = loop.replace("metrics.calculate()", "Recording(metrics).calculate()")
     exec(compile(loop, "docs/megatron.md (Skipping a bad step)", "exec"), dict(ns, Recording=Recording))
     snapshots.append([p.detach().clone() for p in params])
     # whether the update of step k (1-based) changed this rank's parameters

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import warnings
 
@@ -31,16 +30,9 @@ sys.path.insert(0, REPO)
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core.*")
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # 0.19 recommends HybridModel
 
-from tests.megatron_loop_case import MBS, NUM_MB, SEQ, STEPS, VOCAB, microbatch, readme_blocks  # noqa: E402
+from tests.megatron_loop_case import MBS, NUM_MB, SEQ, STEPS, VOCAB, microbatch, readme_blocks, section_blocks  # noqa: E402
 
 DEPTHS, INTERVAL = 2, 2
-
-
-def docs_block():
-    """The ``python`` block of docs/megatron.md's "## Multi-token prediction" section."""
-    with open(os.path.join(REPO, "docs", "megatron.md")) as f:
-        section = f.read().split("\n## Multi-token prediction", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)[0]
 
 
 def main():
@@ -102,7 +94,8 @@ def main():
     setup, loop = readme_blocks()[:2]
     ns = {"model": model, "config": config}
     exec(compile(setup, "README.md (Megatron setup)", "exec"), ns)
-    exec(compile(docs_block(), "docs/megatron.md (MTP)", "exec"), ns)
+    mtp = section_blocks("docs/megatron.md", "Multi-token prediction")[0]
+    exec(compile(mtp, "docs/megatron.md (MTP)", "exec"), ns)
     readme_forward_step = ns["forward_step_func"]
     microbatches = []
 
