@@ -41,15 +41,21 @@ def _rates(result):
     return {k: result[k] for k in RATES}
 
 
+def _without_a_stop(clock, calculated_after: int):
+    """What a run that never stopped reports for steps ``calculated_after + 1`` to 15, having
+    calculated after step ``calculated_after``."""
+    whole = _make()
+    _steps(whole, clock, range(1, calculated_after + 1))
+    whole.calculate()
+    _steps(whole, clock, range(calculated_after + 1, 16))
+    return whole.calculate()
+
+
 def test_a_resume_mid_interval_reports_what_a_run_without_the_stop_reports(clock):
     """Saved after step 10 with no calculate since step 4; resumed 500 s later by a new
     metric on a clock that starts again: steps 5-15 read as one interval, as in a run that
     never stopped (the old code: speed from step 0 over the new clock's 5 steps)."""
-    whole = _make()
-    _steps(whole, clock, range(1, 5))
-    whole.calculate()
-    _steps(whole, clock, range(5, 16))
-    want = whole.calculate()
+    want = _without_a_stop(clock, 4)
 
     clock[0] = 0.0
     saved = _make()
@@ -62,19 +68,14 @@ def test_a_resume_mid_interval_reports_what_a_run_without_the_stop_reports(clock
     _steps(resumed, clock, range(11, 16))
     got = resumed.calculate()
     assert got["iters"] == 15 and want["iters"] == 15
-    for k in RATES:
-        assert got[k] == pytest.approx(want[k], rel=1e-12), k
+    assert _rates(got) == pytest.approx(_rates(want), rel=1e-12)
     assert want["speed"] == pytest.approx(11 / sum(STEP_SECONDS[k] for k in range(5, 16)), rel=1e-12)
 
 
 def test_a_resume_after_a_calculate_counts_from_the_saved_step_and_the_load(clock):
     """The usual checkpoint, saved right after a calculate: the first interval after the
     resume is steps 11-15 and their time, as in the run that never stopped."""
-    whole = _make()
-    _steps(whole, clock, range(1, 11))
-    whole.calculate()
-    _steps(whole, clock, range(11, 16))
-    want = whole.calculate()
+    want = _without_a_stop(clock, 10)
 
     clock[0] = 0.0
     saved = _make()
