@@ -25,6 +25,8 @@ import os
 import statistics
 import time
 
+from benchmarks import common
+
 TIMED = ("step", "check", "plain", "transport")
 
 
@@ -106,15 +108,10 @@ def main(argv=None):
     if args.world > (os.cpu_count() or 1):
         raise SystemExit(f"--world {args.world} is more ranks than this machine's {os.cpu_count()} cores")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from twinkle_metrics.testing.pool import DistPool
-
-    pool = DistPool(args.world, timeout_s=120)
-    try:
-        out = pool.run(_rank, args.iters, args.hidden, args.layers, args.batch, timeout=1800, backend=args.backend)
-    finally:
-        pool.close()
+    out = common.pool_run(args.world, _rank, args.iters, args.hidden, args.layers, args.batch, timeout=1800,
+                          backend=args.backend)
     collectives, n_params, everyone = out[0]
-    slow = {k: [max(r[k][i] for r in everyone) for i in range(args.iters)] for k in TIMED}
+    slow = common.slowest(everyone, TIMED, args.iters)
     ms = {k: 1e3 * statistics.median(v) for k, v in slow.items()}
     ratios = sorted(c / s for c, s in zip(slow["check"], slow["step"]))
     q = statistics.quantiles(ratios, n=10)

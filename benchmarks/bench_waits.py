@@ -22,6 +22,8 @@ import os
 import statistics
 import time
 
+from benchmarks import common
+
 
 def _rank(layout: str, iters: int, bound: float, partial: bool = False):
     import torch
@@ -87,15 +89,10 @@ def main(argv=None):
     ap.add_argument("--partial", action="store_true", help="a mesh over half of the world")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from twinkle_metrics.testing.pool import DistPool
-
-    pool = DistPool(args.world, timeout_s=120)
-    try:
-        out = pool.run(_rank, args.layout, args.iters, args.bound, args.partial, timeout=900, backend=args.backend)
-    finally:
-        pool.close()
+    out = common.pool_run(args.world, _rank, args.layout, args.iters, args.bound, args.partial, timeout=900,
+                          backend=args.backend)
     (total, _), everyone = out[0]
-    slow = {m: [max(r[m][i] for r in everyone) for i in range(args.iters)] for m in ("on", "off")}
+    slow = common.slowest(everyone, ("on", "off"), args.iters)
     ratios = sorted(a / b for a, b in zip(slow["on"], slow["off"]))
     q = statistics.quantiles(ratios, n=10)
     path_name = "partial" if args.partial else args.backend

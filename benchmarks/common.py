@@ -187,6 +187,23 @@ def run_ranks(world: int, fn: Callable, *args, timeout: float = 600, init: Calla
     return [got[r] for r in range(world)]
 
 
+def pool_run(world: int, fn: Callable, *args, timeout: float, backend: str = "gloo") -> List[Any]:
+    """``fn(*args)`` on a fresh ``DistPool`` of ``world`` ranks whose default group is on
+    ``backend`` (``"standin"``: the device-backend stand-in); the results in rank order."""
+    from twinkle_metrics.testing.pool import DistPool
+
+    pool = DistPool(world, timeout_s=120)
+    try:
+        return pool.run(fn, *args, timeout=timeout, backend=backend)
+    finally:
+        pool.close()
+
+
+def slowest(everyone: Sequence[Dict[str, List[float]]], keys: Sequence[str], iters: int) -> Dict[str, List[float]]:
+    """Per key, each iteration's time on the slowest rank (``everyone``: each rank's times by key)."""
+    return {k: [max(r[k][i] for r in everyone) for i in range(iters)] for k in keys}
+
+
 @contextlib.contextmanager
 def timer(out: List[float]):
     t0 = time.perf_counter()
