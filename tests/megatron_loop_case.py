@@ -61,6 +61,42 @@ def microbatch(step: int, mb: int):
             "labels": labels, "loss_mask": loss_mask}
 
 
+
+class Batches:
+    """Every microbatch of every step, in order (``offset`` added to the step: other data
+    on each data rank); ``peek`` is the one handed out last."""
+
+    def __init__(self, offset: int = 0):
+        self.i, self.peek, self.offset = 0, None, offset
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.peek = microbatch(self.i // NUM_MB + self.offset, self.i % NUM_MB)
+        self.i += 1
+        return self.peek
+
+
+class Recording:
+    """``metrics`` with each ``calculate()`` kept in ``intervals``: its results, and what
+    ``take()`` returns then (what the case recorded over the interval)."""
+
+    def __init__(self, metrics, take=dict):
+        self.metrics, self.take, self.intervals = metrics, take, []
+
+    def calculate(self):
+        results = self.metrics.calculate()
+        self.intervals.append({"results": results, **self.take()})
+        return results
+
+
+def drained(records: list) -> list:
+    """A copy of ``records``, which is emptied."""
+    out = list(records)
+    records.clear()
+    return out
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -137,31 +173,8 @@ def main():
             return loss_fn(out)
         return output_tensor, recording_loss
 
-    class Batches:
-        """Every microbatch of every step, in order; ``peek`` is the one handed out last."""
-
-        def __init__(self):
-            self.i, self.peek = 0, None
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            self.peek = microbatch(self.i // NUM_MB, self.i % NUM_MB)
-            self.i += 1
-            return self.peek
-
-    intervals = []
-    metrics = ns["metrics"]
-
-    class Recording:
-        def calculate(self):
-            results = metrics.calculate()
-            intervals.append({"results": results, "microbatches": list(records)})
-            records.clear()
-            return results
-
-    ns.update(forward_step_func=forward_step_func, metrics=Recording(), train_iters=STEPS,
+    recording = Recording(ns["metrics"], lambda: {"microbatches": drained(records)})
+    ns.update(forward_step_func=forward_step_func, metrics=recording, train_iters=STEPS,
               log_interval=INTERVAL, forward_backward_func=get_forward_backward_func(),
               train_iterator=Batches(), num_microbatches=NUM_MB, seq_length=SEQ, micro_batch_size=MBS,
               optimizer=torch.optim.Adam(model.parameters(), lr=0.02), print=lambda *a: None)
@@ -173,7 +186,7 @@ def main():
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"rank": dist.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
                    "last_stage": ps.is_pipeline_last_stage(), "hook_active": active, "hooks_removed": removed,
-                   "intervals": intervals, "model": type(model).__name__,
+                   "intervals": recording.intervals, "model": type(model).__name__,
                    "mtp_process": getattr(model, "mtp_process", None)}, f)
     ps.destroy_model_parallel()
     dist.destroy_process_group()

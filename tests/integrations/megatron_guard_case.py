@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core.*")
 
-from tests.megatron_loop_case import MBS, NUM_MB, SEQ, VOCAB, microbatch, readme_blocks, section_blocks  # noqa: E402
+from tests.megatron_loop_case import MBS, NUM_MB, SEQ, VOCAB, Batches, readme_blocks, section_blocks  # noqa: E402
 
 STEPS, INTERVAL = 4, 2
 
@@ -71,18 +71,6 @@ def main():
     ns = {"model": model}
     exec(compile(setup, "README.md (Megatron setup)", "exec"), ns)
 
-    class Batches:
-        def __init__(self):
-            self.i = 0
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            batch = microbatch(self.i // NUM_MB, self.i % NUM_MB)
-            self.i += 1
-            return batch
-
     class Counted(torch.optim.Adam):
         """Adam that counts the loop's iterations (one zero_grad each)."""
 
@@ -93,7 +81,7 @@ def main():
     params = list(model.parameters())
     snapshots, verdicts, printed, results = [], [], [], []
 
-    class Recording:
+    class Recording:  # wraps the collection the block builds, at each call
         def __init__(self, inner):
             self.inner = inner
 

@@ -30,7 +30,18 @@ sys.path.insert(0, REPO)
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core.*")
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # 0.19 recommends HybridModel
 
-from tests.megatron_loop_case import MBS, NUM_MB, SEQ, STEPS, VOCAB, microbatch, readme_blocks, section_blocks  # noqa: E402
+from tests.megatron_loop_case import (  # noqa: E402
+    MBS,
+    NUM_MB,
+    SEQ,
+    STEPS,
+    VOCAB,
+    Batches,
+    Recording,
+    drained,
+    readme_blocks,
+    section_blocks,
+)
 
 DEPTHS, INTERVAL = 2, 2
 
@@ -105,18 +116,6 @@ def main():
         microbatches.append({"labels": batch["labels"].tolist(), "mask": batch["loss_mask"].tolist()})
         return out, loss_fn
 
-    class Batches:
-        def __init__(self):
-            self.i, self.peek = 0, None
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            self.peek = microbatch(self.i // NUM_MB + 100 * ps.get_data_parallel_rank(), self.i % NUM_MB)
-            self.i += 1
-            return self.peek
-
     tracker = MTPLossLoggingHelper.tracker
     has_counts = hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker")  # 0.19: acceptance counts
     steps = []
@@ -141,18 +140,10 @@ def main():
         preds.clear()
         return losses_reduced
 
-    intervals = []
-    metrics = ns["metrics"]
-
-    class Recording:
-        def calculate(self):
-            results = metrics.calculate()
-            intervals.append({"results": results, "steps": list(steps)})
-            steps.clear()
-            return results
-
-    ns.update(forward_step_func=forward_step_func, metrics=Recording(), train_iters=STEPS,
-              log_interval=INTERVAL, forward_backward_func=forward_backward_func, train_iterator=Batches(),
+    recording = Recording(ns["metrics"], lambda: {"steps": drained(steps)})
+    ns.update(forward_step_func=forward_step_func, metrics=recording, train_iters=STEPS,
+              log_interval=INTERVAL, forward_backward_func=forward_backward_func,
+              train_iterator=Batches(100 * ps.get_data_parallel_rank()),
               num_microbatches=NUM_MB, seq_length=SEQ, micro_batch_size=MBS,
               optimizer=torch.optim.Adam(model.parameters(), lr=0.02), print=lambda *a: None)
     exec(compile(loop, "README.md (Megatron loop)", "exec"), ns)
@@ -164,7 +155,7 @@ def main():
         json.dump({"rank": dist.get_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
                    "dp_rank": ps.get_data_parallel_rank(), "hooks_active": active,
                    "restored": model.__dict__.get("compute_language_model_loss") is recording_loss,
-                   "has_counts": has_counts, "intervals": intervals}, f)
+                   "has_counts": has_counts, "intervals": recording.intervals}, f)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 
