@@ -357,6 +357,16 @@ class DeviceMesh(bounded.BoundedWaits):
             return self.is_last_stage
         return self.is_last_stage and self.tp_rank == 0
 
+    def sync_key(self) -> tuple:
+        """What a sync over this mesh depends on: the identity of its data, TP x PP, TP and
+        PP groups (which rank is the result source, which stage this is) and its
+        ``wait_timeout()``. Metrics whose meshes have equal keys sync as one, also when
+        each built its own mesh over the same groups (a ``MetricCollection`` of metrics
+        given no mesh, ``DeviceMesh.from_megatron()`` called per metric)."""
+        groups = self._groups
+        return (id(groups["dp_cp"]), id(groups["mp"]), id(groups["tp"]), id(groups["pp"]),
+                self._layout_only, self.wait_timeout())
+
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0

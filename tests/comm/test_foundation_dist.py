@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import DeviceMesh, Layout
+from parallel import GROUP_NAMES, DeviceMesh, Layout
 from tests.dist import sync_error
 from tests.refmetric import TokenStats, make_batch, shard_for_rank
 from twinkle_metrics import Metric, MetricCollection, State
@@ -178,6 +178,13 @@ def case_collective_count(sizes, n_metrics):
         single_counts.append(c1.total)
     with CollectiveCounter() as c2:  # back to the first set: its plan is known
         results.append(coll.calculate())
+    # metrics that each built their own mesh over the same groups still sync as one
+    groups = {name: mesh.get_group(name) for name in GROUP_NAMES}
+    apart = MetricCollection([TokenStats(DeviceMesh(groups)) for _ in range(n_metrics + 1)])
+    for _ in range(2):
+        with CollectiveCounter() as c3:
+            apart.calculate()
+        single_counts.append(c3.total)
     return counts + [c2.total], single_counts, results
 
 
@@ -194,6 +201,7 @@ def test_collective_count_is_fixed(dist_pool, sizes, limit, backend):
             assert counts[0] in (limit, 3 * limit, 4 * limit) and counts[1:] == [limit] * 3
             # another set: a data phase that flags it, the negotiation, the data phase again
             assert single_counts[0] in (limit, 4 * limit) and single_counts[1] == limit
+            assert single_counts[2:] == [limit, limit]  # the same set as ``single``: its plan is known
             assert all(len(r) == 4 * n_metrics for r in res[:3]) and res[3] == {}, res
             assert res[0] == res[1] == res[2]
         assert all(o[2] == out[0][2] for o in out)  # identical results on every rank

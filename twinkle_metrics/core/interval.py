@@ -210,13 +210,15 @@ def sync_handed(places: Sequence[tuple], intervals: Sequence[Interval]) -> List[
 
 def _places(metrics: Sequence, what: str = "calculate()", transports=None) -> List[tuple]:
     """Where each metric syncs, and what its ranks must agree on: ``(transport, sync
-    fingerprint)``. Metrics of one mesh and data group share one transport (one sync);
-    ``transports(mesh, data group)``: a maker of the transport (default ``Transport``)."""
+    fingerprint)``. Metrics of one data group whose meshes sync alike (``DeviceMesh.sync_key``:
+    the same groups and bound, also from meshes built apart) share one transport, the first
+    one's: one sync; ``transports(mesh, data group)``: a maker of the transport (default
+    ``Transport``)."""
     made: Dict[tuple, Transport] = {}
     out = []
     for m in metrics:
         mesh, data = m.resolve_mesh(), m.data_group()
-        key = (id(mesh), id(data), id(mesh.mp_group))
+        key = (id(data),) + mesh.sync_key()
         if key not in made:
             made[key] = Transport(what, mesh, data) if transports is None else transports(mesh, data)
         out.append((made[key], m.sync_fingerprint()))
