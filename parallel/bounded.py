@@ -122,17 +122,21 @@ class BoundedWaits:
                     "init_process_group (DeviceMesh.from_sizes(...) then creates the groups); "
                     "create_groups=False gives a layout-only mesh for printing only.")
             return
-        held = [(n, g) for n, g in self._groups.items() if g is not None]
+        held: dict = {}  # one check per group: the data group is often the DP and the host group too
+        for n, g in self._groups.items():
+            if g is not None and id(g) not in held:
+                held[id(g)] = (n, g)
         if not held:
             return
         if not G.dist_ready():
             raise RuntimeError(
                 f"{what}: this DeviceMesh (from {self.source}) holds process groups "
-                f"({', '.join(sorted({n for n, _ in held}))}) but torch.distributed is no longer "
+                f"({', '.join(sorted(n for n, g in self._groups.items() if g is not None))}) but "
+                "torch.distributed is no longer "
                 "initialised (destroy_process_group() was called), so nothing would be reduced "
                 "and each rank would report its local numbers. Call it before "
                 "destroy_process_group(), or build a new mesh after init_process_group.")
-        for name, group in held:
+        for name, group in held.values():
             if not G.group_alive(group):
                 raise RuntimeError(
                     f"{what}: the {name!r} group of this DeviceMesh (from {self.source}) was "

@@ -58,6 +58,7 @@ class DeviceMesh(bounded.BoundedWaits):
                  layout: Optional[Layout] = None, vpp_size: int = 1, source: str = "explicit",
                  timeout: Timeout = None) -> None:
         self._layout_only = False
+        self._sync_ids: Optional[tuple] = None
         self.timeout = _as_timedelta(timeout)
         groups = dict(groups or {})
         unknown = set(groups) - set(GROUP_NAMES)
@@ -359,13 +360,15 @@ class DeviceMesh(bounded.BoundedWaits):
 
     def sync_key(self) -> tuple:
         """What a sync over this mesh depends on: the identity of its data, TP x PP, TP and
-        PP groups (which rank is the result source, which stage this is) and its
-        ``wait_timeout()``. Metrics whose meshes have equal keys sync as one, also when
-        each built its own mesh over the same groups (a ``MetricCollection`` of metrics
-        given no mesh, ``DeviceMesh.from_megatron()`` called per metric)."""
-        groups = self._groups
-        return (id(groups["dp_cp"]), id(groups["mp"]), id(groups["tp"]), id(groups["pp"]),
-                self._layout_only, self.wait_timeout())
+        PP groups (which rank is the result source, which stage this is) and its bound
+        (``timeout=``; the rest of ``wait_timeout()`` is alike for every mesh). Metrics
+        whose meshes have equal keys sync as one, also when each built its own mesh over
+        the same groups (a ``MetricCollection`` of metrics given no mesh,
+        ``DeviceMesh.from_megatron()`` called per metric)."""
+        ids = self._sync_ids
+        if ids is None:  # the groups are fixed once built
+            ids = self._sync_ids = tuple(id(self._groups[n]) for n in ("dp_cp", "mp", "tp", "pp"))
+        return ids + (self._layout_only, self.timeout)  # no timeout=: every such mesh reads one bound
 
     @property
     def is_first_stage(self) -> bool:

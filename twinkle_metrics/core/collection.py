@@ -170,12 +170,12 @@ class MetricCollection:
         """One dict from the per-metric results, keys prefixed by the metrics' names."""
         out: Dict[str, Any] = {}
         for (name, _m), results in zip(self._items, per_metric):
-            for key, value in results.items():
-                full = full_key(name, key)
-                if full in out:  # raised before any reset: the interval is not lost
-                    raise ValueError(f"MetricCollection: key {full!r} comes from two metrics; pass "
-                                     "the metrics as a dict {name: metric} to prefix their keys")
-                out[full] = value
+            full = {f"{name}/{key}": value for key, value in results.items()} if name else results
+            if not out.keys().isdisjoint(full):  # raised before any reset: the interval is not lost
+                key = next(k for k in full if k in out)
+                raise ValueError(f"MetricCollection: key {key!r} comes from two metrics; pass "
+                                 "the metrics as a dict {name: metric} to prefix their keys")
+            out.update(full)
         return out
 
     def export(self) -> Dict[str, Any]:
