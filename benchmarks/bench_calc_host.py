@@ -242,10 +242,12 @@ def rank_fn(n: int):
             "median_ms": {k: 1e3 * common.median(v) for k, v in split.items()}}
 
 
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=400, help="calls per timed block of a phase")
     p.add_argument("--iters", type=int, default=100, help="calculate() calls timed (and as many profiled) at 2 ranks")
+    p.add_argument("--out", default="calc_host", help="results/<out>.json")
     args = p.parse_args(argv)
     one = phases(args.calls)
     print("one process, per calculate() of the 7 core metrics:")
@@ -269,7 +271,7 @@ def main(argv=None):
     print("  ops: " + ", ".join(f"{k.replace('aten.', '')} {v}" for k, v in r0["ops"]))
     print("  most called: " + ", ".join(f"{name} {c:.0f}" for c, name in r0["by_function"][:12]))
     command = "python -m benchmarks.bench_calc_host " + " ".join(argv or sys.argv[1:])
-    path = common.save("calc_host", {"phases": {k: {"torch_ops": o, "cpu_us": u} for k, (o, u) in one.items()},
+    path = common.save(args.out, {"phases": {k: {"torch_ops": o, "cpu_us": u} for k, (o, u) in one.items()},
                                      "ranks2": {k: v for k, v in r0.items() if k != "starts"},
                                      "barrier_skew_ms": skew}, command.strip())
     print("wrote", path)

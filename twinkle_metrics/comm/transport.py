@@ -22,7 +22,7 @@ Example (what ``calculate()`` does on one rank)::
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,6 @@ class Transport:
         has_groups = self.data is not None or self.mp is not None
         self.roll = waits.mesh_roll(what, mesh) if roll and has_groups else None
         self._pending: List[Tuple[Any, G.ProcessGroup]] = []  # device works the host has not waited on
-        self._meanwhile: Optional[Callable[[], None]] = None
 
     def __repr__(self) -> str:
         def name(g: G.ProcessGroup) -> str:
@@ -89,24 +88,7 @@ class Transport:
         ``on_host``: its tensors are host tensors."""
         waits.wait(work, group, self.what, lambda: self.mesh.group_label(group), self.timeout, self.roll, on_host)
 
-    def meanwhile(self, work: Callable[[], None]) -> None:
-        """Run ``work`` (host work that needs nothing of this call's results: the next
-        intervals' fresh states) once, right after the next collective is issued and before
-        the host waits for it, so that the two overlap. Whatever ``work`` raises is raised
-        once that collective is done: the group stays in step."""
-        self._meanwhile = work
-
     def _after(self, work: Any, group: G.ProcessGroup, t: torch.Tensor) -> None:
-        job, self._meanwhile = self._meanwhile, None
-        if job is not None:
-            try:
-                job()
-            except BaseException:
-                self._wait_issued(work, group, t)
-                raise
-        self._wait_issued(work, group, t)
-
-    def _wait_issued(self, work: Any, group: G.ProcessGroup, t: torch.Tensor) -> None:
         if t.device.type == "cpu":
             self.wait(work, group)  # the host reads host tensors next: it waits for them now
         else:  # the device orders what follows after the collective; the host waits once, in host()

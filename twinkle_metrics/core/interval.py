@@ -19,7 +19,6 @@ lower layer (``comm``) is handed intervals and plain data, and never reaches the
 from __future__ import annotations
 
 import functools
-import itertools
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -130,19 +129,14 @@ class Interval:
 
 
 # ------------------------------------------------------------- calculate, over intervals
-def end(metric: Any, following: Optional[Interval] = None) -> None:
+def end(metric: Any) -> None:
     """``reset()`` after a ``calculate()`` or at a hand-off: it ends the interval (the next
     one is numbered on), and intervals given back (``comm.pending``), now or later, stay
-    for the next one. ``following``: the next interval, made ahead (``following``), begun
-    instead of a ``reset()`` where it still fits."""
+    for the next one."""
     ended = interval_of(metric)
     ended.handoffs.keep = True
     try:
-        if following is not None and following.specs.keys() == ended.specs.keys() \
-                and following.device == ended.device:
-            metric._begin(following)
-        else:
-            metric.reset()
+        metric.reset()
     finally:
         ended.handoffs.keep = False
     new = interval_of(metric)
@@ -150,16 +144,6 @@ def end(metric: Any, following: Optional[Interval] = None) -> None:
     for name, spec in ended.specs.items():  # states kept over the run go on from where they are
         if spec.keep and name in new.states:
             new.states[name] = ended.states[name].clone()
-
-
-def following(metric: Any) -> Optional[Interval]:
-    """The interval ``reset()`` would start next, made now without beginning it (so that
-    ``calculate()`` makes it while its collective is in flight); None for a metric whose
-    class overrides ``reset()``: that one is called."""
-    defines = next(c for c in type(metric).__mro__ if "reset" in c.__dict__)
-    if "_following" not in defines.__dict__:  # reset() is the subclass's own
-        return None
-    return metric._following()
 
 
 def computing(interval: Interval) -> Any:
@@ -216,13 +200,11 @@ def _key_matcher(declared: Tuple[str, ...]) -> Callable[[str], bool]:
     return lambda key: key in exact or (pattern is not None and pattern.fullmatch(key) is not None)
 
 
-def sync_and_compute(metrics: Sequence[Any], meanwhile: Optional[Callable[[], None]] = None
-                     ) -> List[Dict[str, Any]]:
+def sync_and_compute(metrics: Sequence[Any]) -> List[Dict[str, Any]]:
     """Reduce the current intervals of ``metrics`` globally and return each one's results.
     Metrics that share the same data and TP x PP groups sync together in one pass
-    (``comm.fused.sync_states``); ``meanwhile``: host work run once while the first
-    collective is in flight (``Transport.meanwhile``)."""
-    return _sync_and_compute(_places(metrics), [interval_of(m) for m in metrics], meanwhile)
+    (``comm.fused.sync_states``)."""
+    return _sync_and_compute(_places(metrics), [interval_of(m) for m in metrics])
 
 
 def sync_handed(places: Sequence[tuple], intervals: Sequence[Interval]) -> List[Dict[str, Any]]:
@@ -248,17 +230,13 @@ def _places(metrics: Sequence, what: str = "calculate()", transports=None) -> Li
     return out
 
 
-def _sync_and_compute(places: Sequence[tuple], intervals: Sequence[Interval],
-                      meanwhile: Optional[Callable[[], None]] = None) -> List[Dict[str, Any]]:
+def _sync_and_compute(places: Sequence[tuple], intervals: Sequence[Interval]) -> List[Dict[str, Any]]:
     buckets: Dict[int, List[int]] = {}
     for i, (transport, _) in enumerate(places):
         buckets.setdefault(id(transport), []).append(i)
     out: List[Dict[str, Any]] = [{} for _ in places]
     for idx in buckets.values():
         transport = places[idx[0]][0]
-        if meanwhile is not None:
-            transport.meanwhile(meanwhile)
-            meanwhile = None
         reduced = sync_states([intervals[i] for i in idx], transport, [places[i][1] for i in idx])
         for i, states in zip(idx, reduced):
             out[i] = results(intervals[i], states)
@@ -272,15 +250,10 @@ def calculate(metrics: Sequence[Any], reset: bool, finish: Callable[[List[Dict[s
     for m in metrics:
         live = interval_of(m)
         pending.settle(live.handoffs, live)
-    nexts: List[Optional[Interval]] = []
-
-    def prepare() -> None:  # the next intervals, made while the data travels
-        nexts.extend(following(m) for m in metrics)
-
-    out = finish(sync_and_compute(metrics, prepare if reset else None))
+    out = finish(sync_and_compute(metrics))
     if reset:
-        for m, nxt in itertools.zip_longest(metrics, nexts):
-            end(m, nxt)
+        for m in metrics:
+            end(m)
     return out
 
 

@@ -242,21 +242,13 @@ class Metric:
 
     def reset(self: _M) -> _M:
         """Restore every state to its default; a new interval starts (its origins are read)."""
-        self._begin(self._following())
-        return self
-
-    def _following(self) -> Interval:
-        """The interval ``reset()`` starts, not yet begun: fresh states, origins read now."""
         iv = self.__interval
-        return Interval(self, dict(iv.specs), new_states(iv.specs, iv.device), iv.device,
-                        origins={name: o.start(iv.last_host) for name, o in self._class_origins.items()},
-                        number=iv.number, handoffs=iv.handoffs, followed=iv.followed, last_host=iv.last_host)
-
-    def _begin(self, following: Interval) -> None:
-        """Make ``following`` (``_following()`` of the current interval) the current interval."""
-        iv = self.__interval
-        self.__interval = following
+        self.__interval = Interval(self, dict(iv.specs), new_states(iv.specs, iv.device), iv.device,
+                                  origins={name: o.start(iv.last_host) for name, o in self._class_origins.items()},
+                                  number=iv.number, handoffs=iv.handoffs, followed=iv.followed,
+                                  last_host=iv.last_host)
         pending.drop_returned(iv.handoffs)
+        return self
 
     def to(self: _M, device: Union[torch.device, str, int]) -> _M:
         """Move the states to ``device``.
