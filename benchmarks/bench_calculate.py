@@ -19,7 +19,7 @@ import time
 
 from benchmarks import common, suite
 
-IMPLS = ("ours", "twinkle", "torchmetrics", "floor", "floor_gather")
+IMPLS = ("ours", "ours_default", "twinkle", "torchmetrics", "floor", "floor_gather")
 
 
 def rank_fn(world, names, impls, iters, warmup):

@@ -1,7 +1,8 @@
 """The metric suites under test, built the way a user of each library would.
 
 * ``OursSuite``: every metric in one ``twinkle_metrics.MetricCollection``
-  (one fused sync: 1 all_gather over the data group).
+  (one fused sync: 1 all_gather over the data group); ``ours_default`` builds it without a
+  mesh, as most scripts do (each metric resolves ``DeviceMesh.current()``).
 * ``TwinkleSuite``: ModelScope Twinkle's ``twinkle.metric`` classes, given a real
   data group (Twinkle only gathers when both ``device_mesh`` and
   ``process_group`` are set); one pickled ``all_gather_object`` per metric.
@@ -278,6 +279,8 @@ def build(impls: List[str], names: Sequence[str], world: int):
     ours = OursSuite(names, mesh=DeviceMesh.from_sizes(dp_size=world) if world > 1 else DeviceMesh.single())
     if "ours" in impls:
         suites["ours"] = ours
+    if "ours_default" in impls:  # no mesh given: each metric resolves DeviceMesh.current()
+        suites["ours_default"] = OursSuite(names)
     if "twinkle" in impls:
         suites["twinkle"] = TwinkleSuite(names, world=world)
     if "torchmetrics" in impls:
