@@ -58,7 +58,6 @@ class DeviceMesh(bounded.BoundedWaits):
                  layout: Optional[Layout] = None, vpp_size: int = 1, source: str = "explicit",
                  timeout: Timeout = None) -> None:
         self._layout_only = False
-        self._sync_ids: Optional[tuple] = None
         self.timeout = _as_timedelta(timeout)
         groups = dict(groups or {})
         unknown = set(groups) - set(GROUP_NAMES)
@@ -365,10 +364,10 @@ class DeviceMesh(bounded.BoundedWaits):
         whose meshes have equal keys sync as one, also when each built its own mesh over
         the same groups (a ``MetricCollection`` of metrics given no mesh,
         ``DeviceMesh.from_megatron()`` called per metric)."""
-        ids = self._sync_ids
-        if ids is None:  # the groups are fixed once built
-            ids = self._sync_ids = tuple(id(self._groups[n]) for n in ("dp_cp", "mp", "tp", "pp"))
-        return ids + (self._layout_only, self.timeout)  # no timeout=: every such mesh reads one bound
+        kept = self.__dict__.get("_sync_ids")  # (the table they were read from, the ids)
+        if kept is None or kept[0] is not self._groups:  # a copy or an unpickled mesh reads its own
+            kept = self._sync_ids = (self._groups, tuple(id(self._groups[n]) for n in ("dp_cp", "mp", "tp", "pp")))
+        return kept[1] + (self._layout_only, self.timeout)  # no timeout=: every such mesh reads one bound
 
     @property
     def is_first_stage(self) -> bool:
