@@ -242,7 +242,6 @@ def rank_fn(n: int):
             "median_ms": {k: 1e3 * common.median(v) for k, v in split.items()}}
 
 
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=400, help="calls per timed block of a phase")

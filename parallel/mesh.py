@@ -364,10 +364,8 @@ class DeviceMesh(bounded.BoundedWaits):
         whose meshes have equal keys sync as one, also when each built its own mesh over
         the same groups (a ``MetricCollection`` of metrics given no mesh,
         ``DeviceMesh.from_megatron()`` called per metric)."""
-        kept = self.__dict__.get("_sync_ids")  # (the table they were read from, the ids)
-        if kept is None or kept[0] is not self._groups:  # a copy or an unpickled mesh reads its own
-            kept = self._sync_ids = (self._groups, tuple(id(self._groups[n]) for n in ("dp_cp", "mp", "tp", "pp")))
-        return kept[1] + (self._layout_only, self.timeout)  # no timeout=: every such mesh reads one bound
+        ids = tuple(id(self._groups[n]) for n in ("dp_cp", "mp", "tp", "pp"))
+        return ids + (self._layout_only, self.timeout)  # no timeout=: every such mesh reads one bound
 
     @property
     def is_first_stage(self) -> bool:

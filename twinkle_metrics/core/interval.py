@@ -178,17 +178,12 @@ def results(interval: Interval, states: Dict[str, Any]) -> Dict[str, Any]:
 def _check_keys(metric, out: Dict[str, Any], declared: List[str], slices: List[str]) -> None:
     """``ValueError`` naming the metric and the key when ``out`` holds a key ``declared`` does
     not name (``"{key}/{slice}"`` of a held slice counts as ``key``)."""
-    declared_t = tuple(declared)
-    held = metric.__dict__.get("_keys_checked")  # (declared, slices, keys found good with them)
-    if held is not None and held[0] == declared_t and held[1] == slices and out.keys() <= held[2]:
-        return
-    named = _key_matcher(declared_t)
+    named = _key_matcher(tuple(declared))
     for key in out:
         if not (named(key) or any(key.endswith("/" + s) and named(key[:-len(s) - 1]) for s in slices)):
             raise ValueError(f"{type(metric).__name__}: compute() returned the key {key!r}, which its "
                              f"result_keys {declared} do not name; declare it (a MetricCollection refuses "
                              "two members that could return the same key by these declarations)")
-    metric.__dict__["_keys_checked"] = (declared_t, slices, frozenset(out))
 
 
 @functools.lru_cache(maxsize=256)
