@@ -19,7 +19,7 @@ import time
 
 from benchmarks import common, suite
 
-IMPLS = ("ours", "ours_default", "twinkle", "torchmetrics", "floor", "floor_gather")
+IMPLS = ("ours", "ours_default", "twinkle", "torchmetrics", "floor", "floor_gather", "floor_python")
 
 
 def rank_fn(world, names, impls, iters, warmup):
@@ -84,6 +84,9 @@ def summarise(per_rank, impls):
         if "floor_gather" in lat:
             out["ours_over_floor_gather"] = common.median(
                 [a / b for a, b in zip(lat["ours"], lat["floor_gather"])])
+    if "floor" in lat:  # every implementation against one bare all_reduce, per iteration
+        out["ratio_to_floor"] = {k: common.median([a / b for a, b in zip(lat[k], lat["floor"])])
+                                 for k in impls if k != "floor"}
     return out
 
 
@@ -110,6 +113,8 @@ def main(argv=None):
             f"{res['collectives_first_calculate'][k]})" for k in impls))
         if "ratio_to_ours" in res:
             print("   ratio to ours: " + "  ".join(f"{k} {v:.2f}x" for k, v in res["ratio_to_ours"].items()))
+        if "ratio_to_floor" in res:
+            print("   over the floor: " + "  ".join(f"{k} {v:.2f}x" for k, v in res["ratio_to_floor"].items()))
         sys.stdout.flush()
     command = "benchmarks/.venv/bin/python -m benchmarks.bench_calculate " + " ".join(argv or sys.argv[1:])
     path = common.save(args.out, {"metrics": list(names), "ours_implementation": suite.implementation(names),

@@ -272,6 +272,69 @@ class GatherFloor(Floor):
         return {}
 
 
+class PythonFloor:
+    """The least a sync of the same states, written in Python, can cost: what ours would
+    cost with all of its machinery gone. The states sit in one block laid out by our plan
+    (so packing is writing the 4-number header); one ``all_gather`` of it, waited on as ours
+    waits (the work's future releasing a lock); our merge of the rows (each kind's span by
+    one reduction, each self-merged state by its declared reduction) and our read of the
+    merged row; each metric's ``compute``; a reset by one copy of the block. No mesh, no
+    plan agreement, no checks, no bookkeeping, no interval objects. Its states are those of
+    the first microbatch, held (the reset copies into a scratch block of the same size)."""
+
+    label = "floor_python"
+
+    def __init__(self, names: Sequence[str], group=None):
+        from parallel import DeviceMesh
+        from twinkle_metrics.comm import fused
+        from twinkle_metrics.core.state import interval_of
+
+        self.fused, self.group, self.ready = fused, group, False
+        self.local = OursSuite(names, mesh=DeviceMesh.single())
+        self.metrics = list(self.local.collection)
+        self.intervals = [interval_of(m) for m in self.metrics]
+
+    def _prepare(self, b):
+        import torch
+
+        self.local.accumulate(b)  # the states a microbatch creates on the fly (reward names)
+        ivs, cpu = self.intervals, torch.device("cpu")
+        self.plan = self.fused._Plan(ivs, [sorted(iv.specs) for iv in ivs],
+                                     tuple(m.sync_fingerprint() for m in self.metrics))
+        self.block = self.fused._pack(self.plan, ivs, self.plan.length, cpu, cpu, need=False, is_source=True,
+                                      pp_rank=0)
+        self.head, self.defaults, self.scratch = self.block[:4].clone(), self.block.clone(), self.block.clone()
+        self.ready = True
+
+    def accumulate(self, b):
+        if not self.ready:
+            self._prepare(b)
+
+    def calculate(self):
+        import threading
+
+        import torch
+        import torch.distributed as dist
+
+        fused = self.fused
+        n = dist.get_world_size(self.group)
+        self.block[:4].copy_(self.head)
+        out = torch.empty(n * self.block.numel(), dtype=torch.float64)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(out, self.block, group=self.group, async_op=True)
+        done = threading.Lock()
+        done.acquire()
+        work.get_future().add_done_callback(lambda _: done.release())
+        done.acquire(timeout=600)
+        work.wait()
+        vec = fused._merge(self.plan, self.intervals, out.view(n, -1))
+        results = {}
+        for m, states in zip(self.metrics, fused._unpack(vec, self.plan, self.intervals)):
+            results.update(m.compute(states))
+        self.scratch.copy_(self.defaults)
+        return results
+
+
 def build(impls: List[str], names: Sequence[str], world: int):
     from parallel import DeviceMesh
 
@@ -289,4 +352,6 @@ def build(impls: List[str], names: Sequence[str], world: int):
         suites["floor"] = Floor(ours.packed_bytes())
     if "floor_gather" in impls:
         suites["floor_gather"] = GatherFloor(ours.packed_bytes())
+    if "floor_python" in impls:
+        suites["floor_python"] = PythonFloor(names)
     return suites, ours.packed_bytes()
