@@ -88,3 +88,38 @@ def test_copy_and_adopt_leave_the_original_alone():
     scratch = iv.copy(states={}, device=torch.device("cpu"), touched=set())
     scratch.adopt(["seen/z"])
     assert "seen/z" in scratch.specs and "seen/z" not in iv.specs and scratch.states["seen/z"].item() == 0
+
+
+class Spread(Metric):
+    """A shaped state, a kept total and an int64 minimum: one of each kind a block holds."""
+
+    hist = State("sum", shape=(2, 3))
+    low = State("min", torch.int64)
+    total = State("sum", keep=True)
+
+    def update(self, inputs, outputs, *, value=None, **kwargs):
+        return {"hist": torch.full((2, 3), float(value), dtype=torch.float64), "low": int(value), "total": value}
+
+    def compute(self, s):
+        return {"hist": s["hist"], "low": s["low"], "total": s["total"]}
+
+
+def test_a_collection_ends_its_members_intervals_together_each_on_its_own_states():
+    coll = MetricCollection({"peak": Peak(), "spread": Spread(), "loss": LossMetric()})
+    coll.accumulate(None, {"loss": 2.0, "num_tokens": 4}, value=3.0, tag="a")
+    ended = [interval_of(m) for m in coll]
+    assert coll.calculate()["spread/total"] == 3.0
+    for m, old in zip(coll, ended):  # every state at its default again (a kept one carried on)
+        new = interval_of(m)
+        assert new is not old and new.number == old.number + 1 and new.fresh is None and old.fresh is None
+        for name, spec in new.specs.items():
+            want = old.states[name] if spec.keep else torch.full(spec.shape, spec.identity, dtype=spec.dtype)
+            assert torch.equal(new.states[name], want), (type(m).__name__, name)
+    assert ended[1].states["low"].item() == 3 and ended[0].states["count"].item() == 1  # left as they were
+    peak, spread, loss = coll
+    spread.accumulate(value=5.0)  # one member's states share no element with another's
+    assert peak.calculate(reset=False) == {"peak": -float("inf"), "count": 0, "seen/a": 0}
+    assert loss.calculate(reset=False) == {}  # nothing accumulated: no loss
+    got = coll.calculate()
+    assert got["spread/hist"] == [[5.0] * 3] * 2 and got["spread/low"] == 5 and got["spread/total"] == 8.0
+    assert got["peak/count"] == 0

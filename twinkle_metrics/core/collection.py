@@ -187,8 +187,7 @@ class MetricCollection:
             live = interval_of(m)
             pending.settle(live.handoffs, live)
         out = export_metrics(self._items, "MetricCollection.export()")
-        for m in metrics:
-            interval.end(m)
+        interval.end(metrics)
         return out
 
     def calculate_from(self, exports: Sequence[Mapping[str, Any]], *, merge_intervals: bool = False) -> Dict[str, Any]:

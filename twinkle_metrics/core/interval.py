@@ -28,7 +28,7 @@ from twinkle_metrics.comm import pending
 from twinkle_metrics.comm.fused import plain_states, sync_states
 from twinkle_metrics.comm.transport import Transport, on_twins
 from twinkle_metrics.core import slicing, staging
-from twinkle_metrics.core.state import State, interval_of, move_states
+from twinkle_metrics.core.state import State, interval_of, move_states, new_states_each
 
 __all__ = ["Interval", "calculate", "calculate_async", "computing", "end", "results", "sync_and_compute"]
 
@@ -37,7 +37,7 @@ class Interval:
     """One interval of one metric: its states, their declarations, what was folded into."""
 
     __slots__ = ("owner", "specs", "states", "device", "touched", "origins", "number", "handoffs",
-                 "followed", "last_host")
+                 "followed", "last_host", "fresh")
 
     def __init__(self, owner: Any, specs: Dict[str, State], states: Dict[str, torch.Tensor], device: torch.device,
                  *, origins: Optional[Dict[str, Any]] = None, touched: Optional[Set[str]] = None, number: int = 0,
@@ -53,6 +53,8 @@ class Interval:
         # (shared with the metric's next intervals: it is kept over resets)
         self.followed = followed
         self.last_host: Dict[str, Any] = {} if last_host is None else last_host
+        # the next interval's states when they were made beside other metrics' (``end``)
+        self.fresh: Optional[Dict[str, torch.Tensor]] = None
 
     # --------------------------------------------------------------- the metric's facts
     @property
@@ -129,21 +131,34 @@ class Interval:
 
 
 # ------------------------------------------------------------- calculate, over intervals
-def end(metric: Any) -> None:
-    """``reset()`` after a ``calculate()`` or at a hand-off: it ends the interval (the next
-    one is numbered on), and intervals given back (``comm.pending``), now or later, stay
-    for the next one."""
-    ended = interval_of(metric)
-    ended.handoffs.keep = True
+def end(metrics: Sequence[Any]) -> None:
+    """``reset()`` of each metric after a ``calculate()`` or at a hand-off: it ends the
+    interval (the next one is numbered on), and intervals given back (``comm.pending``),
+    now or later, stay for the next one. The next intervals' states are made together
+    (``state.new_states_each``: one block per dtype and device, not one per metric) and
+    handed to each ``reset()``."""
+    ended = [interval_of(m) for m in metrics]
+    devices: Dict[Any, List[Interval]] = {}
+    for iv in ended:
+        devices.setdefault(iv.device, []).append(iv)
+    for device, ivs in devices.items():
+        for iv, states in zip(ivs, new_states_each([iv.specs for iv in ivs], device)):
+            iv.fresh = states
     try:
-        metric.reset()
+        for m, iv in zip(metrics, ended):
+            iv.handoffs.keep = True
+            try:
+                m.reset()
+            finally:
+                iv.handoffs.keep = False
+            new = interval_of(m)
+            new.number = iv.number + 1
+            for name, spec in iv.specs.items():  # states kept over the run go on from where they are
+                if spec.keep and name in new.states:
+                    new.states[name] = iv.states[name].clone()
     finally:
-        ended.handoffs.keep = False
-    new = interval_of(metric)
-    new.number = ended.number + 1
-    for name, spec in ended.specs.items():  # states kept over the run go on from where they are
-        if spec.keep and name in new.states:
-            new.states[name] = ended.states[name].clone()
+        for iv in ended:
+            iv.fresh = None
 
 
 def computing(interval: Interval) -> Any:
@@ -178,7 +193,9 @@ def results(interval: Interval, states: Dict[str, Any]) -> Dict[str, Any]:
 def _check_keys(metric, out: Dict[str, Any], declared: List[str], slices: List[str]) -> None:
     """``ValueError`` naming the metric and the key when ``out`` holds a key ``declared`` does
     not name (``"{key}/{slice}"`` of a held slice counts as ``key``)."""
-    named = _key_matcher(tuple(declared))
+    exact, named = _key_matcher(tuple(declared))
+    if exact.issuperset(out):  # every key declared as it is: the common case, one set test
+        return
     for key in out:
         if not (named(key) or any(key.endswith("/" + s) and named(key[:-len(s) - 1]) for s in slices)):
             raise ValueError(f"{type(metric).__name__}: compute() returned the key {key!r}, which its "
@@ -187,12 +204,13 @@ def _check_keys(metric, out: Dict[str, Any], declared: List[str], slices: List[s
 
 
 @functools.lru_cache(maxsize=256)
-def _key_matcher(declared: Tuple[str, ...]) -> Callable[[str], bool]:
-    """Whether a key is one of ``declared`` (``*`` matches any text)."""
+def _key_matcher(declared: Tuple[str, ...]) -> Tuple[frozenset, Callable[[str], bool]]:
+    """The keys of ``declared`` without a ``*``, and whether a key is one of ``declared``
+    (``*`` matches any text)."""
     exact = frozenset(k for k in declared if "*" not in k)
     patterns = [".*".join(map(re.escape, k.split("*"))) for k in declared if "*" in k]
     pattern = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
-    return lambda key: key in exact or (pattern is not None and pattern.fullmatch(key) is not None)
+    return exact, lambda key: key in exact or (pattern is not None and pattern.fullmatch(key) is not None)
 
 
 def sync_and_compute(metrics: Sequence[Any]) -> List[Dict[str, Any]]:
@@ -247,8 +265,7 @@ def calculate(metrics: Sequence[Any], reset: bool, finish: Callable[[List[Dict[s
         pending.settle(live.handoffs, live)
     out = finish(sync_and_compute(metrics))
     if reset:
-        for m in metrics:
-            end(m)
+        end(metrics)
     return out
 
 
@@ -269,7 +286,7 @@ def calculate_async(metrics: Sequence[Any], reset: bool, finish: Callable[[List[
             pending.settle(live.handoffs, live)
             live = interval_of(m)
             if reset:
-                end(m)
+                end([m])
                 out.append(live)
             else:
                 out.append(live.copy(states={k: v.clone() for k, v in live.states.items()}, last_host=live.last_host))

@@ -243,7 +243,8 @@ class Metric:
     def reset(self: _M) -> _M:
         """Restore every state to its default; a new interval starts (its origins are read)."""
         iv = self.__interval
-        self.__interval = Interval(self, dict(iv.specs), new_states(iv.specs, iv.device), iv.device,
+        states = iv.fresh if iv.fresh is not None else new_states(iv.specs, iv.device)
+        self.__interval = Interval(self, dict(iv.specs), states, iv.device,
                                   origins={name: o.start(iv.last_host) for name, o in self._class_origins.items()},
                                   number=iv.number, handoffs=iv.handoffs, followed=iv.followed,
                                   last_host=iv.last_host)
@@ -360,7 +361,7 @@ class Metric:
         """
         self._settle()
         out = export_metrics([("", self)], f"{type(self).__name__}.export()")
-        interval.end(self)
+        interval.end([self])
         return out
 
     def calculate_from(self, exports: Sequence[Mapping[str, Any]], *,

@@ -1,9 +1,10 @@
 """``State``: one accumulator of a metric, declared once with its reduction."""
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union, overload
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, overload
 
 import torch
 
@@ -221,7 +222,16 @@ def new_states(specs: Dict[str, "State"], device: Union[torch.device, str]) -> D
     block of the defaults (kept per set of states), each state a view of its dtype's block.
     A metric's ~15 states cost two copies, not ~15 fills (``reset()`` after every
     ``calculate()``), and on an accelerator no kernel per state."""
-    key = (tuple(specs), tuple(map(id, specs.values())))
+    return new_states_each((specs,), device)[0]
+
+
+def new_states_each(specs: Sequence[Dict[str, "State"]], device: Union[torch.device, str]
+                    ) -> List[Dict[str, torch.Tensor]]:
+    """``new_states`` of several sets of states at once (the metrics of a collection
+    ending their intervals together): one copy per dtype for them all, not one per set
+    and dtype. The states of different sets share that block's storage, as a metric's
+    own states do."""
+    key = tuple((tuple(each), tuple(map(id, each.values()))) for each in specs)
     defaults = _DEFAULTS.get(key)
     if defaults is None:
         if len(_DEFAULTS) >= 256:  # a process builds few sets of states; bound it anyway
@@ -231,32 +241,36 @@ def new_states(specs: Dict[str, "State"], device: Union[torch.device, str]) -> D
 
 
 class _Defaults:
-    """The defaults of one set of states as one host block per dtype (scalars first), and
+    """The defaults of some sets of states as one host block per dtype (scalars first), and
     where each state sits in it. Holds the ``State`` objects: ``_DEFAULTS`` is keyed by
     their ids."""
 
-    __slots__ = ("specs", "names", "blocks", "order")
+    __slots__ = ("specs", "names", "blocks", "order", "bounds")
 
-    def __init__(self, specs: Dict[str, "State"]) -> None:
-        self.specs, self.names = tuple(specs.values()), list(specs)
-        by_dtype: Dict[torch.dtype, list] = {}
-        for name, spec in specs.items():
-            by_dtype.setdefault(spec.dtype, []).append((name, spec))
+    def __init__(self, sets: Sequence[Dict[str, "State"]]) -> None:
+        self.specs = tuple(spec for each in sets for spec in each.values())
+        self.names = [list(each) for each in sets]
+        entries_of: Dict[torch.dtype, list] = {}
+        for i, each in enumerate(sets):
+            for name, spec in each.items():
+                entries_of.setdefault(spec.dtype, []).append(((i, name), spec))
         #: per dtype: (block of defaults, scalars at its start, sizes and shapes of the others)
         self.blocks: list = []
         placed = []
-        for entries in by_dtype.values():
+        for entries in entries_of.values():
             entries.sort(key=lambda e: e[1].shape != ())  # stable: scalars first, then in order
             scalars = sum(1 for _, spec in entries if spec.shape == ())
             shapes = [spec.shape for _, spec in entries[scalars:]]
             block = torch.cat([spec.new("cpu").reshape(-1) for _, spec in entries])
             self.blocks.append((block, scalars, [math.prod(s) for s in shapes], shapes))
-            placed += [name for name, _ in entries]
-        where = {name: i for i, name in enumerate(placed)}
-        order = [where[name] for name in self.names]  # the views in ``specs``' order
+            placed += [key for key, _ in entries]
+        where = {key: i for i, key in enumerate(placed)}
+        order = [where[(i, name)] for i, names in enumerate(self.names) for name in names]  # sets' order
         self.order = None if order == sorted(order) else order
+        ends = list(itertools.accumulate(len(names) for names in self.names))
+        self.bounds = list(zip([0] + ends[:-1], ends))  # each set's span of the views, in that order
 
-    def fresh(self, device: torch.device) -> Dict[str, torch.Tensor]:
+    def fresh(self, device: torch.device) -> List[Dict[str, torch.Tensor]]:
         views: list = []
         for block, scalars, sizes, shapes in self.blocks:
             block = block.clone() if device.type == "cpu" else from_host(block, device)
@@ -264,7 +278,9 @@ class _Defaults:
                 views += (block if not sizes else block[:scalars]).unbind()
             if sizes:
                 views += [p if len(s) == 1 else p.view(s) for p, s in zip(block[scalars:].split(sizes), shapes)]
-        return dict(zip(self.names, views if self.order is None else [views[i] for i in self.order]))
+        if self.order is not None:
+            views = [views[i] for i in self.order]
+        return [dict(zip(names, views[a:b])) for names, (a, b) in zip(self.names, self.bounds)]
 
 
 _DEFAULTS: Dict[tuple, _Defaults] = {}
