@@ -283,13 +283,16 @@ class PythonFloor:
     the first microbatch, held (the reset copies into a scratch block of the same size)."""
 
     label = "floor_python"
+    #: where ``calculate`` may stop (``upto``), in order: what ``bench_python_floor`` times
+    STEPS = ("gather", "merge by kind", "merge", "compute", "reset")
 
-    def __init__(self, names: Sequence[str], group=None):
+    def __init__(self, names: Sequence[str], group=None, upto: str = "reset"):
         from parallel import DeviceMesh
         from twinkle_metrics.comm import fused
         from twinkle_metrics.core.state import interval_of
 
         self.fused, self.group, self.ready = fused, group, False
+        self.upto = self.STEPS.index(upto)
         self.local = OursSuite(names, mesh=DeviceMesh.single())
         self.metrics = list(self.local.collection)
         self.intervals = [interval_of(m) for m in self.metrics]
@@ -327,11 +330,20 @@ class PythonFloor:
         work.get_future().add_done_callback(lambda _: done.release())
         done.acquire(timeout=600)
         work.wait()
-        vec = fused._merge(self.plan, self.intervals, out.view(n, -1))
+        if self.upto == 0:
+            return {}
+        custom, self.plan.custom = self.plan.custom, self.plan.custom if self.upto > 1 else []
+        try:  # "merge by kind": without the states merged by their own reduction
+            vec = fused._merge(self.plan, self.intervals, out.view(n, -1))
+        finally:
+            self.plan.custom = custom
+        if self.upto <= 2:
+            return {}
         results = {}
         for m, states in zip(self.metrics, fused._unpack(vec, self.plan, self.intervals)):
             results.update(m.compute(states))
-        self.scratch.copy_(self.defaults)
+        if self.upto == 4:
+            self.scratch.copy_(self.defaults)
         return results
 
 
