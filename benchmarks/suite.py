@@ -298,12 +298,16 @@ class PythonFloor:
         self.intervals = [interval_of(m) for m in self.metrics]
 
     def _prepare(self, b):
+        import copy
+
         import torch
 
         self.local.accumulate(b)  # the states a microbatch creates on the fly (reward names)
         ivs, cpu = self.intervals, torch.device("cpu")
         self.plan = self.fused._Plan(ivs, [sorted(iv.specs) for iv in ivs],
                                      tuple(m.sync_fingerprint() for m in self.metrics))
+        self.by_kind = copy.copy(self.plan)  # "merge by kind": the plan less its self-merged states
+        self.by_kind.custom = []
         self.block = self.fused._pack(self.plan, ivs, self.plan.length, cpu, cpu, need=False, is_source=True,
                                       pp_rank=0)
         self.head, self.defaults, self.scratch = self.block[:4].clone(), self.block.clone(), self.block.clone()
@@ -314,35 +318,28 @@ class PythonFloor:
             self._prepare(b)
 
     def calculate(self):
-        import threading
-
-        import torch
         import torch.distributed as dist
 
-        fused = self.fused
-        n = dist.get_world_size(self.group)
+        from parallel.groups import all_gather_rows
+        from twinkle_metrics.comm.waits import completion
+
+        fused, step = self.fused, self.STEPS[self.upto]
         self.block[:4].copy_(self.head)
-        out = torch.empty(n * self.block.numel(), dtype=torch.float64)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather(out, self.block, group=self.group, async_op=True)
-        done = threading.Lock()
-        done.acquire()
-        work.get_future().add_done_callback(lambda _: done.release())
-        done.acquire(timeout=600)
-        work.wait()
-        if self.upto == 0:
+        def wait(work):  # as ours waits on host tensors: the work's future releases a lock
+            if not completion(work, True)(600):
+                raise RuntimeError("floor_python: the all_gather did not finish within 600 s")
+            work.wait()
+
+        rows = all_gather_rows(self.block, self.group or dist.group.WORLD, wait=wait)
+        if step == "gather":
             return {}
-        custom, self.plan.custom = self.plan.custom, self.plan.custom if self.upto > 1 else []
-        try:  # "merge by kind": without the states merged by their own reduction
-            vec = fused._merge(self.plan, self.intervals, out.view(n, -1))
-        finally:
-            self.plan.custom = custom
-        if self.upto <= 2:
+        vec = fused._merge(self.plan if step != "merge by kind" else self.by_kind, self.intervals, rows)
+        if step in ("merge by kind", "merge"):
             return {}
         results = {}
         for m, states in zip(self.metrics, fused._unpack(vec, self.plan, self.intervals)):
             results.update(m.compute(states))
-        if self.upto == 4:
+        if step == "reset":
             self.scratch.copy_(self.defaults)
         return results
 

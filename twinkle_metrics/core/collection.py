@@ -170,7 +170,7 @@ class MetricCollection:
         """One dict from the per-metric results, keys prefixed by the metrics' names."""
         out: Dict[str, Any] = {}
         for (name, _m), results in zip(self._items, per_metric):
-            full = {f"{name}/{key}": value for key, value in results.items()} if name else results
+            full = {full_key(name, key): value for key, value in results.items()}
             if not out.keys().isdisjoint(full):  # raised before any reset: the interval is not lost
                 key = next(k for k in full if k in out)
                 raise ValueError(f"MetricCollection: key {key!r} comes from two metrics; pass "
